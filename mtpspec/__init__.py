@@ -1,0 +1,13 @@
+"""mtpspec: lossless speculative decoding built around multi-token prediction."""
+
+from .api import Model, load
+from .errors import ConfigError, ModelLoadError, MtpspecError
+from .sampling import SamplingParams
+from .types import Draft, GenerationResult, GenerationStats, StepRecord, TargetOutput, Verdict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load", "Model", "SamplingParams", "GenerationResult", "GenerationStats", "StepRecord",
+    "Draft", "Verdict", "TargetOutput", "MtpspecError", "ModelLoadError", "ConfigError",
+]

@@ -1,0 +1,74 @@
+"""The Python API: load a model, generate with any drafter, get a GenerationResult.
+
+    import mtpspec
+    model = mtpspec.load("stories260K.bin", tokenizer="tok512.bin")
+    print(model.generate("Once upon a time", drafter="ngram", k=4).text)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .drafters import make_drafter
+from .engine import generate_tokens
+from .errors import ConfigError
+from .loading import load_checkpoint
+from .sampling import Sampler, SamplingParams
+from .types import GenerationResult
+
+
+@dataclass
+class Model:
+    """A loaded causal LM with its tokenizer."""
+
+    module: torch.nn.Module  # forward_tokens / new_cache / max_seq_len / vocab_size
+    tokenizer: object  # encode(text) -> ids with BOS, decode(ids), stream(), stop_ids
+    path: str = ""
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.module.max_seq_len
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompt: str | list[int] = "",
+        *,
+        drafter: str = "none",
+        k: int = 4,
+        draft_model: "Model | str | Path | None" = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        max_new_tokens: int = 256,
+        on_text: Callable[[str], None] | None = None,
+        **drafter_options,
+    ) -> GenerationResult:
+        """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if k < 1:
+            raise ConfigError(f"k (draft length) must be >= 1, got {k}")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        dm = draft_model.module if isinstance(draft_model, Model) else draft_model  # a path is loaded by the drafter
+        d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
+        stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
+        callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
+        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback)
+        if on_text is not None:
+            tail = stream.flush()
+            if tail:
+                on_text(tail)
+        return replace(res, text=self.tokenizer.decode(res.tokens, prev=ids[-1]))
+
+
+def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32") -> Model:
+    """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'."""
+    module, tok = load_checkpoint(path, tokenizer, dtype)
+    return Model(module=module, tokenizer=tok, path=str(path))

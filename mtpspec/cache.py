@@ -1,0 +1,48 @@
+"""Preallocated, position-indexed KV cache: rollback moves a length pointer, nothing is re-run.
+
+A forward over T new tokens writes keys and values at positions [length, length + T) and advances
+`length`; rejecting drafts is `crop(new_length)`, after which the rejected positions are simply
+overwritten by the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .errors import ConfigError
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        batch: int = 1,
+    ) -> None:
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
+        self.v = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
+        self.max_len = max_len
+        self.length = 0  # committed positions
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ConfigError(f"context full: {end} positions exceed the model's context of {self.max_len}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, t: int) -> None:
+        self.length += t
+
+    def crop(self, length: int) -> None:
+        """Roll back to the first `length` positions (a pointer move)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length

@@ -1,0 +1,135 @@
+"""Command line: `mtpspec generate | demo` (bench, train, trace, serve join as they land).
+
+Bad input gives one line `mtpspec: error: ...` on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from .errors import MtpspecError
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str):
+    """Register a subcommand: decorate `run(args) -> int`, given `add_args(parser)`."""
+
+    def deco(add_args):
+        def wrap(run):
+            COMMANDS[name] = (add_args, run)
+            return run
+
+        return wrap
+
+    return deco
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="llama2.c .bin, HF directory, project checkpoint, or 'demo'")
+    p.add_argument("--tokenizer", help="tokenizer file (llama2.c tokenizer.bin) when the model does not carry one")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="none", help="none | ngram | draft | mtp | medusa | eagle")
+    p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
+    p.add_argument("--k", type=int, default=4, help="draft length D per step (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
+    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest n-gram matched")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+    )
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", default="", help="prompt text ('' = BOS alone)")
+    add_model_args(p)
+    add_generation_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+@command("generate")(_generate_args)
+def run_generate(args: argparse.Namespace) -> int:
+    from .api import load
+
+    model = load(args.model, args.tokenizer, args.dtype)
+    on_text = None
+    if not args.json:
+        on_text = lambda s: (sys.stdout.write(s), sys.stdout.flush())  # noqa: E731
+        sys.stdout.write(args.prompt)
+    res = model.generate(args.prompt, on_text=on_text, **generation_kwargs(args))
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        s = res.stats
+        sys.stdout.write("\n")
+        print(
+            f"[{len(res.tokens)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
+            f"mean accepted length {s.mean_accepted_length:.2f}, finish: {res.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--prompts", type=int, default=5, help="number of TinyStories prompts")
+
+
+@command("demo")(_demo_args)
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo import demo
+
+    demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_optional_commands()
+    parser = argparse.ArgumentParser(prog="mtpspec", description="Lossless speculative decoding with MTP")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name))
+    return parser
+
+
+def _load_optional_commands() -> None:
+    """Subcommands that live in their own modules register themselves on import."""
+    import importlib
+
+    for mod in ("mtpspec.bench.cli", "mtpspec.viz.cli", "mtpspec.server.cli", "mtpspec.train.cli", "mtpspec.export"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name is None or not mod.startswith(e.name):
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except MtpspecError as e:
+        print(f"mtpspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""An independent draft model: any causal LM the project can load, sharing the target's vocabulary.
+
+It keeps its own KV cache over the committed context plus the drafts it fed itself, drafts k tokens
+autoregressively (sampled from q with the same sampling transform as the target, or argmax when
+greedy) and returns q, so rejection sampling stays exact and acceptance stays high at T > 0.
+After verification it crops its cache to the context plus the accepted drafts (a pointer move).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..sampling import Sampler
+from ..types import Draft, TargetOutput, Verdict
+
+
+class DraftModelDrafter:
+    name = "draft"
+
+    def __init__(self, model, target_vocab_size: int) -> None:
+        if model.vocab_size != target_vocab_size:
+            raise ConfigError(
+                f"draft model vocabulary ({model.vocab_size}) differs from the target's ({target_vocab_size})"
+            )
+        self.model = model
+        self.cache = None
+        self.fed = 0  # context tokens in the draft cache
+        self.pending = 0  # drafts fed into the cache by the last propose (beyond the context)
+        self.sampler: Sampler | None = None
+
+    def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.cache = self.model.new_cache()
+        self.pending = 0
+        self.fed = 0
+        if len(context) > 1 and len(context) - 1 <= self.model.max_seq_len:
+            self.model.forward_tokens(context[:-1], self.cache)
+            self.fed = len(context) - 1
+
+    @torch.inference_mode()
+    def propose(self, context: Tensor, k: int) -> Draft:
+        k = min(k, self.model.max_seq_len - len(context) + 1)  # context + k-1 fed drafts must fit
+        if k < 1:
+            return Draft.empty()
+        sampler = self.sampler
+        logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
+        self.fed = len(context)
+        tokens, qs = [], []
+        for i in range(k):
+            if sampler.params.greedy:
+                x = logits.argmax(-1)
+            else:
+                q = sampler.probs(logits)  # (V,) same transform as the target's p
+                x = sampler.sample(q)
+                qs.append(q)
+            tokens.append(x)
+            if i + 1 < k:
+                logits = self.model.forward_tokens(x.reshape(1), self.cache).logits[-1]
+        self.pending = k - 1
+        toks = torch.stack(tokens)  # (k,)
+        return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+
+    def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        keep = min(verdict.num_accepted, self.pending)  # accepted drafts already in the cache
+        self.cache.crop(self.fed + keep)
+        self.fed += keep
+        self.pending = 0

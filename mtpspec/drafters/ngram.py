@@ -1,0 +1,51 @@
+"""Prompt lookup (n-gram) drafting: find the last n tokens earlier in the context, propose what followed.
+
+The n-grams are indexed as tokens arrive (each position is indexed once), so a proposal is a few
+dictionary lookups whatever the context length. The most recent earlier occurrence wins; longer
+n is tried first. No probabilities: the verifier treats the draft as a point mass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..sampling import Sampler
+from ..types import Draft, TargetOutput, Verdict
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 3) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ConfigError(f"n-gram range must satisfy 1 <= n_min <= n_max, got {n_min}..{n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []  # mirror of the context, appended to, never rescanned
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it
+        self.indexed = 0  # positions j < indexed have had their preceding n-grams registered
+
+    def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
+        self.tokens, self.index, self.indexed = [], {}, 0
+
+    def _catch_up(self, context: Tensor) -> None:
+        toks = self.tokens
+        if len(context) > len(toks):
+            toks.extend(context[len(toks) :].tolist())
+        for j in range(max(self.indexed, 1), len(toks)):  # token j exists: register the n-grams before it
+            for n in range(self.n_min, min(self.n_max, j) + 1):
+                self.index[tuple(toks[j - n : j])] = j
+        self.indexed = max(self.indexed, len(toks))
+
+    def propose(self, context: Tensor, k: int) -> Draft:
+        self._catch_up(context)
+        toks, end = self.tokens, len(self.tokens)
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):  # longest match first
+            j = self.index.get(tuple(toks[end - n :]))
+            if j is not None:
+                return Draft(tokens=torch.tensor(toks[j : j + k], dtype=torch.long))
+        return Draft.empty()
+
+    def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        pass

@@ -1,0 +1,109 @@
+"""The draft -> verify -> accept loop.
+
+The target's cache always holds every token except the last one emitted (`last`); each step runs
+ONE target forward over [last, d1..dD], which yields D+1 next-token distributions p. Verification
+keeps the longest agreeing prefix plus one recovered or bonus token, and the cache is cropped back
+to what was kept (a pointer move for KV, a slot choice for recurrent state).
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from .drafters.base import Drafter
+from .errors import ConfigError
+from .metrics import Metrics
+from .sampling import Sampler
+from .types import Draft, GenerationResult, StepRecord, TargetOutput, Verdict
+from .verify import verify
+
+
+class Cache(Protocol):
+    length: int
+
+    def crop(self, length: int) -> None: ...
+
+
+class Target(Protocol):
+    max_seq_len: int
+
+    def new_cache(self) -> Cache: ...
+    def forward_tokens(self, tokens: Tensor, cache: Cache) -> TargetOutput: ...
+
+
+def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+    if not prompt:
+        raise ConfigError("the prompt must hold at least one token (BOS)")
+    if len(prompt) > max_seq_len:
+        raise ConfigError(f"prompt of {len(prompt)} tokens is longer than the model's context of {max_seq_len}")
+
+
+def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:
+    """Emitted tokens of one step, cut before the first stop token and at the token budget."""
+    for i, t in enumerate(tokens[:budget]):
+        if t in stop_ids:
+            return tokens[:i], "stop"
+    return tokens[:budget], ("length" if len(tokens) >= budget else None)
+
+
+@torch.inference_mode()
+def generate_tokens(
+    target: Target,
+    prompt: list[int],
+    drafter: Drafter,
+    k: int,
+    sampler: Sampler,
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate up to max_new_tokens after `prompt` (which starts with BOS); text is left empty."""
+    if k < 1:
+        raise ConfigError(f"k (draft length) must be >= 1, got {k}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max-new-tokens must be >= 0, got {max_new_tokens}")
+    check_prompt(prompt, target.max_seq_len)
+    metrics = Metrics(k)
+    cache = target.new_cache()
+    buf = torch.empty(len(prompt) + max_new_tokens + 1, dtype=torch.long)  # preallocated token buffer
+    buf[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    context = buf[: len(prompt)]  # (L,) a view that grows by the emitted tokens, never copied
+    new: list[int] = []
+    steps: list[StepRecord] = []
+    finish = "length"
+    out = target.forward_tokens(context[:-1], cache) if len(prompt) > 1 else None  # prefill, all but last
+    drafter.prefill(context, out, sampler)
+    metrics.prefill_done()
+    while len(new) < max_new_tokens:
+        d = min(k, max_new_tokens - len(new) - 1, target.max_seq_len - cache.length - 1)
+        if d < 0:
+            finish = "context"
+            break
+        t0 = perf_counter()
+        draft = drafter.propose(context, d) if d > 0 else Draft.empty()  # 1. draft
+        t1 = perf_counter()
+        out = target.forward_tokens(torch.cat([context[-1:], draft.tokens]), cache)  # 2. one verify pass
+        verdict: Verdict = verify(draft, out.logits, sampler)  # 3. accept n + recovered/bonus
+        cache.crop(cache.length - draft.size + verdict.num_accepted)  # 4. roll back rejected drafts
+        t2 = perf_counter()
+        drafter.commit(verdict, out)  # 5. the drafter catches up
+        t3 = perf_counter()
+        kept = verdict.tokens.tolist()
+        emitted, stop = _cut(kept, stop_ids, max_new_tokens - len(new))
+        new += emitted
+        n_ctx = context.shape[0]
+        buf[n_ctx : n_ctx + len(kept)] = verdict.tokens
+        context = buf[: n_ctx + len(kept)]
+        metrics.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
+        steps.append(StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1))
+        if on_tokens is not None and emitted:
+            on_tokens(emitted)
+        if stop is not None:
+            finish = stop
+            break
+    stats = metrics.finish(len(new))
+    return GenerationResult(tokens=new, prompt_tokens=list(prompt), text="", finish_reason=finish, stats=stats, steps=steps)

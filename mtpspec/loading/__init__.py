@@ -1,0 +1,74 @@
+"""Checkpoint and tokenizer loading: one entry point that recognises the format of what it is given."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from .llama2c import MAGIC, load_llama2c
+from .tokenizer_llama2c import Llama2cTokenizer
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def assets_dir() -> Path:
+    """The shared test/benchmark assets folder ($MTPSPEC_ASSETS, default ../shared/assets)."""
+    return Path(os.environ.get("MTPSPEC_ASSETS", Path(__file__).resolve().parents[2] / ".." / "shared" / "assets")).resolve()
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype '{dtype}' (choose from fp32, bf16)")
+    return DTYPES[dtype]
+
+
+def resolve_demo() -> tuple[Path, Path]:
+    """The model `--model demo` names: stories260K from the assets until the project ships its own."""
+    d = assets_dir() / "models"
+    return d / "stories260K.bin", d / "tok512.bin"
+
+
+def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True):
+    """Return (model, tokenizer) for a llama2.c .bin file, an HF directory or a project checkpoint.
+
+    with_tokenizer=False skips the tokenizer (a draft model shares the target's) and returns None for it.
+    """
+    dt = parse_dtype(dtype)
+    if str(path) == "demo":
+        path, default_tok = resolve_demo()
+        tokenizer = tokenizer or default_tok
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path}")
+    if path.is_dir():
+        from .directory import load_directory  # HF or project format (config.json / mtpspec.json)
+
+        return load_directory(path, tokenizer, dt, with_tokenizer)
+    if not os.access(path, os.R_OK):
+        raise ModelLoadError(f"model file is not readable: {path}")
+    model = load_llama2c(path, dt)
+    if not with_tokenizer:
+        return model, None
+    tok_path = Path(tokenizer) if tokenizer else _find_llama2c_tokenizer(path, model.vocab_size)
+    return model, Llama2cTokenizer.load(tok_path, vocab_size=model.vocab_size)
+
+
+def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):
+    """Just the model (for a draft model, which shares the target's tokenizer)."""
+    return load_checkpoint(path, None, dtype, with_tokenizer=False)[0]
+
+
+def _find_llama2c_tokenizer(model_path: Path, vocab: int) -> Path:
+    for name in (f"tok{vocab}.bin", "tokenizer.bin"):
+        cand = model_path.with_name(name)
+        if cand.exists():
+            return cand
+    raise ModelLoadError(f"{model_path}: llama2.c checkpoints need a tokenizer (--tokenizer PATH to a tokenizer.bin)")
+
+
+__all__ = ["load_checkpoint", "load_module", "load_llama2c", "Llama2cTokenizer", "assets_dir", "parse_dtype", "MAGIC"]

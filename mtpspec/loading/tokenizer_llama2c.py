@@ -1,0 +1,125 @@
+"""The llama2.c tokenizer format (tokenizer.bin), encoding and decoding exactly as llama2.c's run.c.
+
+File: int32 max_token_length, then per id: float32 score, int32 byte length, the bytes.
+Encode: prepend BOS; for non-empty text add the dummy-prefix " " token; one token per UTF-8
+character (byte fallback <0xNN> -> id byte + 3 when the character is not in the vocabulary); then
+repeatedly merge the adjacent pair whose merged piece has the highest score (earliest on ties).
+Decode: a piece following BOS loses its leading space; <0xNN> pieces are raw bytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+import struct
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+BOS, EOS = 1, 2
+_BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class Llama2cTokenizer:
+    def __init__(self, pieces: list[bytes], scores: list[float]) -> None:
+        self.pieces = pieces
+        self.scores = scores
+        self.lookup: dict[bytes, int] = {}
+        for i, p in enumerate(pieces):
+            self.lookup.setdefault(p, i)
+        self.bos_id, self.eos_id = BOS, EOS
+        # run.c stops when the model emits BOS (the TinyStories story separator); EOS stops too.
+        self.stop_ids = (BOS, EOS)
+        self._bytes = [self._piece_bytes(p) for p in pieces]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> "Llama2cTokenizer":
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read tokenizer file {path}: {e.strerror}") from None
+        pieces, scores, off = [], [], 4
+        if len(data) < 4:
+            raise ModelLoadError(f"{path}: not a llama2.c tokenizer (too small)")
+        max_len = struct.unpack_from("<i", data, 0)[0]
+        try:
+            while off < len(data):
+                score, n = struct.unpack_from("<fi", data, off)
+                if n < 0 or n > max(max_len, 0) + 16 or off + 8 + n > len(data):
+                    raise struct.error
+                pieces.append(data[off + 8 : off + 8 + n])
+                scores.append(score)
+                off += 8 + n
+        except struct.error:
+            raise ModelLoadError(f"{path}: not a llama2.c tokenizer (bad entry {len(pieces)} at byte {off})") from None
+        if len(pieces) < 259:
+            raise ModelLoadError(f"{path}: not a llama2.c tokenizer ({len(pieces)} entries, expected >= 259)")
+        if vocab_size is not None and len(pieces) != vocab_size:
+            raise ModelLoadError(f"{path}: tokenizer has {len(pieces)} tokens but the model's vocabulary is {vocab_size}")
+        return cls(pieces, scores)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        tokens: list[int] = []
+        if text:
+            tokens.append(self.lookup[b" "])  # dummy prefix, as sentencepiece's add_dummy_prefix
+        for ch in text:
+            b = ch.encode("utf-8")
+            tid = self.lookup.get(b)
+            if tid is not None:
+                tokens.append(tid)
+            else:
+                tokens.extend(byte + 3 for byte in b)  # byte fallback
+        while True:  # greedy merges, highest score first, earliest pair on ties
+            best, best_id, best_i = -1e10, -1, -1
+            for i in range(len(tokens) - 1):
+                tid = self.lookup.get(self.pieces[tokens[i]] + self.pieces[tokens[i + 1]])
+                if tid is not None and self.scores[tid] > best:
+                    best, best_id, best_i = self.scores[tid], tid, i
+            if best_i < 0:
+                break
+            tokens[best_i : best_i + 2] = [best_id]
+        return ([BOS] if bos else []) + tokens
+
+    @staticmethod
+    def _piece_bytes(piece: bytes) -> bytes:
+        m = _BYTE_PIECE.match(piece)
+        return bytes([int(m.group(1), 16)]) if m else piece
+
+    def token_bytes(self, prev: int, token: int) -> bytes:
+        b = self._bytes[token]
+        if prev == BOS and b.startswith(b" "):
+            b = b[1:]
+        return b
+
+    def decode(self, tokens: list[int], prev: int = BOS) -> str:
+        out = bytearray()
+        for t in tokens:
+            out += self.token_bytes(prev, t)
+            prev = t
+        return out.decode("utf-8", errors="replace")
+
+    def stream(self, prev: int = BOS) -> "TextStream":
+        return TextStream(self, prev)
+
+
+class TextStream:
+    """Incremental decoder: feed tokens as they are emitted, get complete UTF-8 text back."""
+
+    def __init__(self, tok: Llama2cTokenizer, prev: int) -> None:
+        self.tok, self.prev = tok, prev
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tokens: list[int]) -> str:
+        out = bytearray()
+        for t in tokens:
+            out += self.tok.token_bytes(self.prev, t)
+            self.prev = t
+        return self.dec.decode(bytes(out))
+
+    def flush(self) -> str:
+        return self.dec.decode(b"", final=True)

@@ -1,0 +1,1 @@
+"""Native model code: nn.Modules only, no tokenizer inside."""

@@ -1,0 +1,72 @@
+"""Building blocks shared by the decoders: RMSNorm, rotary embedding, attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, or * (1 + w) for the zero-centred norms of Qwen3-Next / Qwen3.5."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centred = zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        if self.zero_centred:
+            return (y * (1.0 + w)).to(x.dtype)
+        return self.weight * y.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the half-split layout (rotate_half), on the first `rot_dim` dims."""
+
+    def __init__(self, rot_dim: int, max_len: int, theta: float) -> None:
+        super().__init__()
+        self.rot_dim = rot_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+        freqs = torch.outer(torch.arange(max_len).float(), inv_freq)  # (max_len, rot/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, rot)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: Tensor, start: int) -> Tensor:
+        """x (B, nh, T, hd) at positions start..start+T-1 -> same shape, rotated."""
+        t = x.shape[2]
+        cos = self.cos[start : start + t].to(x.dtype)  # (T, rot)
+        sin = self.sin[start : start + t].to(x.dtype)
+        xr, xp = x[..., : self.rot_dim], x[..., self.rot_dim :]
+        half = self.rot_dim // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
+
+    Query i sees keys 0..start+i. GQA heads are shared by SDPA's enable_gqa.
+    """
+    t, s = q.shape[2], k.shape[2]
+    mask = None
+    if t > 1:
+        mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=start)  # (T, S)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,138 @@
+"""Dense decoder (Llama-2 / Qwen2 / Qwen3 style): RMSNorm, RoPE, GQA, SwiGLU, tied or untied head.
+
+Parameter names follow the Hugging Face layout (model.layers.N.self_attn.q_proj.weight, ...), so
+HF safetensors load by name and export is a plain state_dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..types import TargetOutput
+from .common import RMSNorm, Rotary, SwiGLU, causal_attention
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads: grouped-query attention
+    intermediate_size: int  # SwiGLU hidden width
+    max_seq_len: int  # context length; the KV cache is preallocated to it
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True  # lm_head shares the embedding matrix
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
+    attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict:
+        return {"arch": "dense", **asdict(self)}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DenseConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        hd = cfg.hd
+        self.layer, self.nh, self.nkv, self.hd = layer, cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+
+    def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
+        b, t, _ = x.shape  # (B, T, H)
+        q = self.q_proj(x).view(b, t, self.nh, self.hd)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)  # (B, T, nkv, hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = self.rotary[0]
+        q = rope(q.transpose(1, 2), start)  # (B, nh, T, hd)
+        k = rope(k.transpose(1, 2), start)  # (B, nkv, T, hd)
+        k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
+        y = causal_attention(q, k_all, v_all, start)  # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DenseConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseBody(nn.Module):
+    def __init__(self, cfg: DenseConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class DenseLM(nn.Module):
+    """A causal LM with the interface every target and draft model in mtpspec shares:
+    new_cache(), forward_tokens(tokens, cache) -> TargetOutput, embed(), head()."""
+
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta)
+        self.model = DenseBody(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: Tensor, cache: KVCache) -> TargetOutput:
+        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H)."""
+        start = cache.length
+        x = self.embed(tokens[None])  # (1, T, H)
+        for layer in self.model.layers:
+            x = layer(x, cache, start)
+        cache.advance(tokens.shape[0])
+        h = self.model.norm(x)[0]  # (T, H) post final norm
+        return TargetOutput(logits=self.head(h), hidden=h, prenorm_hidden=x[0])

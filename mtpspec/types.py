@@ -1,0 +1,121 @@
+"""The values that flow through one decoding step, named once and used everywhere.
+
+Vocabulary (one meaning each, in every file of the project):
+
+- **draft** tokens d1..dD: what a drafter guesses after the last committed token.
+- **accepted** tokens: the longest prefix of the draft that verification keeps.
+- the **recovered** token: emitted at the first rejected position, argmax of p (greedy) or a sample
+  from the residual norm(max(p - q, 0)) (sampling).
+- the **bonus** token: emitted from p at position D+1 when all D drafts were accepted.
+- p is always the target's distribution, q the drafter's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A drafter's guess for the next D tokens."""
+
+    tokens: Tensor  # (D,) int64, D may be 0 (nothing to propose: a plain step)
+    q: Tensor | None = None  # (D, V) float probabilities the tokens were sampled from; None = point mass
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(tokens=torch.empty(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification kept: num_accepted draft tokens plus one recovered or bonus token."""
+
+    num_accepted: int  # n in 0..D
+    tokens: Tensor  # (n + 1,) int64: d1..dn then the recovered (n < D) or bonus (n == D) token
+    num_drafted: int  # D
+
+    @property
+    def bonus(self) -> bool:
+        return self.num_accepted == self.num_drafted
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """One target forward over T new positions."""
+
+    logits: Tensor  # (T, V) float32, next-token logits at each position
+    hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
+    prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One draft -> verify -> accept round, as measured (feeds traces and the live verify page)."""
+
+    draft: list[int]  # the D drafted token ids
+    num_accepted: int  # how many of them survived
+    emitted: list[int]  # tokens actually appended (accepted + recovered/bonus, cut at EOS / limit)
+    draft_seconds: float  # drafter propose + commit
+    verify_seconds: float  # target forward + acceptance rule
+    p_of_emitted: list[float] = field(default_factory=list)  # target probability of each emitted token
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Counters of one generation, named as the serving engines report them."""
+
+    target_forwards: int  # decode-time target forwards (one per step; prefill not counted)
+    draft_tokens: int  # total drafted tokens
+    accepted_tokens: int  # total accepted draft tokens
+    mean_accepted_length: float  # tokens per target forward = 1 + accepted / forwards
+    acceptance_by_position: list[float]  # P(draft i accepted | drafts < i accepted), i = 1..Dmax
+    wall_seconds: float  # prefill + decode
+    tokens_per_second: float  # new tokens / wall_seconds
+    prefill_seconds: float
+    draft_seconds: float
+    verify_seconds: float
+    overhead_seconds: float  # wall - prefill - draft - verify: the engine's own work
+
+    def to_json(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+            "wall_seconds": self.wall_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "overhead_seconds": self.overhead_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What generate() returns."""
+
+    tokens: list[int]  # new tokens only (never past a stop token or max_new_tokens)
+    prompt_tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop token), "length" (max_new_tokens) or "context" (model context full)
+    stats: GenerationStats
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_json(),
+        }

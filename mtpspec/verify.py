@@ -1,0 +1,58 @@
+"""Lossless verification of a draft against the target's logits.
+
+Greedy: draft token i is accepted iff it equals argmax p_i and all earlier drafts were accepted;
+the first mismatch emits argmax p there (recovered), full acceptance emits argmax p_D (bonus).
+The output is token-identical to plain greedy decoding.
+
+Sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): draft x_i ~ q_i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the recovered token is drawn from
+norm(max(p_i - q_i, 0)); if all survive the bonus is drawn from p_D. The emitted stream then has
+exactly the target's distribution. A drafter without q is a point mass at its token (q(x) = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .sampling import Sampler
+from .types import Draft, Verdict
+
+
+def verify_greedy(draft_tokens: Tensor, p_logits: Tensor) -> Verdict:
+    """draft_tokens (D,), p_logits (D+1, V) -> Verdict."""
+    d = draft_tokens.shape[0]
+    target = p_logits.argmax(-1)  # (D+1,) the target's own greedy choice at every position
+    agree = (draft_tokens == target[:d]).to(torch.int8)  # (D,)
+    n = int(agree.cumprod(0).sum()) if d else 0  # length of the agreeing prefix
+    tokens = torch.cat([draft_tokens[:n], target[n : n + 1]])  # accepted + recovered/bonus
+    return Verdict(num_accepted=n, tokens=tokens, num_drafted=d)
+
+
+def verify_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
+    """Rejection sampling. p (D+1, V): the target's probabilities after the sampling transform."""
+    x = draft.tokens  # (D,)
+    d = x.shape[0]
+    idx = torch.arange(d)
+    p_x = p[idx, x]  # (D,) target probability of each draft token
+    q_x = draft.q[idx, x] if draft.q is not None else torch.ones(d)  # (D,) point mass when no q
+    u = sampler.uniform(d)  # (D,)
+    accept = (u * q_x < p_x).to(torch.int8)  # u < p/q  <=>  accept with probability min(1, p/q)
+    n = int(accept.cumprod(0).sum()) if d else 0
+    if n == d:  # every draft survived: the bonus token comes from p at position D+1
+        last = sampler.sample(p[d])
+    else:  # first rejection at n: the recovered token comes from the residual norm(max(p - q, 0))
+        q_n = draft.q[n] if draft.q is not None else torch.nn.functional.one_hot(x[n], p.shape[-1]).float()
+        residual = torch.clamp(p[n] - q_n, min=0.0)  # (V,)
+        total = residual.sum()
+        # total == 0 only if p_n <= q_n everywhere, i.e. p_n == q_n, where rejection has probability 0
+        last = sampler.sample(residual / total if total > 0 else p[n])
+    tokens = torch.cat([x[:n], last.reshape(1)])
+    return Verdict(num_accepted=n, tokens=tokens, num_drafted=d)
+
+
+def verify(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
+    """draft (D tokens, q (D, V) or None), p_logits (D+1, V) -> Verdict (n accepted + 1 token)."""
+    if sampler.params.greedy:
+        return verify_greedy(draft.tokens, p_logits)
+    return verify_sampling(draft, sampler.probs(p_logits), sampler)
