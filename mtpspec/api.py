@@ -41,7 +41,7 @@ class Model:
         prompt: str | list[int] = "",
         *,
         drafter: str = "none",
-        k: int = 4,
+        k: int | str = 4,
         draft_model: "Model | str | Path | None" = None,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -49,18 +49,23 @@ class Model:
         seed: int = 0,
         max_new_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
+        depth_policy=None,
         **drafter_options,
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if k < 1:
+        if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
+            from .adaptive import AdaptiveDepth
+
+            depth_policy, k = AdaptiveDepth(k_max=8), 8
+        if not isinstance(k, int) or k < 1:
             raise ConfigError(f"k (draft length) must be >= 1, got {k}")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         dm = draft_model.module if isinstance(draft_model, Model) else draft_model  # a path is loaded by the drafter
         d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
-        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback)
+        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy)
         if on_text is not None:
             tail = stream.flush()
             if tail:

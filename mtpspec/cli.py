@@ -28,6 +28,15 @@ def command(name: str):
     return deco
 
 
+def parse_k(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"k must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="llama2.c .bin, HF directory, project checkpoint, or 'demo'")
     p.add_argument("--tokenizer", help="tokenizer file (llama2.c tokenizer.bin) when the model does not carry one")
@@ -37,7 +46,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", help="none | ngram | draft | mtp | medusa | eagle")
     p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
-    p.add_argument("--k", type=int, default=4, help="draft length D per step (>= 1)")
+    p.add_argument("--k", type=parse_k, default=4, help="draft length D per step (>= 1), or 'auto'")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -35,6 +35,13 @@ class Target(Protocol):
     def forward_tokens(self, tokens: Tensor, cache: Cache) -> TargetOutput: ...
 
 
+class DepthPolicy(Protocol):
+    """Chooses the draft length D of each step (0 = a plain step); told how each step went."""
+
+    def next_depth(self, k_max: int) -> int: ...
+    def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None: ...
+
+
 def check_prompt(prompt: list[int], max_seq_len: int) -> None:
     if not prompt:
         raise ConfigError("the prompt must hold at least one token (BOS)")
@@ -60,6 +67,7 @@ def generate_tokens(
     max_new_tokens: int,
     stop_ids: tuple[int, ...] = (),
     on_tokens: Callable[[list[int]], None] | None = None,
+    depth: DepthPolicy | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (which starts with BOS); text is left empty."""
     if k < 1:
@@ -79,7 +87,7 @@ def generate_tokens(
     drafter.prefill(context, out, sampler)
     metrics.prefill_done()
     while len(new) < max_new_tokens:
-        d = min(k, max_new_tokens - len(new) - 1, target.max_seq_len - cache.length - 1)
+        d = min(depth.next_depth(k) if depth is not None else k, max_new_tokens - len(new) - 1, target.max_seq_len - cache.length - 1)
         if d < 0:
             finish = "context"
             break
@@ -99,6 +107,8 @@ def generate_tokens(
         buf[n_ctx : n_ctx + len(kept)] = verdict.tokens
         context = buf[: n_ctx + len(kept)]
         metrics.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
+        if depth is not None:
+            depth.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
         steps.append(StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1))
         if on_tokens is not None and emitted:
             on_tokens(emitted)
