@@ -50,9 +50,13 @@ class Model:
         max_new_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
         depth_policy=None,
+        trace: bool = False,
         **drafter_options,
     ) -> GenerationResult:
-        """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter."""
+        """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
+
+        trace=True fills each StepRecord's timing and target probabilities (see engine.generate_tokens).
+        """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import AdaptiveDepth
@@ -65,7 +69,7 @@ class Model:
         d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
-        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy)
+        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace)
         if on_text is not None:
             tail = stream.flush()
             if tail:

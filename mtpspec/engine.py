@@ -8,6 +8,7 @@ to what was kept (a pointer move for KV, a slot choice for recurrent state).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from time import perf_counter
 from typing import Callable, Protocol
 
@@ -57,6 +58,15 @@ def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[lis
     return tokens[:budget], ("length" if len(tokens) >= budget else None)
 
 
+def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float) -> StepRecord:
+    """The step with what a trace shows: target probabilities (softmax of logits (D+1, V)) and argmaxes."""
+    p = torch.softmax(logits.float(), dim=-1)  # (D+1, V)
+    d = draft.shape[0]
+    p_draft = p[torch.arange(d), draft].tolist()  # (D,)
+    p_emitted = p[torch.arange(len(step.emitted)), torch.tensor(step.emitted, dtype=torch.long)].tolist()
+    return replace(step, start_seconds=start, p_of_emitted=p_emitted, p_of_draft=p_draft, target_choice=p.argmax(-1).tolist())
+
+
 @torch.inference_mode()
 def generate_tokens(
     target: Target,
@@ -68,8 +78,13 @@ def generate_tokens(
     stop_ids: tuple[int, ...] = (),
     on_tokens: Callable[[list[int]], None] | None = None,
     depth: DepthPolicy | None = None,
+    trace: bool = False,
 ) -> GenerationResult:
-    """Generate up to max_new_tokens after `prompt` (which starts with BOS); text is left empty."""
+    """Generate up to max_new_tokens after `prompt` (which starts with BOS); text is left empty.
+
+    trace=True also records, per step, its start time and the target's probabilities and choices
+    (StepRecord.start_seconds, p_of_emitted, p_of_draft, target_choice) for traces and the verify page.
+    """
     if k < 1:
         raise ConfigError(f"k (draft length) must be >= 1, got {k}")
     if max_new_tokens < 0:
@@ -109,7 +124,8 @@ def generate_tokens(
         metrics.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
         if depth is not None:
             depth.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
-        steps.append(StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1))
+        step = StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1)
+        steps.append(_traced(step, out.logits, draft.tokens, t0 - metrics.start) if trace else step)
         if on_tokens is not None and emitted:
             on_tokens(emitted)
         if stop is not None:
