@@ -1,0 +1,150 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): a causal conv window + a gated delta-rule state.
+
+Per value head the state S (dk, dv) evolves, for each position t, as
+
+    S <- S * exp(g_t)                                   decay (g_t <= 0)
+    S <- S + k_t (beta_t * (v_t - k_t^T S))^T            delta rule: write the correction only
+    o_t = q_t^T S                                       read
+
+with q, k L2-normalised (q also scaled by dk^-1/2), beta_t = sigmoid(b_t) and
+g_t = -exp(A_log) * softplus(a_t + dt_bias). Two equivalent forms are implemented:
+
+- `recurrent_delta_rule`: one position at a time. Used for decode and verify windows (T <= 16):
+  it also returns the state after every position, which is what exact rollback selects from.
+- `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for prefill.
+
+Parameter names follow the Hugging Face Qwen3.5 layout (in_proj_qkv / in_proj_z / in_proj_b /
+in_proj_a, conv1d, A_log, dt_bias, norm, out_proj). Qwen3-Next's fused in_proj_qkvz / in_proj_ba
+are converted to this layout when loading (loading/hf.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+RECURRENT_MAX_T = 16  # windows up to this long use the recurrent form and keep per-position states
+CHUNK = 64
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32.
+
+    Returns o (B, nv, T, dv) and the T states after each position (each (B, nv, dk, dv)).
+    """
+    t_len = q.shape[2]
+    decay = g.exp()  # (B, nv, T)
+    out = torch.empty_like(v)
+    states = []
+    s = state
+    for t in range(t_len):
+        k_t = k[:, :, t].unsqueeze(-1)  # (B, nv, dk, 1)
+        s = s * decay[:, :, t, None, None]  # (B, nv, dk, dv)
+        kv_mem = (s * k_t).sum(-2)  # (B, nv, dv): what the state predicts for k_t
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]  # (B, nv, dv)
+        s = s + k_t * delta.unsqueeze(-2)  # rank-1 write of the correction
+        out[:, :, t] = (s * q[:, :, t].unsqueeze(-1)).sum(-2)  # (B, nv, dv)
+        states.append(s)
+    return out, states
+
+
+def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """Same inputs as `recurrent_delta_rule`; returns o (B, nv, T, dv) and the final state only.
+
+    Within a chunk the delta-rule updates are condensed by solving the unit-lower-triangular system
+    (I + tril(diag(beta) K K^T * Gamma, -1)) U = diag(beta) V (Gamma = pairwise decays); then the
+    chunk reads the incoming state, and the state advances by one matmul per chunk.
+    """
+    b, h, t_len, dk = q.shape
+    pad = (chunk - t_len % chunk) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t_len + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))  # (B, h, n, C, d)
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    gc = g.cumsum(-1)  # (B, h, n, C) log decay from chunk start to each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()  # (C, C) incl. diagonal
+    gamma = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # (B,h,n,C,C)
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * gamma  # only its strict lower part is used (unit diagonal)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gc.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * gamma  # (B, h, n, C, C) intra-chunk, causal incl. diagonal
+    q_dec = q * gc.exp().unsqueeze(-1)  # query reads the incoming state decayed to its position
+    k_dec = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)  # key written, decayed to the chunk end
+    chunk_decay = gc[..., -1].exp()  # (B, h, n)
+    out = torch.empty_like(v)
+    s = state
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ s  # (B, h, C, dv) corrections given the incoming state
+        out[:, :, i] = q_dec[:, :, i] @ s + attn[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i, None, None] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, n * chunk, -1)[:, :, :t_len]
+    return out, s
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm (plain weight, not zero-centred) followed by a SiLU gate: norm(x) * w * silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * y * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, conv_kernel: int, eps: float, slot: int) -> None:
+        super().__init__()
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})")
+        self.nk, self.nv, self.dk, self.dv, self.kernel = nk, nv, dk, dv, conv_kernel
+        self.slot = slot  # index of this layer among the linear-attention layers of the cache
+        self.key_dim, self.value_dim = nk * dk, nv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, nv, bias=False)
+        self.in_proj_a = nn.Linear(hidden, nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(nv))
+        self.A_log = nn.Parameter(torch.empty(nv).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(dv, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(self, x: Tensor, cache) -> Tensor:
+        """x (B, T, H) -> (B, T, H); reads and records this layer's state in the HybridCache."""
+        b, t, _ = x.shape
+        conv_window, state = cache.linear_state(self.slot, b)  # (B, C, K-1), (B, nv, dk, dv) fp32
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
+        hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)  # (B, C, K-1+T)
+        conv = F.silu(F.conv1d(hist, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)  # (B, T, C)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.nv // self.nk  # value heads per key head
+        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).float()  # (B, nv, T, dk)
+        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).float()
+        v = v.reshape(b, t, self.nv, self.dv).transpose(1, 2).float()  # (B, nv, T, dv)
+        q = _l2norm(q) * self.dk**-0.5
+        k = _l2norm(k)
+        beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # (B, nv, T)
+        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
+        if t <= RECURRENT_MAX_T:
+            o, states = recurrent_delta_rule(q, k, v, g, beta, state)
+            cache.record_linear(self.slot, hist, states, all_positions=True)
+        else:
+            o, final = chunked_delta_rule(q, k, v, g, beta, state)
+            cache.record_linear(self.slot, hist, [final], all_positions=False)
+        o = o.transpose(1, 2).to(x.dtype)  # (B, T, nv, dv)
+        z = self.in_proj_z(x).view(b, t, self.nv, self.dv)
+        y = self.norm(o, z).reshape(b, t, self.value_dim)
+        return self.out_proj(y)

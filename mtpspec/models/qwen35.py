@@ -1,0 +1,272 @@
+"""Qwen3.5 / Qwen3-Next style hybrid decoder with its native MTP module.
+
+`layer_types` mixes Gated DeltaNet layers ("linear_attention", gated_deltanet.py) and gated full
+attention ("full_attention": q/k RMSNorm per head, partial rotary, a sigmoid output gate packed
+next to q in q_proj). All RMSNorms except the DeltaNet's gated norm are zero-centred
+(x * (1 + w)). The MLP is SwiGLU, or for Qwen3-Next a routed mixture of experts plus a gated
+shared expert.
+
+The MTP module (`mtp.*`) predicts t_{i+2} from the target's post-final-norm hidden h_i and the
+embedding of t_{i+1}: fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]) -> one full-attention
+decoder layer with its own KV cache -> mtp.norm -> the target's LM head.
+
+Parameter names follow Hugging Face's Qwen3.5 layout, so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..types import TargetOutput
+from .common import RMSNorm, Rotary, SwiGLU, causal_attention
+from .gated_deltanet import GatedDeltaNet
+from .hybrid_cache import HybridCache
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # one of LAYER_TYPES per layer
+    num_heads: int  # full-attention query heads
+    num_kv_heads: int  # full-attention key/value heads (GQA)
+    head_dim: int
+    intermediate_size: int  # dense SwiGLU width
+    max_seq_len: int  # context length; KV caches are preallocated to it
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25  # rotary on the first head_dim * factor dims
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4  # causal conv window of the DeltaNet
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32  # value heads share key heads in groups (nv / nk)
+    num_experts: int = 0  # 0 = dense MLP everywhere (Qwen3.5); > 0 = Qwen3-Next MoE
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    mtp_num_layers: int = 0  # decoder layers of the MTP module; 0 = no MTP module
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+    @property
+    def rot_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layer_types"], d["mlp_only_layers"] = list(self.layer_types), list(self.mlp_only_layers)
+        return {"arch": "qwen35", **d}
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k norm, partial rotary and a sigmoid output gate."""
+
+    def __init__(self, cfg: HybridConfig, kv_index: int, rotary: Rotary) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.kv_index, self.nh, self.nkv, self.hd = kv_index, cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd * 2, bias=cfg.attention_bias)  # [q | gate] per head
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+
+    def forward(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
+        b, t, _ = x.shape  # (B, T, H)
+        q, gate = self.q_proj(x).view(b, t, self.nh, 2 * self.hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        rope = self.rotary[0]
+        q = rope(self.q_norm(q).transpose(1, 2), start)  # (B, nh, T, hd)
+        k = rope(self.k_norm(k).transpose(1, 2), start)  # (B, nkv, T, hd)
+        k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
+        y = causal_attention(q, k_all, v_all, start).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-Next MLP: softmax router over experts, top-k SwiGLU experts, plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, H)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (N, E)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            rows, slot = torch.where(idx == e)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * w[rows, slot, None])
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, cfg: HybridConfig, layer_type: str, index: int, rotary: Rotary, sparse: bool) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.norm_eps, slot=index,
+            )
+        else:
+            self.self_attn = GatedAttention(cfg, index, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
+        self.mlp = SparseMoE(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cache, start: int) -> Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            x = x + self.linear_attn(h, cache)
+        else:
+            x = x + self.self_attn(h, cache.kv if isinstance(cache, HybridCache) else cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridBody(nn.Module):
+    def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        counters = {t: 0 for t in LAYER_TYPES}
+        layers = []
+        for i, lt in enumerate(cfg.layer_types):
+            layers.append(HybridBlock(cfg, lt, counters[lt], rotary, cfg.is_sparse(i)))
+            counters[lt] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
+
+
+class MTPModule(nn.Module):
+    """x = fc([norm_e(embedding), norm_h(hidden)]) -> decoder layer(s) -> mtp.norm. Own KV cache."""
+
+    def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.norm_eps, zero_centred=True)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.norm_eps, zero_centred=True)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList(
+            HybridBlock(cfg, "full_attention", i, rotary, cfg.num_experts > 0) for i in range(cfg.mtp_num_layers)
+        )
+        self.norm = RMSNorm(h, cfg.norm_eps, zero_centred=True)
+
+    def forward(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
+        """hidden, emb (T, H) at MTP positions start.. -> (T, H) after mtp.norm (feed to the LM head)."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))[None]
+        x = self.layers[layer](x, cache, start)
+        return self.norm(x)[0]
+
+
+class HybridLM(nn.Module):
+    """The hybrid target: same interface as DenseLM, plus `mtp` (None when the checkpoint has none)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        for t in cfg.layer_types:
+            if t not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type '{t}' (known: {', '.join(LAYER_TYPES)})")
+        self.config = cfg
+        self.rotary = Rotary(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.model = HybridBody(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPModule(cfg, self.rotary) if cfg.mtp_num_layers > 0 else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent rotary tables (after building on the meta device)."""
+        c = self.config
+        fresh = Rotary(c.rot_dim, c.max_seq_len, c.rope_theta)
+        self.rotary.cos, self.rotary.sin = fresh.cos, fresh.sin
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int | None = None) -> HybridCache:
+        c = self.config
+        n_lin = sum(t == "linear_attention" for t in c.layer_types)
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        return HybridCache(
+            n_full=len(c.layer_types) - n_lin, n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, n_linear=n_lin,
+            conv_dim=conv_dim, conv_kernel=c.linear_conv_kernel_dim,
+            state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            max_len=max_len or c.max_seq_len, dtype=self.dtype,
+        )
+
+    def new_mtp_cache(self, max_len: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: Tensor, cache: HybridCache) -> TargetOutput:
+        """tokens (T,) appended at cache.length.. -> logits (T, V) fp32, hidden (T, H) post final norm."""
+        t = tokens.shape[0]
+        start = cache.begin(t)
+        x = self.embed(tokens[None])  # (1, T, H)
+        for layer in self.model.layers:
+            x = layer(x, cache, start)
+        cache.advance(t)
+        h = self.model.norm(x)[0]  # (T, H)
+        return TargetOutput(logits=self.head(h), hidden=h, prenorm_hidden=x[0])
+
+    @torch.inference_mode()
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
+        """MTP over pairs (hidden[i], tokens[i]) at positions cache.length..: -> its hidden (T, H); advances."""
+        start = cache.length
+        out = self.mtp(hidden, self.embed(tokens), cache, start, layer)
+        cache.advance(tokens.shape[0])
+        return out
+
+
+__all__ = ["HybridConfig", "HybridLM", "HybridCache", "MTPModule", "LAYER_TYPES"]
