@@ -43,6 +43,16 @@ def _draft(target, draft_model=None, **opts) -> Drafter:
     return DraftModelDrafter(draft_model, target.vocab_size)
 
 
+@register("mtp")
+def _mtp(target, draft_model=None, mtp_prenorm_hidden: bool = False, **opts) -> Drafter:
+    """The target's own MTP module (draft_model: a separate MTP head checkpoint, not supported yet)."""
+    from .mtp import MTPDrafter
+
+    if draft_model is not None:
+        raise ConfigError("--drafter mtp with a separate --draft-model head is not supported yet; omit --draft-model")
+    return MTPDrafter(target, prenorm_hidden=mtp_prenorm_hidden)
+
+
 KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle")
 
 

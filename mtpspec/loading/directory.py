@@ -1,4 +1,4 @@
-"""Directory checkpoints: Hugging Face (config.json + safetensors + tokenizer) and the project's own."""
+"""Directory checkpoints: Hugging Face (config.json + safetensors + tokenizer) and the project's own (mtpspec.json)."""
 
 from __future__ import annotations
 
@@ -10,4 +10,18 @@ from ..errors import ModelLoadError
 
 
 def load_directory(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool = True):
-    raise ModelLoadError(f"{path}: directory checkpoints are not supported yet")
+    """Return (model, tokenizer or None) for a directory checkpoint."""
+    path = Path(path)
+    if (path / "mtpspec.json").exists():
+        from .native import load_native
+
+        return load_native(path, tokenizer, dtype, with_tokenizer)
+    if (path / "config.json").exists():
+        from .hf import load_hf_model
+        from .tokenizer_hf import load_hf_tokenizer
+
+        model = load_hf_model(path, dtype)
+        if not with_tokenizer:
+            return model, None
+        return model, load_hf_tokenizer(path, tokenizer)
+    raise ModelLoadError(f"{path}: not a checkpoint directory (no config.json or mtpspec.json)")

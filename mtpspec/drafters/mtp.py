@@ -1,0 +1,95 @@
+"""Native MTP drafting: the target's own MTP module guesses the next D tokens.
+
+MTP position i reads the pair (h_i, e_{i+1}): the target's post-final-norm hidden state at i and the
+embedding of the token after it, and predicts t_{i+2}. Its KV cache holds one entry per pair.
+
+Bookkeeping, with the engine's convention (the target cache holds every token but the last):
+
+- prefill over t_0..t_{L-2} gives h_0..h_{L-2}: the pending pairs are (h_i, t_{i+1}), i = 0..L-2.
+- propose: run the pending pairs through the MTP at once (catch-up + the last one); the output at
+  the last pair (h_{L-2}, t_{L-1}) gives d1. For D > 1, step j feeds the MTP's own output hidden
+  with the embedding of d_{j-1}, one position further (entries cropped again at commit).
+- commit after a verify over [t_{L-1}, d1..dD] with n accepted: crop the MTP cache to the real
+  pairs, and the pending pairs become (out.hidden[j], verdict.tokens[j]) for j = 0..n.
+
+Greedy: drafts are argmaxes and q is None. Sampling: drafts are sampled from q = sampler.probs
+(the same transform the target's p gets), and q is returned so rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..sampling import Sampler
+from ..types import Draft, TargetOutput, Verdict
+
+
+class MTPDrafter:
+    name = "mtp"
+
+    def __init__(self, target, prenorm_hidden: bool = False) -> None:
+        if getattr(target, "mtp", None) is None:
+            raise ConfigError(
+                "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
+            )
+        self.target = target
+        self.prenorm = prenorm_hidden  # feed the pre-final-norm hidden (for heads trained that way)
+        self.n_layers = target.config.mtp_num_layers
+        if self.n_layers != 1:
+            raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
+        self.sampler: Sampler | None = None
+        self.cache = None
+        self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
+        self.pending_t: Tensor | None = None  # (P,) the tokens that follow them
+        self.committed = 0  # MTP cache entries built from real target hidden states
+
+    def _hidden(self, out: TargetOutput) -> Tensor:
+        return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
+
+    def _queue(self, h: Tensor, t: Tensor) -> None:
+        if self.pending_h is None or self.pending_h.shape[0] == 0:
+            self.pending_h, self.pending_t = h, t
+        else:
+            self.pending_h = torch.cat([self.pending_h, h])
+            self.pending_t = torch.cat([self.pending_t, t])
+
+    def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.cache = self.target.new_mtp_cache()
+        self.pending_h = self.pending_t = None
+        if out is not None:  # pairs (h_i, t_{i+1}) for i = 0..L-2
+            self._queue(self._hidden(out), context[1 : out.hidden.shape[0] + 1])
+
+    @torch.inference_mode()
+    def propose(self, context: Tensor, k: int) -> Draft:
+        if self.pending_h is None or self.pending_h.shape[0] == 0:
+            return Draft.empty()  # the prompt was BOS alone: no hidden state yet
+        k = min(k, self.cache.max_len - self.cache.length - self.pending_h.shape[0] + 1)
+        if k < 1:
+            return Draft.empty()
+        target, sampler = self.target, self.sampler
+        h = target.mtp_forward(self.pending_h, self.pending_t, self.cache, layer=0)[-1:]  # (1, H) real pairs
+        self.pending_h = self.pending_t = None
+        tokens, qs = [], []
+        for j in range(k):
+            logits = target.head(h)[0]  # (V,)
+            if sampler.params.greedy:
+                x = logits.argmax(-1)
+            else:
+                q = sampler.probs(logits)  # (V,) the same transform as p
+                x = sampler.sample(q)
+                qs.append(q)
+            tokens.append(x)
+            if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
+                h = target.mtp_forward(h, x.reshape(1), self.cache, layer=(j + 1) % self.n_layers)
+        self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
+        toks = torch.stack(tokens)  # (k,)
+        return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+
+    def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if verdict.num_drafted > 0:
+            self.cache.crop(self.committed)  # drop the entries built from drafted (not target) states
+        n = verdict.num_accepted
+        self._queue(self._hidden(out)[: n + 1], verdict.tokens[: n + 1])
