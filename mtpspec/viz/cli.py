@@ -1,0 +1,69 @@
+"""`mtpspec trace`: plain vs speculative decoding on the same prompt(s), as an HTML timeline + PNG."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cli import add_generation_args, add_model_args, command, generation_kwargs
+from ..errors import ConfigError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"every D must be >= 1, got {text!r}")
+    return ks
+
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="*", default=[], help="prompt text; several prompts give several sections (e.g. easy vs hard text)")
+    add_model_args(p)
+    add_generation_args(p)
+    p.set_defaults(max_new_tokens=64, drafter="ngram")
+    p.add_argument("--ks", type=_int_list, help="compare several draft lengths, e.g. 1,2,4 (overrides --k)")
+    p.add_argument("--drafters", help="compare several drafters, e.g. ngram,draft (overrides --drafter)")
+    p.add_argument("--out", required=True, help="output HTML file; the PNG goes beside it (same name, .png)")
+    p.add_argument("--png", help="PNG path (default: --out with .png)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest and steadiest for small models)")
+
+
+@command("trace")(_trace_args)
+def run_trace(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..api import load
+    from .trace import trace_prompts, write_trace
+
+    torch.set_num_threads(max(args.threads, 1))
+
+    kw = generation_kwargs(args)
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else [kw.pop("drafter")]
+    kw.pop("drafter", None)
+    if args.ks:
+        ks = args.ks
+    elif isinstance(args.k, int):
+        ks = [args.k]
+    else:
+        raise ConfigError("mtpspec trace needs a fixed D: use --k N or --ks 1,2,4")
+    kw.pop("k")
+    configs = [(d, k) for d in drafters if d != "none" for k in ks]
+    if not configs:
+        raise ConfigError("nothing to compare: choose a drafter other than 'none' (--drafter ngram, draft, ...)")
+    model = load(args.model, args.tokenizer, args.dtype)
+    draft_model = kw.pop("draft_model")
+    prompts = args.prompt or [""]
+    groups = trace_prompts(model, prompts, configs, draft_model=draft_model, **kw)
+    meta = (f"model {args.model}, {args.dtype}, temperature {args.temperature}, seed {args.seed}, "
+            f"max {args.max_new_tokens} new tokens; drafters {', '.join(drafters)}; D in {ks}")
+    html_path, png_path = write_trace(groups, args.out, args.png, meta=meta)
+    for g in groups:
+        for r in g.runs:
+            s = r.summary()
+            print(f"{g.prompt[:30]!r:<34}{s['label']:<22}{s['target_forwards']:>5} forwards {s['tokens_per_forward']:>5.2f} tok/fwd "
+                  f"{s['speedup']:>5.2f}x  identical: {'yes' if s['identical_to_plain'] else 'NO'}", file=sys.stderr)
+    print(f"wrote {html_path} and {png_path}")
+    return 0
