@@ -1,0 +1,119 @@
+"""The live verify page's JSON API (FastAPI TestClient, no sockets): verification, step-through, errors."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mtpspec.server import create_app
+from mtpspec.server.verify_page import tokenize_draft
+
+PREFIX = "Once upon a time, there was a little girl named Lily. She loved to"
+
+
+@pytest.fixture(scope="module")
+def client(assets):
+    return TestClient(create_app(str(assets / "models" / "stories260K.bin")))
+
+
+@pytest.fixture(scope="module")
+def model_path(assets):
+    return str(assets / "models" / "stories260K.bin")
+
+
+def test_page_and_load(client, model_path):
+    page = client.get("/")
+    assert page.status_code == 200 and "Greedy verification" in page.text and model_path in page.text
+    info = client.post("/api/load", json={"model": model_path}).json()
+    assert info["vocab_size"] == 512 and info["max_seq_len"] == 512
+    names = {d["name"]: d for d in info["drafters"]}
+    assert names["ngram"]["available"] and names["draft"]["needs"] == "draft_model"
+    assert model_path in client.get("/api/models").json()["suggested"]
+
+
+def test_verify_typed_draft_matches_plain_greedy(client, model_path, stories):
+    plain = stories.generate(PREFIX, max_new_tokens=12)
+    right = stories.tokenizer.decode(plain.tokens[:4], prev=plain.prompt_tokens[-1])
+    r = client.post("/api/verify", json={"model": model_path, "prefix": PREFIX, "draft": right + " zebra zebra", "top_k": 5}).json()
+    assert r["verification"] == "greedy" and r["target_forwards"] == 1
+    assert r["draft"]["ids"][:4] == plain.tokens[:4]
+    n, d = r["num_accepted"], r["num_drafted"]
+    assert n >= 4 and [t["id"] for t in r["emitted"]] == plain.tokens[: n + 1]  # accepted + correction = plain greedy
+    assert [p["status"] for p in r["positions"]] == ["accepted"] * n + ["rejected"] + ["discarded"] * (d - n - 1) + ["unused"]
+    assert r["correction"]["id"] == plain.tokens[n] and r["correction"]["position"] == n and r["bonus"] is None
+    assert [t["id"] for t in r["discarded"]] == r["draft"]["ids"][n + 1 :]
+    for pos in r["positions"]:
+        top = pos["top"]
+        assert len(top) == 5 and top[0]["id"] == pos["target"]["id"]
+        assert all(a["p"] >= b["p"] for a, b in zip(top, top[1:])) and 0 < sum(t["p"] for t in top) <= 1.0001
+
+
+def test_verify_full_acceptance_gives_bonus(client, stories):
+    plain = stories.generate(PREFIX, max_new_tokens=6)
+    r = client.post("/api/verify", json={"prefix": PREFIX, "draft_ids": plain.tokens[:5]}).json()
+    assert r["num_accepted"] == 5 and r["bonus"]["id"] == plain.tokens[5] and r["correction"] is None
+    assert r["positions"][-1]["status"] == "bonus"
+
+
+def test_verify_drafter_proposes(client, assets):
+    r = client.post("/api/verify", json={"prefix": "The cat sat. The cat sat. The cat", "drafter": "ngram", "k": 3}).json()
+    assert r["draft"]["source"] == "ngram" and 1 <= r["num_drafted"] <= 3
+    r = client.post("/api/verify", json={"prefix": PREFIX, "drafter": "draft", "k": 4,
+                                         "draft_model": str(assets / "models" / "stories260K_q80.bin")}).json()
+    assert r["draft"]["source"] == "draft" and r["num_drafted"] == 4 and r["num_accepted"] >= 2
+
+
+def test_tokenize_draft_as_continuation(stories):
+    ids = stories.encode("Once upon a ti")
+    assert stories.tokenizer.decode(tokenize_draft(stories, ids, "Once upon a ti", "me"), prev=ids[-1]) == "me"
+    ids = stories.encode("Once upon a time")
+    d = tokenize_draft(stories, ids, "Once upon a time", ", there was")
+    assert stories.encode("Once upon a time, there was") == ids + d
+    assert stories.tokenizer.decode(d, prev=ids[-1]) == ", there was"
+
+
+def test_step_through(client, stories):
+    r = client.post("/api/step", json={"prefix": PREFIX, "drafter": "ngram", "k": 3, "max_new_tokens": 20}).json()
+    assert r["identical_to_plain"] and r["stats"]["target_forwards"] == len(r["steps"])
+    emitted = [t["id"] for s in r["steps"] for t in s["emitted"]]
+    assert emitted == stories.generate(PREFIX, max_new_tokens=20).tokens
+    for s in r["steps"]:
+        n, d = s["num_accepted"], s["num_drafted"]
+        assert len(s["target_choice"]) == d + 1
+        assert [t["id"] for t in s["emitted"]][: n] == [t["id"] for t in s["draft"]][:n]
+        assert s["emitted"][n]["id"] == s["target_choice"][n]["id"] if len(s["emitted"]) > n else True
+        assert [t["id"] for t in s["discarded"]] == [t["id"] for t in s["draft"]][n + 1 :]
+        assert s["cost_seconds"] == pytest.approx(s["draft_seconds"] + s["verify_seconds"])
+        assert s["plain_cost_seconds"] == pytest.approx(r["plain_step_seconds"] * len(s["emitted"]))
+
+
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/api/verify", {"prefix": "", "draft": " hi"}, 400, "prefix is empty"),
+        ("/api/verify", {"prefix": "   ", "draft": " hi"}, 400, "prefix is empty"),
+        ("/api/verify", {"prefix": "Hi", "draft": " a" * 600}, 400, "longer than the model's context"),
+        ("/api/verify", {"prefix": "Hi", "draft_ids": [1] * 70}, 400, "at most 64"),
+        ("/api/verify", {"prefix": "Hi", "draft_ids": [9999]}, 400, "out of range"),
+        ("/api/verify", {"model": "/no/such/model.bin", "prefix": "Hi", "draft": " a"}, 404, "model not found"),
+        ("/api/verify", {"model": "", "prefix": "Hi", "draft": " a"}, 400, "no model given"),
+        ("/api/verify", {"prefix": "Hi"}, 400, "no draft"),
+        ("/api/verify", {"prefix": "Hi", "drafter": "nope"}, 400, "unknown drafter"),
+        ("/api/verify", {"prefix": "Hi", "drafter": "draft"}, 400, "needs a draft model"),
+        ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 0}, 400, "top_k"),
+        ("/api/verify", {"draft": " a"}, 422, "prefix"),
+        ("/api/load", {"model": "/no/such/model.bin"}, 404, "model not found"),
+        ("/api/step", {"prefix": "", "drafter": "ngram"}, 400, "prefix is empty"),
+        ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 400, "D (draft length)"),
+    ],
+)
+def test_bad_input_is_a_clear_4xx_and_the_server_keeps_running(client, path, body, status, words):
+    r = client.post(path, json=body)
+    assert r.status_code == status
+    assert words in r.json()["error"]
+    assert client.post("/api/verify", json={"prefix": "Hi", "draft": " there"}).status_code == 200
+
+
+def test_malformed_json(client):
+    r = client.post("/api/verify", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]
