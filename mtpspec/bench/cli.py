@@ -1,0 +1,162 @@
+"""`mtpspec bench`: acceptance, speedup, cost model and peers on a prompt set; JSON + markdown + PNG.
+
+    mtpspec bench --model stories260K.bin --tokenizer tok512.bin --prompts spec_bench \\
+        --drafters none,ngram,draft --draft-model stories260K_q80.bin --k 1,2,4,auto \\
+        --limit 20 --max-new-tokens 128 --peers --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from time import perf_counter
+
+import torch
+
+from ..cli import add_model_args, command, parse_k
+from ..errors import ConfigError
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--prompts", required=True, help="spec_bench | mt_bench | humaneval | tinystories, or a .jsonl / .jsonl.gz / .txt file")
+    p.add_argument("--drafters", default="none,ngram", help="comma-separated: none,ngram,draft,mtp,...")
+    p.add_argument("--draft-model", help="draft model for the 'draft' drafter (and the assisted-generation peer)")
+    p.add_argument("--k", default="1,2,4,auto", help="comma-separated draft depths, e.g. 1,2,4,auto")
+    p.add_argument("--limit", type=int, help="number of prompts (taken round-robin over categories)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads (default: measured, the fastest for T(1))")
+    p.add_argument("--peers", action="store_true", help="also run transformers' generate() on the same weights")
+    p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
+    p.add_argument("--no-cost-model", action="store_true", help="skip measuring the cost model")
+    p.add_argument("--plot-prefix", default="bench_", help="file name prefix of the PNG plots")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", required=True, help="output directory")
+
+
+def run_benchmark(
+    model_path: str,
+    prompts: str,
+    drafters: list[str],
+    ks: list[int | str],
+    out: str | Path,
+    tokenizer: str | None = None,
+    draft_model: str | None = None,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    peers: bool = False,
+    threads: int | None = None,
+    cost_model: bool = True,
+    dtype: str = "fp32",
+    hf_dir: str | None = None,
+    plot_prefix: str = "bench_",
+    progress: bool = True,
+) -> dict:
+    """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
+    from ..api import load
+    from ..drafters import REGISTRY
+    from ..prompts import load_prompts
+    from . import costmodel
+    from .harness import PLAIN, Method, OursRunner, prepare_ids, run_bench
+    from .report import check_targets, summarize, write_all
+
+    t_start = perf_counter()
+    out = Path(out)
+    for d in drafters:
+        if d not in REGISTRY:
+            raise ConfigError(f"unknown or unavailable drafter '{d}' (available: {', '.join(sorted(REGISTRY))})")
+    if "draft" in drafters and not draft_model:
+        raise ConfigError("--drafters draft needs --draft-model")
+    for k in ks:
+        if k != "auto" and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
+    model = load(model_path, tokenizer, dtype)
+    dm = load(draft_model, tokenizer, dtype) if draft_model else None
+    plist = load_prompts(prompts, limit)
+    ids = prepare_ids(model, plist, max_new_tokens)
+
+    if threads:
+        torch.set_num_threads(threads)
+    cost = None
+    if cost_model:
+        k_max = max([k for k in ks if k != "auto"] + [8])
+        lens = sorted(len(x) for x in ids)
+        context = min(lens[len(lens) // 2] + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
+        cost = costmodel.measure(model.module, dm.module if dm else None, k_max=k_max, context=context, threads=threads, drafters=drafters)
+        threads = cost.threads
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
+    runners: dict[str, object] = {"mtpspec": OursRunner(model, dm, cost)}
+    export_diff = {}
+    if peers:
+        from .peers import HFRunner, hf_directory
+
+        hf_root = Path(hf_dir) if hf_dir else out / "hf"
+        tdir, export_diff["target"] = hf_directory(model, hf_root, "target")
+        ddir = None
+        if dm is not None:
+            ddir, export_diff["draft"] = hf_directory(dm, hf_root, "draft")
+        runners["transformers"] = HFRunner(tdir, ddir, tuple(model.tokenizer.stop_ids))
+        methods.append(Method("transformers", "none", None))
+        if "ngram" in drafters:
+            methods += [Method("transformers", "ngram", k) for k in ks if k != "auto"]
+        if "draft" in drafters:
+            methods.append(Method("transformers", "draft", None))
+
+    bar = None
+    tick = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plist) * len(methods), desc="bench", unit="run", file=sys.stderr)
+        tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
+    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick)
+    if bar is not None:
+        bar.close()
+    elapsed = perf_counter() - t_start
+    summary = summarize(runs, methods, cost)
+    result = {
+        "config": {
+            "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
+            "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
+            "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
+            "temperature": temperature, "seed": seed, "threads": threads, "drafters": drafters, "k": ks,
+            "peers": peers, "elapsed_seconds": elapsed, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
+        },
+        "cost_model": cost.to_json() if cost else None,
+        "summary": summary,
+        "runs": [r.to_json() for r in runs],
+    }
+    result["targets"] = check_targets(summary, elapsed)
+    files = write_all(result, out, plot_prefix)
+    result["files"] = {k: str(v) for k, v in files.items()}
+    return result
+
+
+@command("bench")(_args)
+def run_bench_cmd(args: argparse.Namespace) -> int:
+    try:
+        ks = [parse_k(k) for k in _list(args.k)]
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(str(e)) from None
+    res = run_benchmark(
+        args.model, args.prompts, _list(args.drafters), ks, args.out, tokenizer=args.tokenizer,
+        draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
+        cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
+        progress=not args.no_progress,
+    )
+    print(Path(res["files"]["markdown"]).read_text())
+    print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
+    return 0

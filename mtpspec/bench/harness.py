@@ -1,0 +1,159 @@
+"""Run a prompt set through plain decoding and every requested drafter / depth, alternating runs.
+
+Every prompt is run by every method before the next prompt starts, and the order of the methods
+rotates from prompt to prompt, so slow drift of the machine (other jobs, thermal state) falls on
+all methods alike and speedups are ratios from the same run. Plain decoding (ours) is always
+included: it is the reference for speedup and for the lossless check (greedy output equal to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from ..adaptive import AdaptiveDepth
+from ..errors import ConfigError
+from ..prompts import Prompt, fit_prompt
+from .costmodel import CostModel
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to decode: our engine or a peer, a drafter, a depth."""
+
+    engine: str  # "mtpspec" or "transformers"
+    drafter: str  # "none" | "ngram" | "draft" | "mtp" | ... (peers: none | ngram | draft)
+    k: int | str | None  # draft depth D, "auto", or None (plain / the peer's own default)
+
+    @property
+    def label(self) -> str:
+        who = "ours" if self.engine == "mtpspec" else "hf"
+        if self.drafter == "none":
+            return f"{who}:plain"
+        return f"{who}:{self.drafter}" + (f"@{self.k}" if self.k is not None else "")
+
+
+PLAIN = Method("mtpspec", "none", None)
+
+
+@dataclass
+class Run:
+    """One prompt through one method, as measured."""
+
+    method: str
+    prompt_id: str
+    category: str
+    prompt_tokens: int
+    tokens: list[int]
+    wall_seconds: float
+    prefill_seconds: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    overhead_seconds: float | None = None
+    target_forwards: int | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    reached: list[int] = field(default_factory=list)  # steps that checked draft position i
+    passed: list[int] = field(default_factory=list)  # ... and accepted it
+    drafts_per_step: list[int] = field(default_factory=list)
+    lossless: bool | None = None  # greedy output equal to ours:plain (None when sampling)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["new_tokens"] = self.new_tokens
+        return d
+
+
+def run_from_result(method: Method, prompt: Prompt, res) -> Run:
+    s = res.stats
+    kmax = max((len(st.draft) for st in res.steps), default=0)
+    reached, passed = [0] * kmax, [0] * kmax
+    for st in res.steps:
+        for i in range(min(st.num_accepted + 1, len(st.draft))):
+            reached[i] += 1
+        for i in range(st.num_accepted):
+            passed[i] += 1
+    return Run(
+        method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(res.prompt_tokens),
+        tokens=list(res.tokens), wall_seconds=s.wall_seconds, prefill_seconds=s.prefill_seconds,
+        draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds, overhead_seconds=s.overhead_seconds,
+        target_forwards=s.target_forwards, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+        reached=reached, passed=passed, drafts_per_step=[len(st.draft) for st in res.steps],
+    )
+
+
+class OursRunner:
+    """Our engine: model.generate with a preloaded draft model (loading is never timed)."""
+
+    def __init__(self, model, draft_model=None, cost: CostModel | None = None, k_max_auto: int = 8) -> None:
+        self.model, self.draft_model, self.cost, self.k_max_auto = model, draft_model, cost, k_max_auto
+
+    def policy(self, method: Method) -> AdaptiveDepth:
+        c = self.cost
+        return AdaptiveDepth(
+            k_max=self.k_max_auto,
+            verify_ratio=c.ratio if c else None,
+            draft_cost=c.draft_cost.get(method.drafter) if c else None,
+        )
+
+    def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
+        if method.drafter == "draft" and self.draft_model is None:
+            raise ConfigError("--drafters draft needs --draft-model")
+        kw = {}
+        if method.k == "auto":
+            kw = dict(k=self.k_max_auto, depth_policy=self.policy(method))
+        else:
+            kw = dict(k=method.k or 1)
+        res = self.model.generate(
+            ids, drafter=method.drafter, draft_model=self.draft_model if method.drafter == "draft" else None,
+            temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, **kw,
+        )
+        return run_from_result(method, prompt, res)
+
+
+def prepare_ids(model, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt (BOS first), cut to the model's context minus max_new_tokens."""
+    budget = model.max_seq_len - max_new_tokens
+    if budget < 2:
+        raise ConfigError(f"max-new-tokens {max_new_tokens} leaves no room for a prompt in a context of {model.max_seq_len}")
+    out = []
+    for p in prompts:
+        text = p.text[-budget * 8 :]  # characters: generous for any tokenizer, keeps encoding fast
+        out.append(fit_prompt(model.encode(text), budget))
+    return out
+
+
+def run_bench(
+    methods: list[Method],
+    prompts: list[Prompt],
+    ids: list[list[int]],
+    runners: dict[str, object],  # engine name -> runner with .run(method, prompt, ids, ...)
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    warmup_tokens: int = 8,
+) -> list[Run]:
+    """Every prompt through every method (order rotated per prompt); lossless flags filled in."""
+    if PLAIN not in methods:
+        methods = [PLAIN, *methods]
+    for m in methods:  # warm-up: first-call costs (allocations, lazy imports) are not timed
+        runners[m.engine].run(m, prompts[0], ids[0], warmup_tokens, temperature, seed)
+    runs: list[Run] = []
+    for i, (p, pid) in enumerate(zip(prompts, ids)):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        by_label = {}
+        for m in order:
+            by_label[m.label] = runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)
+            if progress:
+                progress(m.label)
+        ref = by_label[PLAIN.label].tokens
+        for m in methods:
+            r = by_label[m.label]
+            r.lossless = (r.tokens == ref) if temperature == 0 else None
+            runs.append(r)
+    return runs

@@ -1,0 +1,87 @@
+"""Peers on the same weights: Hugging Face transformers' generate() (plain, prompt lookup, assisted).
+
+A model transformers can load directly (an HF directory) is used as it is; a llama2.c checkpoint is
+exported first (`mtpspec export`, checked by equal logits) so both engines run the same function.
+Prompts are the same token ids as ours. transformers stops at the token it emits from
+eos_token_id and keeps it; ours stops *before* its stop ids (BOS and EOS for llama2.c models), so
+generate() is given the same stop ids and a trailing stop token is dropped before comparing.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from time import perf_counter
+
+import torch
+
+from ..errors import ConfigError
+from ..prompts import Prompt
+from .harness import Method, Run
+
+
+def hf_directory(model, out_dir: Path, name: str) -> tuple[Path, float | None]:
+    """A transformers-loadable directory for `model`: its own path if it is one, else an export.
+
+    Returns (directory, max |logits diff| of the export check, or None when used as is)."""
+    src = Path(model.path) if model.path else None
+    if src is not None and src.is_dir() and (src / "config.json").exists():
+        return src, None
+    from ..export import check_export, export_hf
+
+    d = export_hf(model.module, out_dir / name, getattr(model.tokenizer, "bos_id", 1) if model.tokenizer else 1)
+    ids = list(range(1, min(64, model.max_seq_len) + 1))
+    chk = check_export(model.module, d, [i % model.module.vocab_size for i in ids])
+    if not chk.ok:
+        raise ConfigError(f"export of {name} does not reproduce our logits (max |diff| {chk.max_abs_diff:.2e})")
+    return d, chk.max_abs_diff
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", module="transformers")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+class HFRunner:
+    """transformers' LlamaForCausalLM.generate on exported (or native) checkpoints."""
+
+    def __init__(self, target_dir: Path, draft_dir: Path | None, stop_ids: tuple[int, ...]) -> None:
+        from transformers import LlamaForCausalLM
+
+        _quiet()
+        self.target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        self.draft = LlamaForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval() if draft_dir else None
+        self.stop_ids = list(stop_ids) or None
+
+    def kwargs(self, method: Method) -> dict:
+        if method.drafter == "none":
+            return {}
+        if method.drafter == "ngram":
+            return {"prompt_lookup_num_tokens": int(method.k) if isinstance(method.k, int) else 10}
+        if method.drafter == "draft":
+            if self.draft is None:
+                raise ConfigError("the assisted-generation peer needs --draft-model")
+            return {"assistant_model": self.draft}  # its default schedule (heuristic, confidence threshold)
+        raise ConfigError(f"transformers has no peer for drafter '{method.drafter}'")
+
+    @torch.inference_mode()
+    def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
+        x = torch.tensor([ids], dtype=torch.long)
+        sample = temperature > 0
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=self.stop_ids, pad_token_id=0,
+                  attention_mask=torch.ones_like(x))
+        if sample:
+            kw.update(temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        t0 = perf_counter()
+        out = self.target.generate(x, **kw, **self.kwargs(method))
+        wall = perf_counter() - t0
+        new = out[0, len(ids) :].tolist()
+        if new and self.stop_ids and new[-1] in self.stop_ids:
+            new = new[:-1]
+        return Run(method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(ids), tokens=new, wall_seconds=wall)

@@ -1,0 +1,126 @@
+"""`mtpspec export`: write a dense model as a Hugging Face transformers Llama checkpoint.
+
+Our DenseLM already uses the Hugging Face Llama parameter names and rotary layout (the llama2.c
+loader permutes wq / wk into the half-split layout), so export is the state_dict plus a
+config.json. The export is verified by running transformers' LlamaForCausalLM on the written
+directory and comparing logits with ours (fp32, max |diff| <= 1e-5), so peer benchmarks compare
+the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cli import add_model_args, command
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """How closely transformers' logits on the exported directory match ours."""
+
+    max_abs_diff: float  # max |logits_ours - logits_hf| over the checked positions
+    positions: int  # tokens compared
+    ok: bool  # max_abs_diff <= tolerance
+
+
+def hf_config(module, bos_id: int = 1, eos_id: int = 2) -> dict:
+    """config.json for transformers' LlamaConfig (5.x: rope_parameters holds rope_theta)."""
+    c = module.config
+    if getattr(c, "qk_norm", False) or getattr(c, "attention_bias", False):
+        raise ConfigError("export to a Llama checkpoint supports plain Llama models (no q/k norm, no attention bias)")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": bool(c.tie_embeddings),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+def export_hf(module, out: str | Path, bos_id: int = 1, eos_id: int = 2) -> Path:
+    """Write config.json + model.safetensors (fp32) for `module` (a DenseLM) into directory `out`."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(module, bos_id, eos_id)
+    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in module.state_dict().items()}
+    if cfg["tie_word_embeddings"]:
+        sd.pop("lm_head.weight", None)  # tied: transformers re-ties it to model.embed_tokens
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n")
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_hf(directory: str | Path):
+    """transformers' LlamaForCausalLM from an exported directory, fp32, eval mode."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def check_export(module, directory: str | Path, tokens: list[int], tol: float = 1e-5, hf_model=None) -> ExportCheck:
+    """Compare our logits over `tokens` with transformers' on the exported checkpoint."""
+    hf = hf_model if hf_model is not None else load_hf(directory)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    ours = module.to(torch.float32).forward_tokens(ids, module.new_cache()).logits if module.dtype == torch.float32 else None
+    if ours is None:
+        raise ConfigError("export check runs in fp32; load the model with --dtype fp32")
+    theirs = hf(ids[None]).logits[0].float()  # (T, V)
+    diff = float((ours - theirs).abs().max())
+    return ExportCheck(max_abs_diff=diff, positions=len(tokens), ok=diff <= tol)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_path", nargs="?", help="model to export (same as --model)")
+    add_model_args(p)
+    p.set_defaults(model=None)
+    for a in p._actions:  # --model is optional here: the positional path works too
+        if a.dest == "model":
+            a.required = False
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--no-check", action="store_true", help="skip the logits check against transformers")
+
+
+@command("export")(_args)
+def run_export(args: argparse.Namespace) -> int:
+    from .api import load
+
+    path = args.model or args.model_path
+    if not path:
+        raise ConfigError("export needs a model: mtpspec export MODEL --out DIR")
+    model = load(path, args.tokenizer, "fp32")
+    tok = model.tokenizer
+    out = export_hf(model.module, args.out, getattr(tok, "bos_id", 1), getattr(tok, "eos_id", 2))
+    print(f"wrote {out}/config.json and {out}/model.safetensors")
+    if not args.no_check:
+        ids = model.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
+        chk = check_export(model.module, out, ids)
+        print(f"logits check vs transformers over {chk.positions} positions: max |diff| = {chk.max_abs_diff:.2e} ({'ok' if chk.ok else 'FAILED'})")
+        if not chk.ok:
+            return 1
+    return 0

@@ -1,0 +1,108 @@
+"""`mtpspec bench`: prompt readers, the harness end to end on a tiny run, the cost model."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from mtpspec.bench.costmodel import CostModel
+from mtpspec.bench.harness import Method
+from mtpspec.cli import main
+from mtpspec.errors import ConfigError
+from mtpspec.prompts import SPEC_BENCH_CATEGORIES, fit_prompt, load_prompts
+
+
+def test_spec_bench_six_categories_round_robin(assets):
+    ps = load_prompts("spec_bench", limit=12)
+    assert len(ps) == 12
+    assert sorted({p.category for p in ps}) == sorted(SPEC_BENCH_CATEGORIES)
+    assert all(p.text for p in ps)
+
+
+def test_humaneval_and_tinystories(assets):
+    he = load_prompts("humaneval", limit=3)
+    assert [p.id for p in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"] and he[0].text.startswith("from typing")
+    ts = load_prompts("tinystories", limit=4)
+    assert len(ts) == 4 and all(p.text.startswith(("Once upon a time", "One day")) for p in ts)
+
+
+def test_user_files(tmp_path):
+    j = tmp_path / "mine.jsonl"
+    j.write_text(json.dumps({"prompt": "a b", "category": "x"}) + "\n" + json.dumps("just text") + "\n" + json.dumps({"text": "c"}) + "\n")
+    ps = load_prompts(j)
+    assert [(p.category, p.text) for p in ps] == [("x", "a b"), ("default", "just text"), ("default", "c")]
+    g = tmp_path / "mine.jsonl.gz"
+    with gzip.open(g, "wt") as f:
+        f.write(json.dumps({"task_id": "t/1", "prompt": "def f():"}) + "\n")
+    assert load_prompts(g)[0].category == "humaneval"
+    t = tmp_path / "lines.txt"
+    t.write_text("one\ntwo\n")
+    assert [p.text for p in load_prompts(t)] == ["one", "two"]
+    t.write_text("para one\nstill one\n\npara two\n")
+    assert [p.text for p in load_prompts(t)] == ["para one\nstill one", "para two"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    with pytest.raises(ConfigError):
+        load_prompts(bad)
+    with pytest.raises(ConfigError):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_fit_prompt_keeps_bos_and_tail():
+    assert fit_prompt([1, 5, 6, 7, 8], 3) == [1, 7, 8]
+    assert fit_prompt([1, 5], 3) == [1, 5]
+
+
+def test_cost_model_prediction():
+    c = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.0, 1.0, 1.0], draft_cost={"ngram": 0.0, "draft": 1.0})
+    assert c.predict_speedup("ngram", 8, [3, 3]) == pytest.approx(4.0)  # 8 tokens in 2 steps of T(4) = T(1)
+    assert c.predict_speedup("draft", 8, [3, 3]) == pytest.approx(1.0)  # drafts cost a step each
+    assert c.predict_constant("ngram", 3, 2.5) == pytest.approx(2.5)
+    assert c.t(7) == pytest.approx(1.0)
+
+
+def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
+    m = assets / "models"
+    out = tmp_path / "b"
+    rc = main([
+        "bench", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
+        "--prompts", "spec_bench", "--limit", "2", "--max-new-tokens", "8",
+        "--drafters", "none,ngram,draft", "--draft-model", str(m / "stories260K_q80.bin"),
+        "--k", "2,auto", "--threads", "1", "--peers", "--no-progress", "--out", str(out),
+    ])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) >= {"config", "cost_model", "summary", "runs", "targets"}
+    ov = res["summary"]["overall"]
+    for lab in ("ours:plain", "ours:ngram@2", "ours:ngram@auto", "ours:draft@2", "ours:draft@auto", "hf:plain", "hf:ngram@2", "hf:draft"):
+        assert lab in ov, lab
+        a = ov[lab]
+        assert a["prompts"] == 2 and a["tokens_per_second"] > 0 and a["lossless"] == "2/2"
+    a = ov["ours:draft@2"]
+    for key in ("mean_accepted_length", "acceptance_by_position", "time_split", "predicted_speedup", "efficiency", "speedup"):
+        assert a[key] is not None, key
+    assert set(a["time_split"]) == {"prefill", "draft", "verify", "overhead"}
+    assert len(res["summary"]["by_category"]) == 2
+    assert len(res["runs"]) == 2 * 8
+    assert res["cost_model"]["ratio"][0] == 1.0 and res["cost_model"]["threads"] == 1
+    md = (out / "report.md").read_text()
+    assert "| ours:plain |" in md and "Targets:" in md and "ours / theirs" in md
+    for png in ("bench_speedup.png", "bench_acceptance_time.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_bad_input_is_one_line_error(tmp_path, assets, capsys):
+    m = assets / "models"
+    base = ["bench", "--model", str(m / "stories260K.bin"), "--prompts", "spec_bench", "--limit", "1", "--out", str(tmp_path)]
+    assert main(base + ["--drafters", "nope"]) == 2
+    assert main(base + ["--k", "x"]) == 2
+    assert main(base + ["--drafters", "draft"]) == 2
+    assert "mtpspec: error:" in capsys.readouterr().err
+
+
+def test_method_labels():
+    assert Method("mtpspec", "none", None).label == "ours:plain"
+    assert Method("mtpspec", "ngram", "auto").label == "ours:ngram@auto"
+    assert Method("transformers", "draft", None).label == "hf:draft"
