@@ -1,0 +1,159 @@
+"""End to end in a real browser: `mtpspec serve`'s page in headless Debian chromium, driven by Playwright.
+
+The server runs in a thread on 127.0.0.1 (a free port); the test loads stories260K on the page, types a
+prefix and a draft, and checks the accept/reject cells and the top-K list against the JSON API's answer.
+Chromium is Debian's (/usr/bin/chromium, installed by `make test`); no browser is ever downloaded. Without
+it the test skips, unless MTPSPEC_REQUIRE_BROWSER=1 (as CI sets), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PREFIX = "Once upon a time, there was a little girl named Lily. She loved to"
+DRAFT = " play outside in the garden with her dog"
+
+
+def _chromium() -> str | None:
+    for cand in (os.environ.get("MTPSPEC_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def _need(what: str):
+    if os.environ.get("MTPSPEC_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{what} (MTPSPEC_REQUIRE_BROWSER=1: the browser test must run)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    import uvicorn
+
+    from mtpspec.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = str(assets / "models" / "stories260K.bin")
+    srv = uvicorn.Server(uvicorn.Config(create_app(model), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(url + "/api/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            srv.should_exit = True
+            pytest.fail("server did not start within 20 s")
+        time.sleep(0.1)
+    try:
+        yield url, model
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    exe = _chromium()
+    if exe is None:
+        _need("chromium not found (apt-get install chromium; `make test` installs it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need("the playwright python package is not installed")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True, timeout=60_000)
+        try:
+            pg = browser.new_page(viewport={"width": 1150, "height": 1000})
+            pg.set_default_timeout(30_000)
+            yield pg
+        finally:
+            browser.close()
+
+
+def test_verify_page_cells_and_top_k_match_the_api(server, page, tmp_path):
+    url, model = server
+    page.goto(url + "/")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+    assert "Greedy verification" in page.inner_text("body")
+    page.fill("#prefix", PREFIX)
+    page.fill("#draft", DRAFT)
+    page.fill("#topk", "5")
+    page.click("#verify")
+    page.wait_for_selector("#cells .cell")
+    api = httpx.post(url + "/api/verify", json={"model": model, "prefix": PREFIX, "draft": DRAFT, "top_k": 5}, timeout=30).json()
+    cells = page.query_selector_all("#cells .cell")
+    assert [c.get_attribute("data-status") for c in cells] == [p["status"] for p in api["positions"]]
+    assert "accepted" in [p["status"] for p in api["positions"]] and "rejected" in [p["status"] for p in api["positions"]]
+    for cell, pos in zip(cells, api["positions"]):
+        assert int(cell.query_selector("[data-role=target]").get_attribute("data-id")) == pos["target"]["id"]
+    n = api["num_accepted"]
+    rejected = cells[n]
+    rejected.query_selector("summary").click()  # expand the top-K distribution at the first mismatch
+    items = rejected.query_selector_all("ol.topk li")
+    assert all(i.is_visible() for i in items)
+    assert [int(i.get_attribute("data-id")) for i in items] == [t["id"] for t in api["positions"][n]["top"]]
+    assert [i.query_selector(".tp").inner_text() for i in items] == [f"{100 * t['p']:.1f}%" for t in api["positions"][n]["top"]]
+    assert page.inner_text("#verdict").startswith(f"{n} of {api['num_drafted']}")
+    shot = Path(os.environ.get("MTPSPEC_SCREENSHOT_DIR", tmp_path)) / "verify_page.png"
+    page.screenshot(path=str(shot), full_page=False)
+    assert shot.stat().st_size > 10_000
+
+
+def test_errors_are_visible_and_the_server_keeps_running(server, page):
+    url, _ = server
+    page.fill("#prefix", "")
+    page.click("#verify")
+    page.wait_for_selector("#error", state="visible")
+    assert "prefix is empty" in page.inner_text("#error")
+    page.fill("#model", "/no/such/model.bin")
+    page.click("#load")
+    page.wait_for_function("document.getElementById('error').textContent.includes('model not found')")
+    page.fill("#model", server[1])
+    page.click("#load")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+    page.fill("#prefix", PREFIX)
+    page.click("#verify")
+    page.wait_for_selector("#cells .cell")
+    assert not page.is_visible("#error")
+
+
+def test_step_through_a_real_run(server, page, assets):
+    page.fill("#prefix", PREFIX)
+    page.select_option("#drafter", "draft")
+    page.fill("#draft-model", str(assets / "models" / "stories260K_q80.bin"))
+    page.fill("#k", "4")
+    page.fill("#steps-n", "24")
+    page.click("#run")
+    page.wait_for_selector("#step-table")
+    assert "identical to plain: yes" in page.inner_text("#run-summary")
+    rows = page.query_selector_all("#step-table tr[data-status]")
+    statuses = [r.get_attribute("data-status") for r in rows]
+    assert statuses[-1] in ("bonus", "not reached") and len(statuses) == 5
+    assert "accepted" in statuses  # the page opens on a round where acceptance stopped part-way
+    assert "plain decoding" in page.inner_text("#step-cost")
+    shot_dir = os.environ.get("MTPSPEC_SCREENSHOT_DIR")
+    if shot_dir:  # the README's picture of a round: `make screenshots`
+        page.locator("#step-section").screenshot(path=str(Path(shot_dir) / "step_through.png"))
+    page.fill("#step-i", "1")
+    page.dispatch_event("#step-i", "change")
+    assert page.inner_text("#step").startswith("Round 1:")
+    page.click("#next")
+    assert page.input_value("#step-i") == "2" and page.inner_text("#step").startswith("Round 2:")
