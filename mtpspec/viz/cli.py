@@ -28,6 +28,7 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", help="compare several drafters, e.g. ngram,draft (overrides --drafter)")
     p.add_argument("--out", required=True, help="output HTML file; the PNG goes beside it (same name, .png)")
     p.add_argument("--png", help="PNG path (default: --out with .png)")
+    p.add_argument("--repeat", type=int, default=1, help="run each config N times and draw the run of median wall time")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest and steadiest for small models)")
 
 
@@ -53,12 +54,14 @@ def run_trace(args: argparse.Namespace) -> int:
     configs = [(d, k) for d in drafters if d != "none" for k in ks]
     if not configs:
         raise ConfigError("nothing to compare: choose a drafter other than 'none' (--drafter ngram, draft, ...)")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
     model = load(args.model, args.tokenizer, args.dtype)
     draft_model = kw.pop("draft_model")
     prompts = args.prompt or [""]
-    groups = trace_prompts(model, prompts, configs, draft_model=draft_model, **kw)
+    groups = trace_prompts(model, prompts, configs, draft_model=draft_model, repeat=args.repeat, **kw)
     meta = (f"model {args.model}, {args.dtype}, temperature {args.temperature}, seed {args.seed}, "
-            f"max {args.max_new_tokens} new tokens; drafters {', '.join(drafters)}; D in {ks}")
+            f"max {args.max_new_tokens} new tokens, median of {args.repeat} run(s); drafters {', '.join(drafters)}; D in {ks}")
     html_path, png_path = write_trace(groups, args.out, args.png, meta=meta)
     for g in groups:
         for r in g.runs:

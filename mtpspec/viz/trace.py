@@ -133,11 +133,14 @@ def build_run(label: str, drafter: str, k: int, result: GenerationResult, tokeni
     return TraceRun(label, drafter, k, result, steps)
 
 
-def trace_prompts(model, prompts: list[str], configs: list[tuple[str, int]], *, draft_model=None, warmup: bool = True, **gen) -> list[TraceGroup]:
+def trace_prompts(
+    model, prompts: list[str], configs: list[tuple[str, int]], *, draft_model=None, warmup: bool = True, repeat: int = 1, **gen
+) -> list[TraceGroup]:
     """Run plain decoding and every (drafter, D) config on each prompt, with trace=True.
 
-    Each config is run once untimed first (warm-up: allocation, lazy loads) so timings are steady.
-    `gen` are the remaining Model.generate keyword arguments (temperature, seed, max_new_tokens, ...).
+    Each config is run once untimed first (warm-up: allocation, lazy loads) so timings are steady;
+    with repeat > 1 each is run that many times and the run of median wall time is drawn (a real
+    run, not an average). `gen` are the other Model.generate keyword arguments (temperature, ...).
     """
     from ..api import Model, load
 
@@ -151,7 +154,8 @@ def trace_prompts(model, prompts: list[str], configs: list[tuple[str, int]], *, 
             kw = dict(gen, drafter=drafter, k=k, draft_model=draft_model)
             if warmup:
                 model.generate(prompt, **dict(kw, max_new_tokens=min(8, gen.get("max_new_tokens", 8))))
-            res = model.generate(prompt, trace=True, **kw)
+            tries = sorted((model.generate(prompt, trace=True, **kw) for _ in range(max(repeat, 1))), key=lambda r: r.stats.wall_seconds)
+            res = tries[len(tries) // 2]
             label = "plain decoding" if drafter == "none" else f"{drafter}, D={k}"
             group.runs.append(build_run(label, drafter, k, res, model.tokenizer))
         base = group.runs[0]
@@ -165,7 +169,7 @@ def trace_prompts(model, prompts: list[str], configs: list[tuple[str, int]], *, 
 
 # --------------------------------------------------------------------------------------------- SVG
 
-ROW_Y, BOX_H, CELL_H, CELL_GAP, AXIS_H, LEFT, RIGHT = 6, 22, 9, 1, 26, 10, 20
+ROW_Y, BOX_H, CELL_H, CELL_GAP, AXIS_H, LEFT, RIGHT = 6, 22, 9, 1, 26, 22, 24
 
 
 def _fmt_p(p: float | None) -> str:
