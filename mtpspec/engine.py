@@ -58,9 +58,12 @@ def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[lis
     return tokens[:budget], ("length" if len(tokens) >= budget else None)
 
 
-def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float) -> StepRecord:
-    """The step with what a trace shows: target probabilities (softmax of logits (D+1, V)) and argmaxes."""
-    p = torch.softmax(logits.float(), dim=-1)  # (D+1, V)
+def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float, sampler: Sampler) -> StepRecord:
+    """The step with what a trace shows: the target's probabilities p (D+1, V) and argmaxes.
+
+    p is softmax(logits) when greedy (the target's confidence), else the sampling distribution itself.
+    """
+    p = torch.softmax(logits.float(), dim=-1) if sampler.params.greedy else sampler.probs(logits)  # (D+1, V)
     d = draft.shape[0]
     p_draft = p[torch.arange(d), draft].tolist()  # (D,)
     p_emitted = p[torch.arange(len(step.emitted)), torch.tensor(step.emitted, dtype=torch.long)].tolist()
@@ -125,7 +128,7 @@ def generate_tokens(
         if depth is not None:
             depth.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
         step = StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1)
-        steps.append(_traced(step, out.logits, draft.tokens, t0 - metrics.start) if trace else step)
+        steps.append(_traced(step, out.logits, draft.tokens, t0 - metrics.start, sampler) if trace else step)
         if on_tokens is not None and emitted:
             on_tokens(emitted)
         if stop is not None:

@@ -66,7 +66,7 @@ class StepRecord:
     draft_seconds: float  # drafter propose + commit
     verify_seconds: float  # target forward + acceptance rule
     p_of_emitted: list[float] = field(default_factory=list)  # target probability of each emitted token
-    # filled only when generate(..., trace=True); softmax of the target's raw logits (temperature 1)
+    # filled only when generate(..., trace=True); p = softmax(logits) when greedy, else the sampling distribution
     start_seconds: float = 0.0  # when the step began, seconds since generation started (prefill included)
     p_of_draft: list[float] = field(default_factory=list)  # (D,) target probability of each draft token
     target_choice: list[int] = field(default_factory=list)  # (D+1,) argmax of p at every verified position

@@ -117,3 +117,35 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_running(client, path, bod
 def test_malformed_json(client):
     r = client.post("/api/verify", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]
+
+
+class CharTokenizer:
+    """A toy tokenizer for a 16-token model: BOS = 1, every character one id in 3..15."""
+
+    stop_ids = ()
+
+    def encode(self, text, bos=True):
+        return ([1] if bos else []) + [3 + ord(c) % 13 for c in text]
+
+    def decode(self, ids, prev=1):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_mtp_head_is_offered_and_proposes_when_the_model_has_one():
+    import torch
+
+    from mtpspec.api import Model
+    from mtpspec.models.qwen35 import HybridConfig, HybridLM
+    from mtpspec.server.verify_page import available_drafters, verify_draft
+
+    cfg = HybridConfig(
+        vocab_size=16, hidden_size=32, num_layers=2, layer_types=("linear_attention", "full_attention"), num_heads=4,
+        num_kv_heads=2, head_dim=16, intermediate_size=48, max_seq_len=64, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, mtp_num_layers=1, tie_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Model(module=HybridLM(cfg).eval(), tokenizer=CharTokenizer())
+    assert {d["name"]: d["available"] for d in available_drafters(model)}["mtp"]
+    r = verify_draft(model, "abcabcabc", drafter="mtp", k=3, top_k=4)
+    assert r["draft"]["source"] == "mtp" and r["num_drafted"] == 3 and len(r["positions"]) == 4
+    assert [t["id"] for t in r["emitted"]][: r["num_accepted"]] == r["draft"]["ids"][: r["num_accepted"]]
