@@ -142,11 +142,10 @@ def trace_prompts(
     with repeat > 1 each is run that many times and the run of median wall time is drawn (a real
     run, not an average). `gen` are the other Model.generate keyword arguments (temperature, ...).
     """
-    from ..api import Model, load
+    from ..api import load
 
     if isinstance(draft_model, (str, Path)):
         draft_model = load(draft_model, dtype=getattr(model.module, "dtype", "fp32"))
-    assert draft_model is None or isinstance(draft_model, Model) or hasattr(draft_model, "forward_tokens")
     groups = []
     for prompt in prompts:
         group = TraceGroup(prompt)
@@ -258,8 +257,8 @@ svg.timeline{display:block;margin:2px 0}
 """
 
 
-def _token_strip(run: TraceRun) -> str:
-    parts = []
+def _token_strip(run: TraceRun, prompt: str) -> str:
+    parts = [f'<span style="color:#888">{html.escape(prompt)}</span>']
     for st in run.steps:
         rejected = "".join(c.text for c in st.cells if c.kind in ("rejected", "discarded"))
         for c in st.cells:
@@ -310,7 +309,7 @@ def render_html(groups: list[TraceGroup], title: str = "mtpspec trace", meta: st
                 f"forward, {s['speedup']:.2f}x</h3>"
             )
             body.append(render_svg(run, t_max))
-            body.append(_token_strip(run))
+            body.append(_token_strip(run, g.prompt))
     data = json.dumps([{"prompt": g.prompt, "runs": [r.summary() for r in g.runs]} for g in groups])
     body.append(f'<script type="application/json" id="trace-data">{html.escape(data, quote=False)}</script>')
     return (
