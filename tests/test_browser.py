@@ -88,10 +88,14 @@ def page(server):
             browser.close()
 
 
-def test_verify_page_cells_and_top_k_match_the_api(server, page, tmp_path):
-    url, model = server
+def _open(page, url: str) -> None:
     page.goto(url + "/")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+
+
+def test_verify_page_cells_and_top_k_match_the_api(server, page, tmp_path):
+    url, model = server
+    _open(page, url)
     assert "Greedy verification" in page.inner_text("body")
     page.fill("#prefix", PREFIX)
     page.fill("#draft", DRAFT)
@@ -119,6 +123,7 @@ def test_verify_page_cells_and_top_k_match_the_api(server, page, tmp_path):
 
 def test_errors_are_visible_and_the_server_keeps_running(server, page):
     url, _ = server
+    _open(page, url)
     page.fill("#prefix", "")
     page.click("#verify")
     page.wait_for_selector("#error", state="visible")
@@ -136,6 +141,7 @@ def test_errors_are_visible_and_the_server_keeps_running(server, page):
 
 
 def test_step_through_a_real_run(server, page, assets):
+    _open(page, server[0])
     page.fill("#prefix", PREFIX)
     page.select_option("#drafter", "draft")
     page.fill("#draft-model", str(assets / "models" / "stories260K_q80.bin"))
