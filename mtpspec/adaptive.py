@@ -2,17 +2,24 @@
 
 Model of one step at depth D (D = 0 is a plain step):
 
-    tokens(D) = 1 + a + a^2 + ... + a^D          (geometric acceptance, a = P(draft i ok | i-1 ok))
-    time(D)   = c_draft * D + v1 * r(D + 1) + o   (drafter per token, target verify, engine overhead)
+    tokens(D) = 1 + a1 + a1 a2 + ... + a1 a2 ... aD   (a_i = P(draft i ok | drafts before it ok))
+    time(D)   = c_draft * D + v1 * r(D + 1) + o      (drafter per token, target verify, engine overhead)
 
-and D = argmax tokens(D) / time(D) over 0..k_max. `a` is a decayed running estimate of the
-conditional acceptance (passed / reached draft positions), `c_draft`, `v1` and `o` are running
-estimates from the measured time of each step, and r(k) = T(k)/T(1) is the target's cost curve
-(measured once by the benchmark's cost model; flat when unknown, which is what a tiny model shows).
+and D = argmax tokens(D) / time(D) over 0..k_max. Each a_i is a decayed running estimate of the
+conditional acceptance at draft position i, shrunk toward the pooled estimate over all positions
+where position i has little evidence (prompt lookup is typically unsure of its first token and sure
+of the rest once a copy has started; a draft model decays with depth). `c_draft`, `v1` and `o` are
+running estimates from the measured time of each step, and r(k) = T(k)/T(1) is the target's cost
+curve (measured once by the benchmark's cost model; flat when unknown, which is what a tiny model
+shows).
 
 Choosing D = 0 gives no new evidence about acceptance, so after a run of plain steps the policy
-probes once with the best D >= 1; a failed probe doubles the wait before the next one (bounded),
-so a hopeless drafter costs at most a few percent and a drafter that starts to pay is found again.
+probes with the best D >= 1 until a step actually drafts (prompt lookup may have nothing to offer,
+which costs nothing). The wait between probes is sized so probing costs about `explore` (2%) of
+the time: a probe costs c_draft + v1 (r(2) - 1), so a nearly free drafter (prompt lookup) probes
+every few steps and a drafter as costly as the target every ~50; a failed probe doubles the wait
+(up to 4x), a successful one resets it. A hopeless drafter loses at most a few percent, and one
+that starts to pay (a story that begins to repeat itself) is found again.
 """
 
 from __future__ import annotations
@@ -29,23 +36,29 @@ class AdaptiveDepth:
         k_max: int = 8,
         verify_ratio: Sequence[float] | None = None,  # r[k-1] = T(k)/T(1) for k = 1..; None = flat
         draft_cost: float | None = None,  # prior drafter seconds per drafted token (None: learn)
-        decay: float = 0.85,  # weight of the past in the acceptance estimate (about 7 steps of memory)
+        target_cost: float | None = None,  # prior seconds of a one-token target step T(1) (None: learn)
+        decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,
-        probe_min: int = 8,  # plain steps before the first probe
-        probe_max: int = 64,  # longest wait between probes after repeated failures
+        shrink: float = 2.0,  # pseudo-observations pulling each a_i toward the pooled estimate
+        explore: float = 0.02,  # share of time that probing may cost
+        probe_min: int = 4,  # fewest plain steps between probes
+        margin: float = 0.03,  # speculation must promise this much over a plain step to be chosen
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
         self.k_max = k_max
         self.ratio = list(verify_ratio) if verify_ratio else None
-        self.decay = decay
-        self.passed = prior_acceptance * 2.0  # decayed sums; the prior weighs two draft positions
-        self.reached = 2.0
+        self._r = [self.r(k) for k in range(1, k_max + 2)]  # r(d + 1) for d = 0..k_max
+        self.decay, self.shrink = decay, shrink
+        n = max(k_max, 1)
+        self.passed = [0.0] * n  # decayed counts per draft position
+        self.reached = [0.0] * n
+        self.pool_passed, self.pool_reached = prior_acceptance * 2.0, 2.0  # pooled, with a prior of 2
         self.c_draft = draft_cost  # seconds per drafted token
-        self.v1: float | None = None  # seconds of a one-token verify (target step)
+        self.v1: float | None = target_cost  # seconds of a one-token verify (target step)
         self.o = 0.0  # seconds of engine overhead per step
-        self.probe_min, self.probe_max = probe_min, probe_max
-        self.probe_wait = probe_min
+        self.explore, self.probe_min, self.margin = explore, probe_min, margin
+        self.probe_wait: int | None = None  # set from the costs at the first plain step
         self.plain_run = 0  # consecutive D = 0 choices
         self.probing = False
         self.last_depth = 0
@@ -56,7 +69,13 @@ class AdaptiveDepth:
     # --- estimates -------------------------------------------------------------------------
     @property
     def acceptance(self) -> float:
-        return self.passed / self.reached if self.reached > 0 else 0.0
+        """Pooled conditional acceptance over all draft positions."""
+        return self.pool_passed / self.pool_reached
+
+    def acceptance_at(self) -> list[float]:
+        """a_i for i = 1..k_max, each shrunk toward the pooled estimate."""
+        pooled, w = self.acceptance, self.shrink
+        return [(p + w * pooled) / (r + w) for p, r in zip(self.passed, self.reached)]
 
     def r(self, k: int) -> float:
         """T(k)/T(1), from the measured curve (extended linearly past its end) or flat."""
@@ -68,9 +87,12 @@ class AdaptiveDepth:
         slope = (last - self.ratio[-2]) if len(self.ratio) > 1 else 0.0
         return last + max(slope, 0.0) * (k - len(self.ratio))
 
-    def expected_tokens(self, d: int, a: float | None = None) -> float:
-        a = self.acceptance if a is None else a
-        return sum(a**i for i in range(d + 1))  # 1 + a + ... + a^d
+    def expected_tokens(self, d: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.acceptance_at()[:d]:
+            run *= a
+            total += run
+        return total
 
     def step_time(self, d: int) -> float:
         v1 = self.v1 if self.v1 is not None else 1.0
@@ -78,50 +100,82 @@ class AdaptiveDepth:
         return c * d + v1 * self.r(d + 1) + self.o
 
     def best_depth(self, k_max: int, min_depth: int = 0) -> int:
+        v1 = self.v1 if self.v1 is not None else 1.0
+        c = self.c_draft if self.c_draft is not None else 0.5 * v1
         best, best_rate = min_depth, -1.0
-        for d in range(min_depth, k_max + 1):
-            rate = self.expected_tokens(d) / self.step_time(d)
+        tokens, run = 1.0, 1.0
+        acc = self.acceptance_at()
+        for d in range(0, k_max + 1):
+            if d > 0:
+                run *= acc[d - 1]
+                tokens += run
+            if d < min_depth:
+                continue
+            rate = tokens / (c * d + v1 * self._r[d] + self.o)
+            if d == 0:  # costs the model does not see (drafter catch-up, bookkeeping) favour plain
+                rate *= 1.0 + self.margin
             if rate > best_rate * 1.0001:  # ties go to the smaller D
                 best, best_rate = d, rate
         return best
 
     # --- DepthPolicy -----------------------------------------------------------------------
+    def probe_base(self) -> int:
+        """Plain steps between probes so that probing costs about `explore` of the time."""
+        v1 = self.v1 or 1.0
+        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        cost = (c + v1 * (self.r(2) - 1.0)) / (v1 + self.o)  # a D = 1 probe, in plain steps
+        return max(self.probe_min, int(cost / self.explore + 0.5))
+
     def next_depth(self, k_max: int) -> int:
         now = perf_counter()
         if self._t_choose is not None:  # whole previous step minus its draft + verify = engine overhead
             over = max(now - self._t_choose - self._step_work, 0.0)
-            self.o = over if not self.history else 0.8 * self.o + 0.2 * over
+            self.o = over if len(self.history) == 1 else 0.8 * self.o + 0.2 * over
         self._t_choose = now
         k_max = min(k_max, self.k_max)
         if k_max <= 0:
             d = 0
-        elif self.v1 is None or self.c_draft is None:  # warm-up: learn what a draft costs
+        elif self.v1 is None or self.c_draft is None:  # warm-up: learn what a step and a draft cost
             d = min(2, k_max)
         else:
             d = self.best_depth(k_max)
-            self.probing = False
-            if d == 0:
-                self.plain_run += 1
-                if self.plain_run >= self.probe_wait:
-                    d, self.probing, self.plain_run = max(self.best_depth(k_max, 1), 1), True, 0
-            else:
+            if d > 0:
                 self.plain_run = 0
+            elif self.probing:  # a probe that has not drafted yet (prompt lookup found nothing)
+                d = self.best_depth(k_max, 1)
+            else:
+                self.plain_run += 1
+                if self.probe_wait is None:
+                    self.probe_wait = self.probe_base()
+                if self.plain_run >= self.probe_wait:
+                    d, self.probing, self.plain_run = self.best_depth(k_max, 1), True, 0
         self.last_depth = d
         self.history.append(d)
         return d
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self._step_work = draft_seconds + verify_seconds
-        v = verify_seconds / self.r(drafted + 1)
+        v = verify_seconds / (self._r[drafted] if drafted < len(self._r) else self.r(drafted + 1))
         self.v1 = v if self.v1 is None else 0.8 * self.v1 + 0.2 * v
         if drafted > 0:
             c = draft_seconds / drafted
-            self.c_draft = c if self.c_draft is None else 0.8 * self.c_draft + 0.2 * c
+            if self.c_draft is not None:  # one slow call (first indexing of a long prompt) is clipped
+                c = 0.8 * self.c_draft + 0.2 * min(c, 4 * self.c_draft + 1e-5)
+            self.c_draft = c
+            g = self.decay
             reached = min(accepted + 1, drafted)  # positions checked: all accepted + the first miss
-            self.passed = self.decay * self.passed + accepted
-            self.reached = self.decay * self.reached + reached
-            if self.probing:  # a probe that paid resets the wait; one that failed doubles it
-                ok = accepted > 0
-                self.probe_wait = self.probe_min if ok else min(self.probe_wait * 2, self.probe_max)
+            for i in range(min(drafted, len(self.passed))):
+                self.passed[i] *= g
+                self.reached[i] *= g
+                if i < reached:
+                    self.reached[i] += 1.0
+                    self.passed[i] += 1.0 if i < accepted else 0.0
+            self.pool_passed = g * self.pool_passed + accepted
+            self.pool_reached = g * self.pool_reached + reached
+            if self.probing:  # a probe that paid resets the wait; one that failed doubles it (up to 4x)
+                base = self.probe_base()
+                wait = self.probe_wait or base
+                self.probe_wait = base if accepted > 0 else min(wait * 2, 4 * base)
+                self.probing = False
         elif self.last_depth > 0 and self.c_draft is None:
             self.c_draft = draft_seconds  # asked for drafts, got none (n-gram miss): cost of asking

@@ -1,6 +1,8 @@
 """Cost model: what a step costs on this machine, and the speedup that measured acceptance predicts.
 
-Measured once per model (medians of repeated raw forwards, no engine around them):
+Measured once per model (raw forwards, no engine around them; the k's are timed round-robin so
+drift falls on all of them alike, each T(k) is the lower quartile of its repeats, since other jobs
+only ever add time, and the curve is made non-decreasing in k by pooling adjacent violators):
 
 - T(k): one target forward over k new tokens on a cache already holding `context` positions;
   reported as T(1) in seconds and the curve T(k)/T(1), k = 1..k_max+1.
@@ -11,16 +13,18 @@ Measured once per model (medians of repeated raw forwards, no engine around them
 Prediction for a finished run, step by step: each step with d drafts costs c_draft * d + T(d + 1),
 and plain decoding needs one T(1) per token, so
 
-    predicted speedup = new_tokens * T(1) / sum over steps (c_draft * d + T(d + 1))
+    predicted speedup = (P + new_tokens * T(1)) / (P (1 + f) + sum over steps (c_draft * d + T(d + 1)))
 
-(for a constant D this is the textbook accepted-per-step x T(1) / (T_draft + T(D+1))). The gap to
-the measured speedup is the engine's own overhead: bookkeeping, drafter catch-up, prefill.
+where P is the target's prefill of the same prompts as measured in the plain runs and f the
+drafter's prefill relative to it (c_draft / T(1) for a draft model, which reads the prompt too; 0
+otherwise). Without prefill and for a constant D this is the textbook accepted-per-step x T(1) /
+(T_draft + T(D+1)). The gap to the measured speedup is the engine's own overhead: bookkeeping,
+drafter catch-up, sampling and acceptance, Python between the forwards.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import asdict, dataclass, field
 from time import perf_counter
 
@@ -47,10 +51,22 @@ class CostModel:
     def step_seconds(self, drafter: str, d: int) -> float:
         return self.draft_cost.get(drafter, 0.0) * d + self.t(d + 1)
 
-    def predict_speedup(self, drafter: str, new_tokens: int, drafts_per_step: list[int]) -> float:
-        """Speedup over plain decoding that these steps (d drafted tokens each) should give."""
-        cost = sum(self.step_seconds(drafter, d) for d in drafts_per_step)
-        return new_tokens * self.t1 / cost if cost > 0 else 0.0
+    def prefill_factor(self, drafter: str) -> float:
+        """Drafter prefill as a share of the target's: a draft model reads the prompt too (lazily,
+        at its first draft, so only runs that drafted pay it)."""
+        return self.draft_cost.get(drafter, 0.0) / self.t1 if drafter == "draft" else 0.0
+
+    def run_seconds(self, drafter: str, drafts_per_step: list[int], prefill_seconds: float = 0.0) -> float:
+        """Predicted seconds of one generation: prefill (+ the drafter's) and every step."""
+        steps = sum(self.step_seconds(drafter, d) for d in drafts_per_step)
+        return steps + prefill_seconds * (1 + (self.prefill_factor(drafter) if any(drafts_per_step) else 0.0))
+
+    def predict_speedup(self, drafter: str, new_tokens: int, drafts_per_step: list[int], prefill_seconds: float = 0.0) -> float:
+        """Speedup over plain decoding that these steps (d drafted tokens each) should give.
+
+        prefill_seconds: the target's prefill of the same prompt (measured), paid by both sides."""
+        cost = self.run_seconds(drafter, drafts_per_step, prefill_seconds)
+        return (new_tokens * self.t1 + prefill_seconds) / cost if cost > 0 else 0.0
 
     def predict_constant(self, drafter: str, d: int, mean_accepted_length: float) -> float:
         """accepted-per-step x T(1) / (T_draft + T(D+1)) for a constant depth D."""
@@ -67,23 +83,49 @@ def _median_seconds(fn, repeat: int) -> float:
         t0 = perf_counter()
         fn()
         times.append(perf_counter() - t0)
-    return statistics.median(times)
+    return _quantile(times, 0.5)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [b[0] / b[1] for b in blocks for _ in range(b[1])]
 
 
 @torch.inference_mode()
-def time_forward(module, k: int, context: int, repeat: int = 30) -> float:
-    """Median seconds of module.forward_tokens over k new tokens after `context` cached positions."""
+def time_forwards(module, ks: list[int], context: int, repeat: int = 30, q: float = 0.25) -> list[float]:
+    """Seconds of module.forward_tokens over k new tokens after `context` cached positions, for
+    each k in ks (timed round-robin; lower quartile of `repeat` timings each)."""
     cache = module.new_cache()
-    ctx = min(context, module.max_seq_len - k)
+    ctx = max(1, min(context, module.max_seq_len - max(ks)))
     g = torch.Generator().manual_seed(0)
     module.forward_tokens(torch.randint(3, module.vocab_size, (ctx,), generator=g), cache)
-    toks = torch.randint(3, module.vocab_size, (k,), generator=g)
+    toks = {k: torch.randint(3, module.vocab_size, (k,), generator=g) for k in ks}
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(repeat + 2):  # two warm-up rounds
+        for k in ks:
+            t0 = perf_counter()
+            module.forward_tokens(toks[k], cache)
+            dt = perf_counter() - t0
+            cache.crop(ctx)
+            if rep >= 2:
+                times[k].append(dt)
+    return [_quantile(times[k], q) for k in ks]
 
-    def step():
-        module.forward_tokens(toks, cache)
-        cache.crop(ctx)
 
-    return _median_seconds(step, repeat)
+def time_forward(module, k: int, context: int, repeat: int = 30) -> float:
+    return time_forwards(module, [k], context, repeat)[0]
 
 
 def choose_threads(module, context: int = 128, candidates: list[int] | None = None) -> tuple[int, dict[int, float]]:
@@ -94,7 +136,7 @@ def choose_threads(module, context: int = 128, candidates: list[int] | None = No
     timings = {}
     for t in candidates:
         torch.set_num_threads(t)
-        timings[t] = time_forward(module, 1, context, repeat=40)
+        timings[t] = time_forward(module, 1, context, repeat=10)
     return min(timings, key=timings.get), timings
 
 
@@ -116,7 +158,7 @@ def measure(target, draft=None, k_max: int = 8, context: int = 128, threads: int
     else:
         thread_t1 = {}
     torch.set_num_threads(threads)
-    times = [time_forward(target, k, context) for k in range(1, k_max + 2)]
+    times = _monotone(time_forwards(target, list(range(1, k_max + 2)), context, repeat=40))
     t1 = times[0]
     cost = {"none": 0.0}
     if "ngram" in drafters:

@@ -98,6 +98,7 @@ class OursRunner:
             k_max=self.k_max_auto,
             verify_ratio=c.ratio if c else None,
             draft_cost=c.draft_cost.get(method.drafter) if c else None,
+            target_cost=c.t1 if c else None,
         )
 
     def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:

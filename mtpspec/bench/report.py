@@ -34,7 +34,7 @@ def _drafter_of(label: str) -> str:
     return "none" if name == "plain" else name.split("@", 1)[0]
 
 
-def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | None) -> Aggregate:
+def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | None, plain_prefill: dict[str, float] | None = None) -> Aggregate:
     rs = [r for r in runs if r.method == label]
     toks = sum(r.new_tokens for r in rs)
     wall = sum(r.wall_seconds for r in rs)
@@ -58,7 +58,11 @@ def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | N
         steps = [d for r in rs for d in r.drafts_per_step]
         agg.mean_depth = sum(steps) / len(steps) if steps else 0.0
         if cost is not None:
-            agg.predicted_speedup = cost.predict_speedup(_drafter_of(label), toks, steps)
+            pre = plain_prefill or {}
+            dr = _drafter_of(label)
+            plain_s = sum(r.new_tokens * cost.t1 + pre.get(r.prompt_id, 0.0) for r in rs)
+            spec_s = sum(cost.run_seconds(dr, r.drafts_per_step, pre.get(r.prompt_id, 0.0)) for r in rs)
+            agg.predicted_speedup = plain_s / spec_s if spec_s > 0 else None
             agg.efficiency = agg.speedup / agg.predicted_speedup if agg.predicted_speedup else None
     return agg
 
@@ -69,7 +73,8 @@ def summarize(runs: list[Run], methods: list[Method], cost: CostModel | None) ->
     out = {"categories": cats, "methods": labels, "overall": {}, "by_category": {}}
     for group, rs in [("overall", runs)] + [(c, [r for r in runs if r.category == c]) for c in cats]:
         base = aggregate(rs, PLAIN.label, 0.0, None)
-        aggs = {lab: aggregate(rs, lab, base.tokens_per_second, cost).__dict__ for lab in labels}
+        pre = {r.prompt_id: r.prefill_seconds or 0.0 for r in rs if r.method == PLAIN.label}
+        aggs = {lab: aggregate(rs, lab, base.tokens_per_second, cost, pre).__dict__ for lab in labels}
         if group == "overall":
             out["overall"] = aggs
         else:

@@ -34,10 +34,7 @@ class DraftModelDrafter:
         self.sampler = sampler
         self.cache = self.model.new_cache()
         self.pending = 0
-        self.fed = 0
-        if len(context) > 1 and len(context) - 1 <= self.model.max_seq_len:
-            self.model.forward_tokens(context[:-1], self.cache)
-            self.fed = len(context) - 1
+        self.fed = 0  # lazy: the first propose reads the prompt, so a run that never drafts never pays for it
 
     @torch.inference_mode()
     def propose(self, context: Tensor, k: int) -> Draft:
