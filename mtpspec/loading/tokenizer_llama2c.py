@@ -10,6 +10,7 @@ Decode: a piece following BOS loses its leading space; <0xNN> pieces are raw byt
 from __future__ import annotations
 
 import codecs
+import heapq
 import re
 import struct
 from pathlib import Path
@@ -74,16 +75,40 @@ class Llama2cTokenizer:
                 tokens.append(tid)
             else:
                 tokens.extend(byte + 3 for byte in b)  # byte fallback
-        while True:  # greedy merges, highest score first, earliest pair on ties
-            best, best_id, best_i = -1e10, -1, -1
-            for i in range(len(tokens) - 1):
-                tid = self.lookup.get(self.pieces[tokens[i]] + self.pieces[tokens[i + 1]])
-                if tid is not None and self.scores[tid] > best:
-                    best, best_id, best_i = self.scores[tid], tid, i
-            if best_i < 0:
-                break
-            tokens[best_i : best_i + 2] = [best_id]
-        return ([BOS] if bos else []) + tokens
+        return ([BOS] if bos else []) + self._merge(tokens)
+
+    def _merge(self, tokens: list[int]) -> list[int]:
+        """Repeatedly merge the adjacent pair with the highest merged score, the earliest on ties.
+
+        Same result as run.c's rescan-per-merge loop, in O(n log n): a heap of candidate pairs keyed
+        by (-score, position), a linked list of live tokens, stale heap entries skipped when popped.
+        """
+        n = len(tokens)
+        tok, nxt, prv, alive = list(tokens), list(range(1, n + 1)), list(range(-1, n - 1)), [True] * n
+        heap: list[tuple[float, int, int, int]] = []
+
+        def push(i: int) -> None:
+            j = nxt[i] if 0 <= i < n else n
+            if 0 <= i and j < n:
+                mid = self.lookup.get(self.pieces[tok[i]] + self.pieces[tok[j]])
+                if mid is not None:
+                    heapq.heappush(heap, (-self.scores[mid], i, tok[i], tok[j]))
+
+        for i in range(n - 1):
+            push(i)
+        while heap:
+            _, i, left, right = heapq.heappop(heap)
+            j = nxt[i] if alive[i] else n
+            if j >= n or tok[i] != left or tok[j] != right:
+                continue  # stale: one side was merged away since this pair was pushed
+            tok[i] = self.lookup[self.pieces[left] + self.pieces[right]]
+            alive[j] = False
+            nxt[i] = nxt[j]
+            if nxt[j] < n:
+                prv[nxt[j]] = i
+            push(prv[i])
+            push(i)
+        return [t for t, a in zip(tok, alive) if a]
 
     @staticmethod
     def _piece_bytes(piece: bytes) -> bytes:
