@@ -248,7 +248,8 @@ def load_hf_model(path: Path, dtype: torch.dtype, max_seq_len: int | None = None
     files = safetensor_files(path)
     listing = list(iter_tensors(files))
     n_layers = int(text.get("num_hidden_layers", 0))
-    mtp_layers = count_mtp_layers([n for n, _, _ in listing], n_layers) if text.get("model_type") in HYBRID_TYPES else 0
+    names = [n.replace("model.language_model.", "model.", 1) for n, _, _ in listing]
+    mtp_layers = count_mtp_layers(names, n_layers) if text.get("model_type") in HYBRID_TYPES else 0
     cfg, arch = config_from_hf(raw, path, mtp_layers, max_seq_len)
     items = []
     for name, load, shape in listing:
