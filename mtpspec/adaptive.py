@@ -64,6 +64,7 @@ class AdaptiveDepth:
         self.last_depth = 0
         self._t_choose: float | None = None
         self._step_work = 0.0
+        self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
         self.history: list[int] = []  # chosen D per step (for tests and traces)
 
     # --- estimates -------------------------------------------------------------------------
@@ -126,6 +127,14 @@ class AdaptiveDepth:
         cost = (c + v1 * (self.r(2) - 1.0)) / (v1 + self.o)  # a D = 1 probe, in plain steps
         return max(self.probe_min, int(cost / self.explore + 0.5))
 
+    def can_pay(self, k_max: int) -> bool:
+        """Would speculation beat a plain step even if every draft were accepted? (If not, probing
+        is pointless: a drafter as costly as the target can never pay.)"""
+        v1 = self.v1 or 1.0
+        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        plain = (1.0 + self.margin) / (v1 + self.o)
+        return any((d + 1) / (c * d + v1 * self._r[d] + self.o) > plain for d in range(1, k_max + 1))
+
     def next_depth(self, k_max: int) -> int:
         now = perf_counter()
         if self._t_choose is not None:  # whole previous step minus its draft + verify = engine overhead
@@ -135,7 +144,7 @@ class AdaptiveDepth:
         k_max = min(k_max, self.k_max)
         if k_max <= 0:
             d = 0
-        elif self.v1 is None or self.c_draft is None:  # warm-up: learn what a step and a draft cost
+        elif self.v1 is None or self.c_draft is None or self._warm < 2:  # warm-up: learn what a step and a draft cost
             d = min(2, k_max)
         else:
             d = self.best_depth(k_max)
@@ -147,7 +156,7 @@ class AdaptiveDepth:
                 self.plain_run += 1
                 if self.probe_wait is None:
                     self.probe_wait = self.probe_base()
-                if self.plain_run >= self.probe_wait:
+                if self.plain_run >= self.probe_wait and self.can_pay(k_max):
                     d, self.probing, self.plain_run = self.best_depth(k_max, 1), True, 0
         self.last_depth = d
         self.history.append(d)
@@ -159,7 +168,10 @@ class AdaptiveDepth:
         self.v1 = v if self.v1 is None else 0.8 * self.v1 + 0.2 * v
         if drafted > 0:
             c = draft_seconds / drafted
-            if self.c_draft is not None:  # one slow call (first indexing of a long prompt) is clipped
+            self._warm += 1
+            if self._warm == 2 or self.c_draft is None:  # the first draft also read the prompt: replace it
+                self.c_draft = None
+            if self.c_draft is not None:  # one slow call (a catch-up over a long prompt) is clipped
                 c = 0.8 * self.c_draft + 0.2 * min(c, 4 * self.c_draft + 1e-5)
             self.c_draft = c
             g = self.decay

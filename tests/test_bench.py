@@ -70,7 +70,7 @@ def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
         "bench", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
         "--prompts", "spec_bench", "--limit", "2", "--max-new-tokens", "8",
         "--drafters", "none,ngram,draft", "--draft-model", str(m / "stories260K_q80.bin"),
-        "--k", "2,auto", "--threads", "1", "--peers", "--no-progress", "--out", str(out),
+        "--k", "2,auto", "--threads", "1", "--repeat", "2", "--peers", "--no-progress", "--out", str(out),
     ])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

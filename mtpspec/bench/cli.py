@@ -32,6 +32,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds), keep the fastest")
     p.add_argument("--threads", type=int, help="torch threads (default: measured, the fastest for T(1))")
     p.add_argument("--peers", action="store_true", help="also run transformers' generate() on the same weights")
     p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
@@ -60,6 +61,7 @@ def run_benchmark(
     hf_dir: str | None = None,
     plot_prefix: str = "bench_",
     progress: bool = True,
+    repeat: int = 1,
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
@@ -119,9 +121,11 @@ def run_benchmark(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(plist) * len(methods), desc="bench", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(plist) * len(methods) * repeat, desc="bench", unit="run", file=sys.stderr)
         tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
-    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick)
+    if repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {repeat}")
+    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, repeat=repeat)
     if bar is not None:
         bar.close()
     elapsed = perf_counter() - t_start
@@ -131,7 +135,7 @@ def run_benchmark(
             "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
-            "temperature": temperature, "seed": seed, "threads": threads, "drafters": drafters, "k": ks,
+            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "drafters": drafters, "k": ks,
             "peers": peers, "elapsed_seconds": elapsed, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
         },
         "cost_model": cost.to_json() if cost else None,
@@ -155,7 +159,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress,
+        progress=not args.no_progress, repeat=args.repeat,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
