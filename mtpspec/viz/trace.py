@@ -138,9 +138,10 @@ def trace_prompts(
 ) -> list[TraceGroup]:
     """Run plain decoding and every (drafter, D) config on each prompt, with trace=True.
 
-    Each config is run once untimed first (warm-up: allocation, lazy loads) so timings are steady;
-    with repeat > 1 each is run that many times and the run of median wall time is drawn (a real
-    run, not an average). `gen` are the other Model.generate keyword arguments (temperature, ...).
+    Each config is run once untimed first (warm-up: allocation, lazy loads). With repeat > 1 the
+    configs are run round-robin that many times (so a busy machine slows all of them alike) and,
+    per config, the run of median wall time is drawn: a real run, not an average.
+    `gen` are the other Model.generate keyword arguments (temperature, seed, max_new_tokens, ...).
     """
     from ..api import load
 
@@ -149,12 +150,17 @@ def trace_prompts(
     groups = []
     for prompt in prompts:
         group = TraceGroup(prompt)
-        for drafter, k in [("none", 1)] + list(configs):
-            kw = dict(gen, drafter=drafter, k=k, draft_model=draft_model)
-            if warmup:
+        runs = [("none", 1)] + list(configs)
+        kws = [dict(gen, drafter=drafter, k=k, draft_model=draft_model) for drafter, k in runs]
+        if warmup:
+            for kw in kws:
                 model.generate(prompt, **dict(kw, max_new_tokens=min(8, gen.get("max_new_tokens", 8))))
-            tries = sorted((model.generate(prompt, trace=True, **kw) for _ in range(max(repeat, 1))), key=lambda r: r.stats.wall_seconds)
-            res = tries[len(tries) // 2]
+        tries: list[list[GenerationResult]] = [[] for _ in runs]
+        for _ in range(max(repeat, 1)):
+            for i, kw in enumerate(kws):
+                tries[i].append(model.generate(prompt, trace=True, **kw))
+        for (drafter, k), results in zip(runs, tries):
+            res = sorted(results, key=lambda r: r.stats.wall_seconds)[len(results) // 2]
             label = "plain decoding" if drafter == "none" else f"{drafter}, D={k}"
             group.runs.append(build_run(label, drafter, k, res, model.tokenizer))
         base = group.runs[0]
