@@ -149,3 +149,44 @@ def test_mtp_head_is_offered_and_proposes_when_the_model_has_one():
     r = verify_draft(model, "abcabcabc", drafter="mtp", k=3, top_k=4)
     assert r["draft"]["source"] == "mtp" and r["num_drafted"] == 3 and len(r["positions"]) == 4
     assert [t["id"] for t in r["emitted"]][: r["num_accepted"]] == r["draft"]["ids"][: r["num_accepted"]]
+
+
+def test_mtpspec_serve_command_runs_a_real_server(assets):
+    """`mtpspec serve` as a user runs it: a subprocess on 127.0.0.1, bad requests, then a good one; always stopped."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = str(assets / "models" / "stories260K.bin")
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from mtpspec.cli import main; sys.exit(main())", "serve", "--model", model, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/api/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "mtpspec serve did not answer within 60 s"
+            time.sleep(0.2)
+        assert httpx.post(url + "/api/verify", json={"model": "/no/such.bin", "prefix": "a", "draft": " b"}, timeout=30).status_code == 404
+        assert httpx.post(url + "/api/verify", json={"model": model, "prefix": "", "draft": " b"}, timeout=30).status_code == 400
+        r = httpx.post(url + "/api/verify", json={"model": model, "prefix": "Once upon a time", "draft": ", there was"}, timeout=30)
+        assert r.status_code == 200 and r.json()["num_accepted"] == 3
+        assert model in httpx.get(url + "/", timeout=10).text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
