@@ -32,25 +32,39 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32.
-
-    Returns o (B, nv, T, dv) and the T states after each position (each (B, nv, dk, dv)).
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slots: Tensor) -> Tensor:
+    """q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T); slots (T+1, B, nv, dk, dv) fp32 with
+    slots[0] = the incoming state. Writes the state after position t into slots[t + 1] (in place, no
+    fresh allocation of states); returns o (B, nv, T, dv).
     """
     t_len = q.shape[2]
     decay = g.exp()  # (B, nv, T)
     out = torch.empty_like(v)
-    states = []
-    s = state
     for t in range(t_len):
-        k_t = k[:, :, t].unsqueeze(-1)  # (B, nv, dk, 1)
-        s = s * decay[:, :, t, None, None]  # (B, nv, dk, dv)
-        kv_mem = (s * k_t).sum(-2)  # (B, nv, dv): what the state predicts for k_t
+        s_prev, s = slots[t], slots[t + 1]  # (B, nv, dk, dv)
+        k_t = k[:, :, t, :, None]  # (B, nv, dk, 1)
+        torch.mul(s_prev, decay[:, :, t, None, None], out=s)  # decay
+        kv_mem = (k_t.transpose(-1, -2) @ s).squeeze(-2)  # (B, nv, dv): what the state predicts for k_t
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]  # (B, nv, dv)
-        s = s + k_t * delta.unsqueeze(-2)  # rank-1 write of the correction
-        out[:, :, t] = (s * q[:, :, t].unsqueeze(-1)).sum(-2)  # (B, nv, dv)
-        states.append(s)
-    return out, states
+        s.addcmul_(k_t, delta.unsqueeze(-2))  # rank-1 write of the correction
+        out[:, :, t] = (q[:, :, t, None, :] @ s).squeeze(-2)  # (B, nv, dv) read
+    return out
+
+
+def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
+    """Depthwise causal conv: hist (B, C, K-1+T) inputs, weight (C, 1, K) -> (B, C, T), accumulated in fp32.
+
+    A sum of K shifted products: for the short windows of decode / verify this is far cheaper on CPU
+    than a grouped F.conv1d call.
+    """
+    kern = weight.shape[-1]
+    t_len = hist.shape[-1] - kern + 1
+    w = weight[:, 0].float()  # (C, K)
+    h = hist.float()
+    out = h[..., :t_len] * w[:, 0, None]
+    for j in range(1, kern):
+        out += h[..., j : j + t_len] * w[:, j, None]
+    return out.to(hist.dtype)
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
@@ -125,10 +139,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, cache) -> Tensor:
         """x (B, T, H) -> (B, T, H); reads and records this layer's state in the HybridCache."""
         b, t, _ = x.shape
-        conv_window, state = cache.linear_state(self.slot, b)  # (B, C, K-1), (B, nv, dk, dv) fp32
+        conv_window = cache.conv_window(self.slot, b)  # (B, C, K-1) inputs before this window
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
         hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)  # (B, C, K-1+T)
-        conv = F.silu(F.conv1d(hist, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)  # (B, T, C)
+        conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk  # value heads per key head
         q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).float()  # (B, nv, T, dk)
@@ -138,12 +152,14 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k)
         beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # (B, nv, T)
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
-        if t <= RECURRENT_MAX_T:
-            o, states = recurrent_delta_rule(q, k, v, g, beta, state)
-            cache.record_linear(self.slot, hist, states, all_positions=True)
+        recurrent = t <= RECURRENT_MAX_T  # short windows: every position's state is kept for rollback
+        slots = cache.slot_buffer(self.slot, t, b, all_positions=recurrent)  # slots[0] = incoming state
+        if recurrent:
+            o = recurrent_delta_rule(q, k, v, g, beta, slots)
         else:
-            o, final = chunked_delta_rule(q, k, v, g, beta, state)
-            cache.record_linear(self.slot, hist, [final], all_positions=False)
+            o, final = chunked_delta_rule(q, k, v, g, beta, slots[0])
+            slots[1].copy_(final)
+        cache.record_linear(self.slot, hist, all_positions=recurrent)
         o = o.transpose(1, 2).to(x.dtype)  # (B, T, nv, dv)
         z = self.in_proj_z(x).view(b, t, self.nv, self.dv)
         y = self.norm(o, z).reshape(b, t, self.value_dim)

@@ -43,29 +43,55 @@ class HybridCache:
         self.fwd_start = 0  # start of the last forward
         self.fwd_end = 0  # end of the last forward
         self.all_slots = True  # the last forward kept the state after every position
+        self.pending_all_slots = True
         self.hist: list[Tensor | None] = [None] * n_linear  # (B, C, K-1+T) conv inputs of the last forward
-        self.slots: list[list[Tensor]] = [[] for _ in range(n_linear)]  # [state before, after pos 0, ...]
+        # per linear layer, (slots, B, nv, dk, dv) fp32: row 0 = the state before the last forward, row j =
+        # after its j-th position (only row 1 = the final state after a chunked forward). Reused across forwards.
+        self.states: list[Tensor | None] = [None] * n_linear
 
     # -- the interface the layers use -------------------------------------------------------
-    def linear_state(self, i: int, batch: int = 1) -> tuple[Tensor, Tensor]:
-        """Conv window (B, C, K-1) and recurrent state (B, nv, dk, dv) fp32 at `self.length`."""
-        hist = self.hist[i]
-        if hist is None:  # nothing run yet: zero state
-            return (
-                torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=self.dtype),
-                torch.zeros(batch, *self.state_shape, dtype=torch.float32),
-            )
-        j = self.length - self.fwd_start  # positions of the last forward that were kept
-        return hist[:, :, j : j + self.conv_kernel - 1], self.slots[i][j]
+    def _row(self) -> int:
+        """Slot row of the state at `self.length` (positions kept of the last forward)."""
+        j = self.length - self.fwd_start
+        return j if self.all_slots or j == 0 else 1
 
-    def record_linear(self, i: int, hist: Tensor, states: list[Tensor], all_positions: bool) -> None:
-        _, prev = self.linear_state(i, hist.shape[0])
-        if all_positions:
-            self.slots[i] = [prev, *states]
-        else:  # only the final state: slot j = T is the only one that exists
-            self.slots[i] = [prev] + [None] * (hist.shape[-1] - self.conv_kernel) + states  # type: ignore[list-item]
+    def conv_window(self, i: int, batch: int = 1) -> Tensor:
+        """The K-1 conv inputs before position `self.length`: (B, C, K-1)."""
+        hist = self.hist[i]
+        if hist is None:
+            return torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=self.dtype)
+        j = self.length - self.fwd_start
+        return hist[:, :, j : j + self.conv_kernel - 1]
+
+    def state(self, i: int, batch: int = 1) -> Tensor:
+        """The recurrent state at `self.length`: (B, nv, dk, dv) fp32."""
+        buf = self.states[i]
+        if buf is None:
+            return torch.zeros(batch, *self.state_shape, dtype=torch.float32)
+        return buf[self._row()]
+
+    def linear_state(self, i: int, batch: int = 1) -> tuple[Tensor, Tensor]:
+        return self.conv_window(i, batch), self.state(i, batch)
+
+    def slot_buffer(self, i: int, t: int, batch: int, all_positions: bool) -> Tensor:
+        """A (1 + t | 2, B, nv, dk, dv) buffer for the coming forward, row 0 holding the current state."""
+        need = t + 1 if all_positions else 2
+        buf, row = self.states[i], self._row()
+        if buf is None:
+            buf = torch.zeros(need, batch, *self.state_shape, dtype=torch.float32)
+        elif buf.shape[0] < need:
+            grown = torch.empty(need, batch, *self.state_shape, dtype=torch.float32)
+            grown[0] = buf[row]
+            buf = grown
+        elif row != 0:
+            buf[0].copy_(buf[row])
+        self.states[i] = buf
+        return buf
+
+    def record_linear(self, i: int, hist: Tensor, all_positions: bool) -> None:
+        """After layer i's forward: keep its widened conv window (its states are already in its buffer)."""
         self.hist[i] = hist
-        self.all_slots = all_positions
+        self.pending_all_slots = all_positions
 
     def begin(self, t: int) -> int:
         """Called by the model before a forward of t positions; returns the start position."""
@@ -74,6 +100,8 @@ class HybridCache:
         return self.length
 
     def advance(self, t: int) -> None:
+        if self.n_linear:
+            self.all_slots = self.pending_all_slots
         self.fwd_start, self.fwd_end = self.length, self.length + t
         self.length += t
         self.kv.length = self.length
