@@ -190,3 +190,17 @@ def test_mtpspec_serve_command_runs_a_real_server(assets):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_hf_directory_with_mtp_head_on_the_page(client, tmp_path):
+    """A Hugging Face directory (tiny Qwen3.5 with mtp.* weights, no-BOS tokenizer): loaded by path, mtp offered and used."""
+    from qwen35_tiny import save_hf
+
+    save_hf("qwen35", tmp_path, mtp=True)
+    info = client.post("/api/load", json={"model": str(tmp_path)}).json()
+    assert {d["name"]: d["available"] for d in info["drafters"]}["mtp"]
+    r = client.post("/api/verify", json={"model": str(tmp_path), "prefix": "w3 w4 w5", "drafter": "mtp", "k": 3}).json()
+    assert r["draft"]["source"] == "mtp" and r["num_drafted"] == 3 and len(r["positions"]) == 4
+    assert [t["id"] for t in r["prefix"]["tokens"]] == r["prefix"]["ids"] == [3, 4, 5]  # no BOS to hide
+    r = client.post("/api/verify", json={"model": str(tmp_path), "prefix": "w3 w4 w5", "draft": " w6 w7"}).json()
+    assert r["draft"]["ids"] == [6, 7] and r["draft"]["text"] == " w6 w7"

@@ -71,7 +71,7 @@ def available_drafters(model: Model) -> list[dict]:
     return out
 
 
-def token_texts(model: Model, ids: list[int], prev: int) -> list[dict]:
+def token_texts(model: Model, ids: list[int], prev: int | None) -> list[dict]:
     """[{id, text}] decoded in context, so spaces come out as the model sees them."""
     out = []
     for t in ids:
@@ -87,10 +87,11 @@ def _encode_piece(model: Model, text: str) -> list[int]:
         if text.startswith(" "):
             return tok.encode(text[1:], bos=False)  # the dummy-prefix space stands for the typed one
         return _llama2c_merge(tok, text)
-    try:
-        return tok.encode(text, bos=False)
-    except TypeError:
-        return tok.encode(text)[1:]
+    inner = getattr(tok, "tokenizer", None)  # Hugging Face `tokenizers`: encode without special tokens
+    if inner is not None and hasattr(inner, "encode"):
+        return list(inner.encode(text, add_special_tokens=False).ids)
+    ids = tok.encode(text)
+    return ids[1:] if ids and ids[0] == getattr(tok, "bos_id", None) else ids
 
 
 def _llama2c_merge(tok, text: str) -> list[int]:
@@ -200,7 +201,7 @@ def verify_draft(
         "verification": "greedy",
         "rule": "draft token i is accepted iff it equals the target's argmax at its position and every earlier draft "
                 "token was accepted; the target's own argmax follows (correction at the first mismatch, bonus if all pass)",
-        "prefix": {"text": prefix, "ids": ids, "tokens": token_texts(model, ids[1:], ids[0])},
+        "prefix": {"text": prefix, "ids": ids, "tokens": _prefix_tokens(model, ids)},
         "draft": {"source": source, "ids": dids, "tokens": token_texts(model, dids, ids[-1]),
                   "text": tok.decode(dids, prev=ids[-1])},
         "num_drafted": dlen,
@@ -213,6 +214,13 @@ def verify_draft(
         "target_forwards": 1,
         "positions": positions,
     }
+
+
+def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
+    """The prefix's tokens for display (BOS, when the tokenizer adds one, left out)."""
+    if ids and ids[0] == getattr(model.tokenizer, "bos_id", None):
+        return token_texts(model, ids[1:], ids[0])
+    return token_texts(model, ids, None)
 
 
 def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: Model | None = None) -> dict:
