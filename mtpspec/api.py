@@ -51,6 +51,7 @@ class Model:
         on_text: Callable[[str], None] | None = None,
         depth_policy=None,
         trace: bool = False,
+        exact: bool = False,
         **drafter_options,
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
@@ -69,7 +70,7 @@ class Model:
         d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
-        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace)
+        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace, exact)
         if on_text is not None:
             tail = stream.flush()
             if tail:

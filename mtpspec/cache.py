@@ -28,6 +28,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
         self.max_len = max_len
         self.length = 0  # committed positions
+        self.exact = False  # attention computes every row as a one-token step would (see engine exact mode)
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""

@@ -52,6 +52,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--exact", action="store_true",
+                   help="bit-exact mode: every decode forward k+1 rows wide with row-exact attention")
     p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest n-gram matched")
 
@@ -60,7 +62,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact,
     )
 
 

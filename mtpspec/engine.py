@@ -70,6 +70,21 @@ def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float, sampl
     return replace(step, start_seconds=start, p_of_emitted=p_emitted, p_of_draft=p_draft, target_choice=p.argmax(-1).tolist())
 
 
+def _verify_pass(target: Target, cache: Cache, last: Tensor, draft: Draft, width: int) -> TargetOutput:
+    """One target forward over [last, d1..dD], padded to `width` rows; outputs cut back to D+1 rows.
+
+    Padding matters in exact mode only: every decode forward then has the same shape, so each row is
+    computed by the same kernels whether it is a plain step or one of D+1 verified positions.
+    """
+    tokens = torch.cat([last, draft.tokens])  # (D+1,)
+    n = tokens.shape[0]
+    if width <= n:
+        return target.forward_tokens(tokens, cache)
+    out = target.forward_tokens(torch.cat([tokens, tokens.new_zeros(width - n)]), cache)  # (W,) pads after
+    pre = out.prenorm_hidden[:n] if out.prenorm_hidden is not None else None
+    return TargetOutput(logits=out.logits[:n], hidden=out.hidden[:n], prenorm_hidden=pre)
+
+
 @torch.inference_mode()
 def generate_tokens(
     target: Target,
@@ -82,11 +97,14 @@ def generate_tokens(
     on_tokens: Callable[[list[int]], None] | None = None,
     depth: DepthPolicy | None = None,
     trace: bool = False,
+    exact: bool = False,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (which starts with BOS); text is left empty.
 
     trace=True also records, per step, its start time and the target's probabilities and choices
     (StepRecord.start_seconds, p_of_emitted, p_of_draft, target_choice) for traces and the verify page.
+    exact=True makes every decode forward k+1 rows wide (plain steps included) with row-exact
+    attention, so a position's logits are bitwise the same however many drafts shared its pass.
     """
     if k < 1:
         raise ConfigError(f"k (draft length) must be >= 1, got {k}")
@@ -95,6 +113,7 @@ def generate_tokens(
     check_prompt(prompt, target.max_seq_len)
     metrics = Metrics(k)
     cache = target.new_cache()
+    cache.exact = exact
     buf = torch.empty(len(prompt) + max_new_tokens + 1, dtype=torch.long)  # preallocated token buffer
     buf[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     context = buf[: len(prompt)]  # (L,) a view that grows by the emitted tokens, never copied
@@ -112,9 +131,11 @@ def generate_tokens(
         t0 = perf_counter()
         draft = drafter.propose(context, d) if d > 0 else Draft.empty()  # 1. draft
         t1 = perf_counter()
-        out = target.forward_tokens(torch.cat([context[-1:], draft.tokens]), cache)  # 2. one verify pass
+        start = cache.length
+        width = min(k + 1, target.max_seq_len - start) if exact else 0
+        out = _verify_pass(target, cache, context[-1:], draft, width)  # 2. one verify pass, D+1 positions
         verdict: Verdict = verify(draft, out.logits, sampler)  # 3. accept n + recovered/bonus
-        cache.crop(cache.length - draft.size + verdict.num_accepted)  # 4. roll back rejected drafts
+        cache.crop(start + verdict.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
         t2 = perf_counter()
         drafter.commit(verdict, out)  # 5. the drafter catches up
         t3 = perf_counter()

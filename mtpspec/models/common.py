@@ -48,16 +48,24 @@ class Rotary(nn.Module):
         return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, exact: bool = False) -> Tensor:
     """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
 
     Query i sees keys 0..start+i. GQA heads are shared by SDPA's enable_gqa.
+    exact=True computes each query row exactly as a one-token step would (same kernel, same key
+    length, no mask), so a position's output does not depend on how many rows share the pass.
     """
     t, s = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if exact and t > 1:
+        rows = [
+            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : start + i + 1], v[:, :, : start + i + 1], enable_gqa=gqa)
+            for i in range(t)
+        ]
+        return torch.cat(rows, dim=2)
     mask = None
     if t > 1:
         mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=start)  # (T, S)
-    gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 

@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q = rope(q.transpose(1, 2), start)  # (B, nh, T, hd)
         k = rope(k.transpose(1, 2), start)  # (B, nkv, T, hd)
         k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start)  # (B, nh, T, hd)
+        y = causal_attention(q, k_all, v_all, start, cache.exact)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
