@@ -142,5 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the package's copy, where the optional subcommands register
+    from mtpspec.cli import main as package_main
+
+    sys.exit(package_main())
