@@ -71,12 +71,17 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_generation_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice; 1 is fastest for tiny models here)")
 
 
 @command("generate")(_generate_args)
 def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = load(args.model, args.tokenizer, args.dtype)
     on_text = None
     if not args.json:
