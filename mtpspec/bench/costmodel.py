@@ -6,14 +6,15 @@ only ever add time, and the curve is made non-decreasing in k by pooling adjacen
 
 - T(k): one target forward over k new tokens on a cache already holding `context` positions;
   reported as T(1) in seconds and the curve T(k)/T(1), k = 1..k_max+1.
-- c_draft: seconds per drafted token, per drafter: a one-token forward of the draft model, a
-  prompt-lookup proposal on a realistic context, 0 for plain decoding.
+- the drafter's cost: for a draft model, one drafting step (propose(d) + commit) timed for each d
+  in steady state (its forwards and its own Python), next to the raw one-token forward; for prompt
+  lookup, a proposal on a realistic context per drafted token; 0 for plain decoding.
 - the thread count: T(1) at 1..n threads, the fastest is used (the second core here is weak).
 
 Prediction for a finished run, step by step: each step with d drafts costs c_draft * d + T(d + 1),
 and plain decoding needs one T(1) per token, so
 
-    predicted speedup = (P + new_tokens * T(1)) / (P (1 + f) + sum over steps (c_draft * d + T(d + 1)))
+    predicted speedup = (P + new_tokens * T(1)) / (P (1 + f) + sum over steps (C_draft(d) + T(d + 1)))
 
 where P is the target's prefill of the same prompts as measured in the plain runs and f the
 drafter's prefill relative to it (c_draft / T(1) for a draft model, which reads the prompt too; 0
@@ -35,7 +36,8 @@ import torch
 class CostModel:
     t1: float  # seconds of a one-token target forward
     ratio: list[float]  # ratio[k-1] = T(k)/T(1), k = 1..len
-    draft_cost: dict[str, float] = field(default_factory=dict)  # drafter -> seconds per drafted token
+    draft_cost: dict[str, float] = field(default_factory=dict)  # drafter -> seconds per drafted token (raw)
+    draft_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of propose(d) + commit, d = 1..
     threads: int = 1  # torch threads used for every timed run
     thread_t1: dict[int, float] = field(default_factory=dict)  # threads -> T(1) seconds, as measured
     context: int = 0  # cache length the forwards were timed at
@@ -48,8 +50,20 @@ class CostModel:
         slope = r[-1] - r[-2] if len(r) > 1 else 0.0
         return self.t1 * (r[-1] + max(slope, 0.0) * (k - len(r)))
 
+    def draft_seconds(self, drafter: str, d: int) -> float:
+        """The drafter's cost of one step with d drafts: measured propose + commit where known."""
+        if d <= 0:
+            return 0.0
+        curve = self.draft_steps.get(drafter)
+        if curve:
+            if d <= len(curve):
+                return curve[d - 1]
+            per = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else curve[0]
+            return curve[-1] + per * (d - len(curve))
+        return self.draft_cost.get(drafter, 0.0) * d
+
     def step_seconds(self, drafter: str, d: int) -> float:
-        return self.draft_cost.get(drafter, 0.0) * d + self.t(d + 1)
+        return self.draft_seconds(drafter, d) + self.t(d + 1)
 
     def prefill_factor(self, drafter: str) -> float:
         """Drafter prefill as a share of the target's: a draft model reads the prompt too (lazily,
@@ -128,15 +142,26 @@ def time_forward(module, k: int, context: int, repeat: int = 30) -> float:
     return time_forwards(module, [k], context, repeat)[0]
 
 
-def choose_threads(module, context: int = 128, candidates: list[int] | None = None) -> tuple[int, dict[int, float]]:
-    """Time T(1) at each thread count; return the fastest and the timings. Restores nothing: the
-    caller sets the winner."""
+@torch.inference_mode()
+def choose_threads(module, context: int = 128, candidates: list[int] | None = None, budget_s: float = 0.5) -> tuple[int, dict[int, float]]:
+    """Time T(1) at each thread count (at most `budget_s` seconds each: on a loaded machine a
+    multi-threaded forward can take 100x longer); return the fastest and the timings. The caller
+    sets the winner."""
     n = os.cpu_count() or 1
     candidates = candidates or sorted({1, n} | ({2} if n >= 2 else set()))
     timings = {}
+    tok = torch.tensor([5])
     for t in candidates:
         torch.set_num_threads(t)
-        timings[t] = time_forward(module, 1, context, repeat=10)
+        cache = module.new_cache()
+        module.forward_tokens(torch.arange(3, 3 + min(context, module.max_seq_len - 1)) % module.vocab_size, cache)
+        ctx, times, start = cache.length, [], perf_counter()
+        while len(times) < 20 and perf_counter() - start < budget_s:
+            t0 = perf_counter()
+            module.forward_tokens(tok, cache)
+            times.append(perf_counter() - t0)
+            cache.crop(ctx)
+        timings[t] = _quantile(times, 0.25)
     return min(timings, key=timings.get), timings
 
 
@@ -151,6 +176,35 @@ def _ngram_cost(k: int = 4, context: int = 128, repeat: int = 200) -> float:
     return sec / k
 
 
+@torch.inference_mode()
+def time_drafter(drafter, ks: list[int], vocab: int, context: int = 128, steps: int = 12) -> list[float]:
+    """Seconds of one drafting step (propose(d) + commit, every draft accepted) for each d in ks,
+    in steady state: the drafter follows a growing context as it would in a real generation."""
+    from ..sampling import Sampler, SamplingParams
+    from ..types import Verdict
+
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for k in ks:
+        ctx = torch.randint(3, vocab, (context,), generator=g)
+        drafter.prefill(ctx, None, Sampler(SamplingParams(), 0))
+        times = []
+        for i in range(steps + 2):
+            t0 = perf_counter()
+            draft = drafter.propose(ctx, k)
+            dt = perf_counter() - t0
+            bonus = torch.randint(3, vocab, (1,), generator=g)
+            kept = torch.cat([draft.tokens, bonus])
+            t1 = perf_counter()
+            drafter.commit(Verdict(num_accepted=draft.size, tokens=kept, num_drafted=draft.size), None)
+            dt += perf_counter() - t1
+            ctx = torch.cat([ctx, kept])
+            if i >= 2:
+                times.append(dt)
+        out.append(_quantile(times, 0.25))
+    return out
+
+
 def measure(target, draft=None, k_max: int = 8, context: int = 128, threads: int | None = None, drafters=("none", "ngram", "draft")) -> CostModel:
     """Measure the cost model of `target` (and `draft`, a module) on this machine."""
     if threads is None:
@@ -163,6 +217,11 @@ def measure(target, draft=None, k_max: int = 8, context: int = 128, threads: int
     cost = {"none": 0.0}
     if "ngram" in drafters:
         cost["ngram"] = _ngram_cost()
+    steps = {}
     if draft is not None and "draft" in drafters:
+        from ..drafters.draft_model import DraftModelDrafter
+
         cost["draft"] = time_forward(draft, 1, context)
-    return CostModel(t1=t1, ratio=[t / t1 for t in times], draft_cost=cost, threads=threads, thread_t1=thread_t1, context=context)
+        ctx = max(1, min(context, draft.max_seq_len - 12 * (k_max + 1) - 1))
+        steps["draft"] = time_drafter(DraftModelDrafter(draft, draft.vocab_size), list(range(1, k_max + 1)), draft.vocab_size, ctx)
+    return CostModel(t1=t1, ratio=[t / t1 for t in times], draft_cost=cost, draft_steps=steps, threads=threads, thread_t1=thread_t1, context=context)

@@ -97,7 +97,7 @@ class OursRunner:
         return AdaptiveDepth(
             k_max=self.k_max_auto,
             verify_ratio=c.ratio if c else None,
-            draft_cost=c.draft_cost.get(method.drafter) if c else None,
+            draft_cost=c.draft_seconds(method.drafter, 4) / 4 if c else None,
             target_cost=c.t1 if c else None,
         )
 
