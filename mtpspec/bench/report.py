@@ -112,12 +112,16 @@ def check_targets(summary: dict, elapsed_seconds: float | None = None) -> list[d
         drafter = lab[5:-5]
         fixed = [k for k in ov if k.startswith(f"ours:{drafter}@") and not k.endswith("@auto")]
         worst = min(cats, key=lambda c: cats[c][lab]["speedup"])
-        add(f"{lab}: speedup on its worst category", cats[worst][lab]["speedup"], 0.97, worst)
+        pw = cats[worst][lab].get("predicted_speedup")
+        add(f"{lab}: speedup on its worst category", cats[worst][lab]["speedup"], 0.97,
+            f"{worst}; cost model predicts {pw:.2f}" if pw else worst)
         if fixed:
             best_cat = max(cats, key=lambda c: max(cats[c][f]["speedup"] for f in fixed))
             best_f = max(fixed, key=lambda f: cats[best_cat][f]["speedup"])
             ratio = cats[best_cat][lab]["speedup"] / cats[best_cat][best_f]["speedup"]
-            add(f"{lab} / best fixed D on the best category", ratio, 0.9, f"{best_cat}: {best_f}")
+            pa, pf = cats[best_cat][lab].get("predicted_speedup"), cats[best_cat][best_f].get("predicted_speedup")
+            det = f"{best_cat}: {best_f}" + (f"; cost model predicts {pa / pf:.2f}" if pa and pf else "")
+            add(f"{lab} / best fixed D on the best category", ratio, 0.9, det)
     if elapsed_seconds is not None:
         out.append({"target": "benchmark wall time (s)", "measured": round(elapsed_seconds, 1), "goal": 300, "met": elapsed_seconds < 300, "detail": "whole run incl. cost model and peers"})
     return out
