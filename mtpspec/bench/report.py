@@ -266,9 +266,12 @@ def plots(result: dict, out_dir: Path, prefix: str = "bench_") -> list[Path]:
         for px, py, lab in pts:
             ax.scatter(px, py)
             ax.annotate(lab.replace("ours:", ""), (px, py), fontsize=7)
-        hi = max(max(p[0], p[1]) for p in pts) * 1.1
-        ax.plot([0, hi], [0, hi], "k--", lw=0.8)
-        ax.plot([0, hi], [0, 0.9 * hi], "k:", lw=0.8)
+        hi = max(max(p[0], p[1]) for p in pts) * 1.05
+        lo = min(min(p[0], p[1]) for p in pts) * 0.9
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.plot([lo, hi], [0.9 * lo, 0.9 * hi], "k:", lw=0.8)
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(0.9 * lo, hi)
     ax.set_xlabel("predicted speedup (cost model)")
     ax.set_ylabel("measured speedup")
     ax.set_title("measured vs predicted (dotted: 90%)")
