@@ -64,6 +64,7 @@ class AdaptiveDepth:
         self.last_depth = 0
         self._t_choose: float | None = None
         self._step_work = 0.0
+        self._pays_cached, self._pays_at = True, None
         self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
         self.history: list[int] = []  # chosen D per step (for tests and traces)
 
@@ -135,6 +136,12 @@ class AdaptiveDepth:
         plain = (1.0 + self.margin) / (v1 + self.o)
         return any((d + 1) / (c * d + v1 * self._r[d] + self.o) > plain for d in range(1, k_max + 1))
 
+    def _pays(self, k_max: int) -> bool:
+        """can_pay, re-evaluated every 16 steps (the costs move slowly)."""
+        if self._pays_at is None or len(self.history) - self._pays_at >= 16:
+            self._pays_cached, self._pays_at = self.can_pay(k_max), len(self.history)
+        return self._pays_cached
+
     def next_depth(self, k_max: int) -> int:
         now = perf_counter()
         if self._t_choose is not None:  # whole previous step minus its draft + verify = engine overhead
@@ -146,6 +153,8 @@ class AdaptiveDepth:
             d = 0
         elif self.v1 is None or self.c_draft is None or self._warm < 2:  # warm-up: learn what a step and a draft cost
             d = min(2, k_max)
+        elif not self._pays(k_max):  # even perfect acceptance would lose: stay plain, skip the search
+            d = 0
         else:
             d = self.best_depth(k_max)
             if d > 0:
@@ -156,7 +165,7 @@ class AdaptiveDepth:
                 self.plain_run += 1
                 if self.probe_wait is None:
                     self.probe_wait = self.probe_base()
-                if self.plain_run >= self.probe_wait and self.can_pay(k_max):
+                if self.plain_run >= self.probe_wait:
                     d, self.probing, self.plain_run = self.best_depth(k_max, 1), True, 0
         self.last_depth = d
         self.history.append(d)
