@@ -106,3 +106,21 @@ def test_method_labels():
     assert Method("mtpspec", "none", None).label == "ours:plain"
     assert Method("mtpspec", "ngram", "auto").label == "ours:ngram@auto"
     assert Method("transformers", "draft", None).label == "hf:draft"
+
+
+def test_cost_curve_is_made_monotone():
+    from mtpspec.bench.costmodel import _monotone
+
+    assert _monotone([1.0, 1.2, 1.1, 1.3]) == pytest.approx([1.0, 1.15, 1.15, 1.3])
+    assert _monotone([1.0, 1.1, 1.2]) == [1.0, 1.1, 1.2]
+
+
+def test_bench_sampling_run(tmp_path, assets):
+    """temperature > 0: runs and reports, without a token-equality lossless claim."""
+    from mtpspec.bench.cli import run_benchmark
+
+    m = assets / "models"
+    res = run_benchmark(str(m / "stories260K.bin"), "tinystories", ["none", "ngram"], [2], tmp_path, tokenizer=str(m / "tok512.bin"),
+                        limit=2, max_new_tokens=8, temperature=0.8, seed=1, threads=1, cost_model=False, progress=False)
+    assert res["summary"]["overall"]["ours:ngram@2"]["lossless"] == "-"
+    assert res["cost_model"] is None and (tmp_path / "report.md").exists()
