@@ -48,7 +48,7 @@ def test_crop_selects_the_slot_of_feeding_the_kept_tokens(model, d):
         # and the model continues identically from both
         a = model.forward_tokens(probe, spec).logits
         b = model.forward_tokens(probe, direct).logits
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
 def test_crop_to_the_start_of_the_last_forward(model):

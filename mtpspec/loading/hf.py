@@ -52,7 +52,7 @@ def _text_config(cfg: dict) -> dict:
 def _rope(cfg: dict, path: Path) -> tuple[float, float]:
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", None):
+    if rope_type not in ("default", "mrope", None):  # mrope: text positions are equal on all axes
         raise ModelLoadError(f"{path}: rope type '{rope_type}' is not supported (only plain RoPE)")
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))

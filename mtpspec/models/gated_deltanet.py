@@ -7,10 +7,13 @@ Per value head the state S (dk, dv) evolves, for each position t, as
     o_t = q_t^T S                                       read
 
 with q, k L2-normalised (q also scaled by dk^-1/2), beta_t = sigmoid(b_t) and
-g_t = -exp(A_log) * softplus(a_t + dt_bias). Two equivalent forms are implemented:
+g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurrence are implemented:
 
-- `recurrent_delta_rule`: one position at a time. Used for decode and verify windows (T <= 16):
-  it also returns the state after every position, which is what exact rollback selects from.
+- `window_delta_rule`, for decode and verify windows (T <= 16): the window is one exact chunk
+  of its own length (no padding to 64). It reads the state once and returns the per-position decays,
+  keys and corrections, from which the cache rebuilds the state after ANY position of the window
+  (the slot that rollback selects) with one pass over the state. A position-by-position loop would
+  pass over every layer's (dk x dv) state ~5 times per position instead.
 - `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for prefill.
 
 Parameter names follow the Hugging Face Qwen3.5 layout (in_proj_qkv / in_proj_z / in_proj_b /
@@ -24,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-RECURRENT_MAX_T = 16  # windows up to this long use the recurrent form and keep per-position states
+from .hybrid_cache import Window
+
+SHORT_MAX_T = 16  # windows up to this long are one exact chunk whose every slot can be selected
 CHUNK = 64
 
 
@@ -32,23 +37,27 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slots: Tensor) -> Tensor:
-    """q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T); slots (T+1, B, nv, dk, dv) fp32 with
-    slots[0] = the incoming state. Writes the state after position t into slots[t + 1] (in place, no
-    fresh allocation of states); returns o (B, nv, T, dv).
+def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A short window (decode / verify) as one exact chunk, without padding and without writing states.
+
+    q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32.
+    Returns o (B, nv, T, dv), gc (B, nv, T) the cumulative log decay and u (B, nv, T, dv) the
+    corrections written: the state after j positions is
+    S_j = S_0 exp(gc_{j-1}) + sum_{i<j} exp(gc_{j-1} - gc_i) k_i u_i^T (see hybrid_cache.py).
+    The state itself is read once (one matmul for the decayed keys and queries together).
     """
-    t_len = q.shape[2]
-    decay = g.exp()  # (B, nv, T)
-    out = torch.empty_like(v)
-    for t in range(t_len):
-        s_prev, s = slots[t], slots[t + 1]  # (B, nv, dk, dv)
-        k_t = k[:, :, t, :, None]  # (B, nv, dk, 1)
-        torch.mul(s_prev, decay[:, :, t, None, None], out=s)  # decay
-        kv_mem = (k_t.transpose(-1, -2) @ s).squeeze(-2)  # (B, nv, dv): what the state predicts for k_t
-        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]  # (B, nv, dv)
-        s.addcmul_(k_t, delta.unsqueeze(-2))  # rank-1 write of the correction
-        out[:, :, t] = (q[:, :, t, None, :] @ s).squeeze(-2)  # (B, nv, dv) read
-    return out
+    t_len, dk, dv = q.shape[2], q.shape[-1], v.shape[-1]
+    gc = g.cumsum(-1)  # (B, nv, T)
+    causal = torch.ones(t_len, t_len, dtype=torch.bool).tril()
+    gamma = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, nv, T, T)
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * gamma  # unit lower triangular system (strict part used)
+    rhs = torch.cat([v * beta[..., None], k_beta * gc.exp()[..., None]], dim=-1)  # (B, nv, T, dv + dk)
+    u0, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
+    read = torch.cat([w, q * gc.exp()[..., None]], dim=-2) @ state  # (B, nv, 2T, dv): one pass over the state
+    u = u0 - read[:, :, :t_len]  # corrections given the incoming state
+    o = read[:, :, t_len:] + ((q @ k.transpose(-1, -2)) * gamma) @ u
+    return o, gc, u
 
 
 def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
@@ -68,7 +77,7 @@ def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
-    """Same inputs as `recurrent_delta_rule`; returns o (B, nv, T, dv) and the final state only.
+    """Same inputs as `window_delta_rule`; returns o (B, nv, T, dv) and the final state only.
 
     Within a chunk the delta-rule updates are condensed by solving the unit-lower-triangular system
     (I + tril(diag(beta) K K^T * Gamma, -1)) U = diag(beta) V (Gamma = pairwise decays); then the
@@ -152,14 +161,13 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k)
         beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # (B, nv, T)
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
-        recurrent = t <= RECURRENT_MAX_T  # short windows: every position's state is kept for rollback
-        slots = cache.slot_buffer(self.slot, t, b, all_positions=recurrent)  # slots[0] = incoming state
-        if recurrent:
-            o = recurrent_delta_rule(q, k, v, g, beta, slots)
-        else:
-            o, final = chunked_delta_rule(q, k, v, g, beta, slots[0])
-            slots[1].copy_(final)
-        cache.record_linear(self.slot, hist, all_positions=recurrent)
+        s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
+        if t <= SHORT_MAX_T:  # decode / verify: keep what rebuilds the state after every position
+            o, gc, u = window_delta_rule(q, k, v, g, beta, s0)
+            cache.record_window(self.slot, hist, Window(gc, k, u), None)
+        else:  # prefill: chunked, final state only
+            o, final = chunked_delta_rule(q, k, v, g, beta, s0)
+            cache.record_window(self.slot, hist, None, final)
         o = o.transpose(1, 2).to(x.dtype)  # (B, T, nv, dv)
         z = self.in_proj_z(x).view(b, t, self.nv, self.dv)
         y = self.norm(o, z).reshape(b, t, self.value_dim)

@@ -4,22 +4,41 @@ Rollback without re-running anything, for both kinds of layer:
 
 - full attention: keys/values live at explicit positions; `crop` moves the length pointer.
 - Gated DeltaNet: every forward records, per layer, the conv inputs of the window it ran over
-  (the previous K-1 inputs + the T new ones, i.e. the conv window widened by T) and the recurrent
-  state after each of its T positions (the D+1 slots of a verify pass). `crop(length)` for any
-  length in [start of the last forward, its end] just selects slot `length - start`; the state is
-  materialised lazily by the next forward. Nothing is inverted, nothing is re-run.
+  (the previous K-1 inputs + the T new ones, i.e. the conv window widened by T) and what defines
+  the recurrent state after each of its T positions (the D+1 slots of a verify pass).
+  `crop(length)` for any length in [start of the last forward, its end] selects slot
+  j = length - start. Nothing is inverted, nothing is re-run.
 
-Forwards longer than RECURRENT_MAX_T (prefill) keep only their final state: cropping inside such
-a forward raises.
+The slots of a short window (T <= SHORT_MAX_T: decode and verify) are kept in factored form: the
+incoming state S_0 plus, per position i, the cumulative log decay gc_i, the key k_i and the
+delta-rule correction u_i that was written, so that
+
+    S_j = S_0 * exp(gc_{j-1}) + sum_{i < j} exp(gc_{j-1} - gc_i) k_i u_i^T        (j = 1..T)
+
+The selected slot is materialised (in place over S_0, one pass over the state) when the next
+forward starts. Writing all D+1 full states would cost D+1 passes over every layer's state per
+verify; this costs one. Forwards longer than SHORT_MAX_T (prefill) keep only their final state:
+cropping inside such a forward raises.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..cache import KVCache
 from ..errors import ConfigError
+
+
+@dataclass
+class Window:
+    """What a short forward left behind for one linear layer: enough to rebuild the state at any slot."""
+
+    gc: Tensor  # (B, nv, T) cumulative log decay from the window start (inclusive)
+    k: Tensor  # (B, nv, T, dk) L2-normalised keys
+    u: Tensor  # (B, nv, T, dv) the corrections written (v_new of the chunk form)
 
 
 class HybridCache:
@@ -42,19 +61,12 @@ class HybridCache:
         self.length = 0  # committed positions
         self.fwd_start = 0  # start of the last forward
         self.fwd_end = 0  # end of the last forward
-        self.all_slots = True  # the last forward kept the state after every position
-        self.pending_all_slots = True
         self.hist: list[Tensor | None] = [None] * n_linear  # (B, C, K-1+T) conv inputs of the last forward
-        # per linear layer, (slots, B, nv, dk, dv) fp32: row 0 = the state before the last forward, row j =
-        # after its j-th position (only row 1 = the final state after a chunked forward). Reused across forwards.
-        self.states: list[Tensor | None] = [None] * n_linear
+        self.base: list[Tensor | None] = [None] * n_linear  # (B, nv, dk, dv) fp32: state before the last forward
+        self.window: list[Window | None] = [None] * n_linear  # slots of the last short forward
+        self.final: list[Tensor | None] = [None] * n_linear  # final state of the last long (chunked) forward
 
     # -- the interface the layers use -------------------------------------------------------
-    def _row(self) -> int:
-        """Slot row of the state at `self.length` (positions kept of the last forward)."""
-        j = self.length - self.fwd_start
-        return j if self.all_slots or j == 0 else 1
-
     def conv_window(self, i: int, batch: int = 1) -> Tensor:
         """The K-1 conv inputs before position `self.length`: (B, C, K-1)."""
         hist = self.hist[i]
@@ -63,35 +75,38 @@ class HybridCache:
         j = self.length - self.fwd_start
         return hist[:, :, j : j + self.conv_kernel - 1]
 
-    def state(self, i: int, batch: int = 1) -> Tensor:
-        """The recurrent state at `self.length`: (B, nv, dk, dv) fp32."""
-        buf = self.states[i]
-        if buf is None:
-            return torch.zeros(batch, *self.state_shape, dtype=torch.float32)
-        return buf[self._row()]
+    def state(self, i: int, batch: int = 1, in_place: bool = False) -> Tensor:
+        """The recurrent state at `self.length`: (B, nv, dk, dv) fp32 (slot j of the last forward)."""
+        base = self.base[i]
+        if base is None:
+            base = self.base[i] = torch.zeros(batch, *self.state_shape, dtype=torch.float32)
+        j = self.length - self.fwd_start
+        if j == 0:
+            return base
+        if self.final[i] is not None:  # after a chunked forward only j == T exists (crop checks it)
+            return self.final[i]
+        w = self.window[i]
+        if w is None:
+            return base
+        g_end = w.gc[:, :, j - 1]  # (B, nv)
+        kd = w.k[:, :, :j] * (g_end[..., None] - w.gc[:, :, :j]).exp()[..., None]  # (B, nv, j, dk)
+        b, h, dk, dv = base.shape
+        s = base.mul_(g_end.exp()[..., None, None]) if in_place else base * g_end.exp()[..., None, None]
+        s.view(b * h, dk, dv).baddbmm_(kd.reshape(b * h, j, dk).transpose(1, 2), w.u[:, :, :j].reshape(b * h, j, dv))
+        return s
 
     def linear_state(self, i: int, batch: int = 1) -> tuple[Tensor, Tensor]:
         return self.conv_window(i, batch), self.state(i, batch)
 
-    def slot_buffer(self, i: int, t: int, batch: int, all_positions: bool) -> Tensor:
-        """A (1 + t | 2, B, nv, dk, dv) buffer for the coming forward, row 0 holding the current state."""
-        need = t + 1 if all_positions else 2
-        buf, row = self.states[i], self._row()
-        if buf is None:
-            buf = torch.zeros(need, batch, *self.state_shape, dtype=torch.float32)
-        elif buf.shape[0] < need:
-            grown = torch.empty(need, batch, *self.state_shape, dtype=torch.float32)
-            grown[0] = buf[row]
-            buf = grown
-        elif row != 0:
-            buf[0].copy_(buf[row])
-        self.states[i] = buf
-        return buf
+    def start_state(self, i: int, batch: int = 1) -> Tensor:
+        """The state a new forward starts from, materialised in place (the old slots are dropped)."""
+        s = self.state(i, batch, in_place=True)
+        self.base[i], self.window[i], self.final[i] = s, None, None
+        return s
 
-    def record_linear(self, i: int, hist: Tensor, all_positions: bool) -> None:
-        """After layer i's forward: keep its widened conv window (its states are already in its buffer)."""
-        self.hist[i] = hist
-        self.pending_all_slots = all_positions
+    def record_window(self, i: int, hist: Tensor, window: Window | None, final: Tensor | None) -> None:
+        """After layer i's forward: its widened conv window and its slots (short) or final state (long)."""
+        self.hist[i], self.window[i], self.final[i] = hist, window, final
 
     def begin(self, t: int) -> int:
         """Called by the model before a forward of t positions; returns the start position."""
@@ -100,8 +115,6 @@ class HybridCache:
         return self.length
 
     def advance(self, t: int) -> None:
-        if self.n_linear:
-            self.all_slots = self.pending_all_slots
         self.fwd_start, self.fwd_end = self.length, self.length + t
         self.length += t
         self.kv.length = self.length
@@ -117,7 +130,8 @@ class HybridCache:
                     f"cannot crop recurrent state to {length}: only positions {self.fwd_start}..{self.fwd_end} "
                     "of the last forward have saved states"
                 )
-            if not self.all_slots and length not in (self.fwd_start, self.fwd_end):
+            chunked = any(f is not None for f in self.final)
+            if chunked and length not in (self.fwd_start, self.fwd_end):
                 raise ValueError(
                     f"cannot crop recurrent state to {length}: the last forward ({self.fwd_end - self.fwd_start} "
                     "positions, chunked) kept only its final state"
