@@ -9,6 +9,7 @@ included: it is the reference for speedup and for the lossless check (greedy out
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from time import process_time
 from typing import Callable
 
 from ..adaptive import AdaptiveDepth
@@ -57,6 +58,7 @@ class Run:
     passed: list[int] = field(default_factory=list)  # ... and accepted it
     drafts_per_step: list[int] = field(default_factory=list)
     lossless: bool | None = None  # greedy output equal to ours:plain (None when sampling)
+    cpu_seconds: float | None = None  # process CPU time of the call: blind to time other jobs took the core
 
     @property
     def new_tokens(self) -> int:
@@ -109,11 +111,14 @@ class OursRunner:
             kw = dict(k=self.k_max_auto, depth_policy=self.policy(method))
         else:
             kw = dict(k=method.k or 1)
+        c0 = process_time()
         res = self.model.generate(
             ids, drafter=method.drafter, draft_model=self.draft_model if method.drafter == "draft" else None,
             temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, **kw,
         )
-        return run_from_result(method, prompt, res)
+        run = run_from_result(method, prompt, res)
+        run.cpu_seconds = process_time() - c0
+        return run
 
 
 def prepare_ids(model, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]:

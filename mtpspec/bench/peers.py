@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, process_time
 
 import torch
 
@@ -78,10 +78,10 @@ class HFRunner:
         if sample:
             kw.update(temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
-        t0 = perf_counter()
+        c0, t0 = process_time(), perf_counter()
         out = self.target.generate(x, **kw, **self.kwargs(method))
-        wall = perf_counter() - t0
+        wall, cpu = perf_counter() - t0, process_time() - c0
         new = out[0, len(ids) :].tolist()
         if new and self.stop_ids and new[-1] in self.stop_ids:
             new = new[:-1]
-        return Run(method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(ids), tokens=new, wall_seconds=wall)
+        return Run(method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(ids), tokens=new, wall_seconds=wall, cpu_seconds=cpu)
