@@ -78,7 +78,9 @@ def export_hf(module, out: str | Path, bos_id: int = 1, eos_id: int = 2) -> Path
 def load_hf(directory: str | Path):
     """transformers' LlamaForCausalLM from an exported directory, fp32, eval mode."""
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     return LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
