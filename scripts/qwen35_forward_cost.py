@@ -46,10 +46,16 @@ def main() -> None:
     hf_cfg = qwen35_08b_config(args.layers)
     t0 = time.perf_counter()
     ref = Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
-    ours_cfg, _ = config_from_hf(hf_cfg.to_dict(), "qwen3.5-0.8b", mtp_layers=0, max_seq_len=2048)
+    ours_cfg, _ = config_from_hf(hf_cfg.to_dict(), "qwen3.5-0.8b", mtp_layers=1, max_seq_len=2048)
     ours = build_empty(ours_cfg, torch.bfloat16)
     state = ref.state_dict()
-    load_state_strict(ours, [(k, (lambda v=v: v), tuple(v.shape)) for k, v in state.items()], "qwen3.5-0.8b", "Qwen3.5")
+    with torch.no_grad():  # a random MTP head (transformers has none), then the shared weights by name
+        for name, p in ours.named_parameters():
+            if name.startswith("mtp."):
+                p.normal_(0, 0.02) if p.ndim > 1 else p.zero_()
+    mtp_items = [(k, (lambda v=v: v), tuple(v.shape)) for k, v in ours.state_dict().items() if k.startswith("mtp.")]
+    items = [(k, (lambda v=v: v), tuple(v.shape)) for k, v in state.items()] + mtp_items
+    load_state_strict(ours, items, "qwen3.5-0.8b", "Qwen3.5")
     print(f"built both models in {time.perf_counter() - t0:.0f} s; params {sum(p.numel() for p in ours.parameters()) / 1e6:.0f} M")
 
     prompt = torch.randint(0, hf_cfg.vocab_size, (args.cache,))
@@ -82,6 +88,17 @@ def main() -> None:
             for k in ks:
                 times[("ours", k)].append(run_ours(k))
                 times[("hf", k)].append(run_hf(k))
+        # one MTP draft step (the MTP layer + the shared 248k head), as --drafter mtp runs it
+        mtp_cache = ours.new_mtp_cache()
+        hid = ours.forward_tokens(prompt[:32], ours.new_cache()).hidden
+        ours.mtp_forward(hid[:-1], prompt[1:32], mtp_cache)
+        mtp_times = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            h = ours.mtp_forward(hid[-1:], prompt[5:6], mtp_cache)
+            ours.head(h).argmax(-1)
+            mtp_times.append(time.perf_counter() - t)
+            mtp_cache.crop(31)
         # same function: argmax agreement of one fresh forward (bf16)
         c = ours.new_cache()
         a = ours.forward_tokens(prompt[:64], c).logits
@@ -89,6 +106,7 @@ def main() -> None:
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
 
     med = {key: statistics.median(v) for key, v in times.items()}
+    print(f"one MTP draft step (layer + head): {statistics.median(mtp_times) * 1e3:.0f} ms")
     print(f"threads={args.threads} cache={args.cache} reps={args.reps} layers={args.layers}; prefill-64 argmax agreement {agree:.3f}")
     print("| model | T(1) ms | " + " | ".join(f"T({k})/T(1)" for k in ks[1:]) + " |")
     print("|---|---|" + "---|" * (len(ks) - 1))
