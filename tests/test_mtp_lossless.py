@@ -160,3 +160,16 @@ def test_sampling_distribution_is_the_targets(model, drafter, k):
     tv = 0.5 * (counts.double() / n_runs - joint).abs().sum().item()
     noise = 0.5 * (2 * joint * (1 - joint) / (torch.pi * n_runs)).sqrt().sum().item()  # E[TV] of exact sampling
     assert tv < 1.5 * noise, f"{drafter}: total variation {tv:.3f}, sampling noise alone gives ~{noise:.3f}"
+
+
+def test_context_end_stays_lossless():
+    """A prompt near the end of a 32-position context: generation stops when it is full, identically."""
+    torch.manual_seed(0)
+    small = HybridLM(HybridConfig(**{**CFG.__dict__, "max_seq_len": 32}))
+    randomize(small, 5)
+    prompt = PROMPTS[3][:26]
+    ref = run(small.eval(), prompt, "none", 1, n=20)
+    assert ref.finish_reason == "context"
+    for k in (1, 3, 8):
+        r = run(small, prompt, "mtp", k, n=20)
+        assert r.tokens == ref.tokens and r.finish_reason == "context"
