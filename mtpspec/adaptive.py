@@ -13,6 +13,12 @@ running estimates from the measured time of each step, and r(k) = T(k)/T(1) is t
 curve (measured once by the benchmark's cost model; flat when unknown, which is what a tiny model
 shows).
 
+Plain decoding wins ties: speculation must promise `margin` (3%) more tokens per second, plus 10%
+of the drafter's cost relative to a target step, because a costly drafter has costs this model
+does not see (a draft model reads the whole prompt at its first draft and catches up after every
+plain stretch). A draft model as big as the target can at best gain a few percent with perfect
+acceptance, so it is never tried; prompt lookup (nearly free) only has to beat 3%.
+
 Choosing D = 0 gives no new evidence about acceptance, so after a run of plain steps the policy
 probes with the best D >= 1 until a step actually drafts (prompt lookup may have nothing to offer,
 which costs nothing). The wait between probes is sized so probing costs about `explore` (2%) of
@@ -42,7 +48,9 @@ class AdaptiveDepth:
         shrink: float = 2.0,  # pseudo-observations pulling each a_i toward the pooled estimate
         explore: float = 0.02,  # share of time that probing may cost
         probe_min: int = 4,  # fewest plain steps between probes
-        margin: float = 0.03,  # speculation must promise this much over a plain step to be chosen
+        margin: float = 0.03,  # speculation must promise this much over a plain step to be chosen ...
+        cost_margin: float = 0.1,  # ... plus this times c_draft / T(1): a costly drafter's hidden costs
+        # (reading the prompt at its first draft, catching up after plain stretches) grow with its cost
     ) -> None:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -57,7 +65,7 @@ class AdaptiveDepth:
         self.c_draft = draft_cost  # seconds per drafted token
         self.v1: float | None = target_cost  # seconds of a one-token verify (target step)
         self.o = 0.0  # seconds of engine overhead per step
-        self.explore, self.probe_min, self.margin = explore, probe_min, margin
+        self.explore, self.probe_min, self.margin, self.cost_margin = explore, probe_min, margin, cost_margin
         self.probe_wait: int | None = None  # set from the costs at the first plain step
         self.plain_run = 0  # consecutive D = 0 choices
         self.probing = False
@@ -107,6 +115,7 @@ class AdaptiveDepth:
         best, best_rate = min_depth, -1.0
         tokens, run = 1.0, 1.0
         acc = self.acceptance_at()
+        margin = self.plain_margin()
         for d in range(0, k_max + 1):
             if d > 0:
                 run *= acc[d - 1]
@@ -115,7 +124,7 @@ class AdaptiveDepth:
                 continue
             rate = tokens / (c * d + v1 * self._r[d] + self.o)
             if d == 0:  # costs the model does not see (drafter catch-up, bookkeeping) favour plain
-                rate *= 1.0 + self.margin
+                rate *= 1.0 + margin
             if rate > best_rate * 1.0001:  # ties go to the smaller D
                 best, best_rate = d, rate
         return best
@@ -128,12 +137,17 @@ class AdaptiveDepth:
         cost = (c + v1 * (self.r(2) - 1.0)) / (v1 + self.o)  # a D = 1 probe, in plain steps
         return max(self.probe_min, int(cost / self.explore + 0.5))
 
+    def plain_margin(self) -> float:
+        v1 = self.v1 or 1.0
+        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        return self.margin + self.cost_margin * min(c / v1, 1.0)
+
     def can_pay(self, k_max: int) -> bool:
         """Would speculation beat a plain step even if every draft were accepted? (If not, probing
         is pointless: a drafter as costly as the target can never pay.)"""
         v1 = self.v1 or 1.0
         c = self.c_draft if self.c_draft is not None else 0.5 * v1
-        plain = (1.0 + self.margin) / (v1 + self.o)
+        plain = (1.0 + self.plain_margin()) / (v1 + self.o)
         return any((d + 1) / (c * d + v1 * self._r[d] + self.o) > plain for d in range(1, k_max + 1))
 
     def _pays(self, k_max: int) -> bool:

@@ -60,3 +60,11 @@ def test_respects_k_max_and_engine_cap():
     p = AdaptiveDepth(k_max=3)
     assert all(d <= 3 for d in drive(p, 50, 1.0, 1e-6))
     assert all(d <= 2 for d in drive(p, 20, 1.0, 1e-6, k_max=2))
+
+
+def test_same_size_draft_model_stays_plain_small_one_goes_deep():
+    """Perfect acceptance: a drafter at 0.9 of a target step cannot clear the margin; one at 0.1 can."""
+    costly = AdaptiveDepth(k_max=8, verify_ratio=RATIO, draft_cost=0.9e-3, target_cost=1e-3)
+    assert set(drive(costly, 100, accept_rate=1.0, draft_cost=0.9e-3)) == {0}
+    cheap = AdaptiveDepth(k_max=8, verify_ratio=RATIO, draft_cost=0.1e-3, target_cost=1e-3)
+    assert min(drive(cheap, 100, accept_rate=1.0, draft_cost=0.1e-3)[5:]) >= 4
