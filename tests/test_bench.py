@@ -76,7 +76,7 @@ def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
     res = json.loads((out / "results.json").read_text())
     assert set(res) >= {"config", "cost_model", "summary", "runs", "targets"}
     ov = res["summary"]["overall"]
-    for lab in ("ours:plain", "ours:ngram@2", "ours:ngram@auto", "ours:draft@2", "ours:draft@auto", "hf:plain", "hf:ngram@2", "hf:draft"):
+    for lab in ("ours:plain", "ours:ngram@2", "ours:ngram@auto", "ours:draft@2", "ours:draft@auto", "hf:plain", "hf:ngram@2", "hf:ngram@10", "hf:draft"):
         assert lab in ov, lab
         a = ov[lab]
         assert a["prompts"] == 2 and a["tokens_per_second"] > 0 and a["lossless"] == "2/2"
@@ -85,7 +85,7 @@ def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
         assert a[key] is not None, key
     assert set(a["time_split"]) == {"prefill", "draft", "verify", "overhead"}
     assert len(res["summary"]["by_category"]) == 2
-    assert len(res["runs"]) == 2 * 8
+    assert len(res["runs"]) == 2 * 9
     assert res["cost_model"]["ratio"][0] == 1.0 and res["cost_model"]["threads"] == 1
     md = (out / "report.md").read_text()
     assert "| ours:plain |" in md and "Targets:" in md and "ours / theirs" in md

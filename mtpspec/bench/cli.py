@@ -112,7 +112,8 @@ def run_benchmark(
         runners["transformers"] = HFRunner(tdir, ddir, tuple(model.tokenizer.stop_ids))
         methods.append(Method("transformers", "none", None))
         if "ngram" in drafters:
-            methods += [Method("transformers", "ngram", k) for k in ks if k != "auto"]
+            hf_ks = [k for k in ks if k != "auto"]
+            methods += [Method("transformers", "ngram", k) for k in hf_ks + ([10] if 10 not in hf_ks else [])]  # 10: HF's usual
         if "draft" in drafters:
             methods.append(Method("transformers", "draft", None))
 
