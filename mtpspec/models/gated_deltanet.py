@@ -37,6 +37,24 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """The same window one position at a time (exact mode): each position's arithmetic is the same
+    whatever the window length, so a verified position is bitwise the position of a plain step.
+    Returns o (B, nv, T, dv) and the T states after each position.
+    """
+    decay = g.exp()  # (B, nv, T)
+    out = torch.empty_like(v)
+    states, s = [], state
+    for t in range(q.shape[2]):
+        k_t = k[:, :, t, :, None]  # (B, nv, dk, 1)
+        s = s * decay[:, :, t, None, None]  # (B, nv, dk, dv)
+        kv_mem = (k_t * s).sum(-2)  # (B, nv, dv) what the state predicts for k_t
+        s = s + k_t * ((v[:, :, t] - kv_mem) * beta[:, :, t, None]).unsqueeze(-2)  # write the correction
+        out[:, :, t] = (q[:, :, t, :, None] * s).sum(-2)
+        states.append(s)
+    return out, states
+
+
 def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A short window (decode / verify) as one exact chunk, without padding and without writing states.
 
@@ -162,7 +180,10 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # (B, nv, T)
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
         s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
-        if t <= SHORT_MAX_T:  # decode / verify: keep what rebuilds the state after every position
+        if t <= SHORT_MAX_T and cache.exact:  # exact mode: position by position, every state kept
+            o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
+            cache.record_window(self.slot, hist, Window(states=states), None)
+        elif t <= SHORT_MAX_T:  # decode / verify: keep what rebuilds the state after every position
             o, gc, u = window_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, Window(gc, k, u), None)
         else:  # prefill: chunked, final state only

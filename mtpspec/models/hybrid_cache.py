@@ -36,9 +36,10 @@ from ..errors import ConfigError
 class Window:
     """What a short forward left behind for one linear layer: enough to rebuild the state at any slot."""
 
-    gc: Tensor  # (B, nv, T) cumulative log decay from the window start (inclusive)
-    k: Tensor  # (B, nv, T, dk) L2-normalised keys
-    u: Tensor  # (B, nv, T, dv) the corrections written (v_new of the chunk form)
+    gc: Tensor | None = None  # (B, nv, T) cumulative log decay from the window start (inclusive)
+    k: Tensor | None = None  # (B, nv, T, dk) L2-normalised keys
+    u: Tensor | None = None  # (B, nv, T, dv) the corrections written (v_new of the chunk form)
+    states: list[Tensor] | None = None  # or, in exact mode, the T states themselves (recurrent form)
 
 
 class HybridCache:
@@ -88,12 +89,23 @@ class HybridCache:
         w = self.window[i]
         if w is None:
             return base
+        if w.states is not None:
+            return w.states[j - 1]
         g_end = w.gc[:, :, j - 1]  # (B, nv)
         kd = w.k[:, :, :j] * (g_end[..., None] - w.gc[:, :, :j]).exp()[..., None]  # (B, nv, j, dk)
         b, h, dk, dv = base.shape
         s = base.mul_(g_end.exp()[..., None, None]) if in_place else base * g_end.exp()[..., None, None]
         s.view(b * h, dk, dv).baddbmm_(kd.reshape(b * h, j, dk).transpose(1, 2), w.u[:, :, :j].reshape(b * h, j, dv))
         return s
+
+    @property
+    def exact(self) -> bool:
+        """Exact mode (set by the engine): results of a position independent of the pass it is in."""
+        return self.kv.exact
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        self.kv.exact = value
 
     def linear_state(self, i: int, batch: int = 1) -> tuple[Tensor, Tensor]:
         return self.conv_window(i, batch), self.state(i, batch)

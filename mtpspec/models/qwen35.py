@@ -101,7 +101,7 @@ class GatedAttention(nn.Module):
         q = rope(self.q_norm(q).transpose(1, 2), start)  # (B, nh, T, hd)
         k = rope(self.k_norm(k).transpose(1, 2), start)  # (B, nkv, T, hd)
         k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        y = causal_attention(q, k_all, v_all, start, kv.exact).transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
 
 
