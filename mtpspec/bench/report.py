@@ -217,7 +217,7 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
             "| T(k)/T(1) | " + " | ".join(f"{x:.2f}" for x in r) + " |", "",
             f"T(1) = {1000 * cost['t1']:.3f} ms; drafter cost per drafted token: "
             + ", ".join(f"{k} {1000 * v:.3f} ms" for k, v in cost["draft_cost"].items() if k != "none") + "."
-            + "".join(f" Drafting step {k}, propose(d) + commit, d = 1..{len(v)}: " + ", ".join(f"{1000 * x:.2f}" for x in v) + " ms."
+            + "".join(f" Drafter '{k}' per step of d drafts (its forwards), d = 1..{len(v)}: " + ", ".join(f"{1000 * x:.2f}" for x in v) + " ms."
                       for k, v in cost.get("draft_steps", {}).items()),
         ]
     tg = result.get("targets")
