@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=256)
     ap.add_argument("--kmax", type=int, default=9)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--exact", action="store_true", help="our model in exact mode (DeltaNet position by position)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -63,6 +64,7 @@ def main() -> None:
     with torch.inference_mode():
         our_cache = ours.new_cache()
         ours.forward_tokens(prompt, our_cache)
+        our_cache.exact = args.exact
         hf_cache = DynamicCache(config=hf_cfg)
         ref(prompt[None], cache=hf_cache, use_cache=True)
 
@@ -107,7 +109,7 @@ def main() -> None:
 
     med = {key: statistics.median(v) for key, v in times.items()}
     print(f"one MTP draft step (layer + head): {statistics.median(mtp_times) * 1e3:.0f} ms")
-    print(f"threads={args.threads} cache={args.cache} reps={args.reps} layers={args.layers}; prefill-64 argmax agreement {agree:.3f}")
+    print(f"exact={args.exact} threads={args.threads} cache={args.cache} reps={args.reps} layers={args.layers}; prefill-64 argmax agreement {agree:.3f}")
     print("| model | T(1) ms | " + " | ".join(f"T({k})/T(1)" for k in ks[1:]) + " |")
     print("|---|---|" + "---|" * (len(ks) - 1))
     for name, label in (("ours", "mtpspec HybridLM"), ("hf", "transformers Qwen3_5ForCausalLM")):
