@@ -45,12 +45,46 @@ def _draft(target, draft_model=None, **opts) -> Drafter:
 
 @register("mtp")
 def _mtp(target, draft_model=None, mtp_prenorm_hidden: bool = False, **opts) -> Drafter:
-    """The target's own MTP module (draft_model: a separate MTP head checkpoint, not supported yet)."""
+    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`."""
     from .mtp import MTPDrafter
 
     if draft_model is not None:
-        raise ConfigError("--drafter mtp with a separate --draft-model head is not supported yet; omit --draft-model")
+        return MTPDrafter(_attached(target, draft_model, "mtp"))
     return MTPDrafter(target, prenorm_hidden=mtp_prenorm_hidden)
+
+
+def _head(draft_model, kind: str, target):
+    from ..models.heads import DraftHead, load_head
+
+    if draft_model is None:
+        raise ConfigError(f"--drafter {kind} needs a trained head (--draft-model HEAD_FOLDER, from `mtpspec train head`)")
+    head = draft_model if isinstance(draft_model, DraftHead) else load_head(draft_model, target.dtype)
+    if head.config.kind != kind:
+        raise ConfigError(f"--drafter {kind} was given a {head.config.kind} head")
+    return head
+
+
+def _attached(target, draft_model, kind: str):
+    from ..models.heads import AttachedHead
+
+    return AttachedHead(target, _head(draft_model, kind, target))
+
+
+@register("eagle")
+def _eagle(target, draft_model=None, **opts) -> Drafter:
+    """An EAGLE head: the MTP drafter's bookkeeping, on a head that predicts the target's next feature."""
+    from .mtp import MTPDrafter
+
+    d = MTPDrafter(_attached(target, draft_model, "eagle"))
+    d.name = "eagle"
+    return d
+
+
+@register("medusa")
+def _medusa(target, draft_model=None, **opts) -> Drafter:
+    from .medusa import MedusaDrafter
+
+    return MedusaDrafter(target, _head(draft_model, "medusa", target))
 
 
 KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle")

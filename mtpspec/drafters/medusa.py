@@ -1,0 +1,51 @@
+"""Medusa drafting: K residual heads on the target's hidden state at the last forwarded position.
+
+With the engine's convention the target's cache holds every token but `last`; the hidden state h at
+the last forwarded position is the one whose next token is `last`. Medusa block k (1-based) on h
+predicts the token k positions after `last`, so one call of the K blocks drafts d1..dK at once
+(a chain of their top-1 tokens; tree drafting is out of scope). Each head's q is its own
+distribution, which does not depend on the earlier drafts: still a valid proposal, so rejection
+sampling stays exact.
+
+After a verify over [last, d1..dD] with n accepted, the next `last` is verdict.tokens[n] and the
+hidden at row n of that pass is its predecessor's: the one the next proposal reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..sampling import Sampler
+from ..types import Draft, TargetOutput, Verdict
+
+
+class MedusaDrafter:
+    name = "medusa"
+
+    def __init__(self, target, head) -> None:
+        from ..models.heads import check_fits
+
+        check_fits(head, target)
+        self.target, self.heads = target, head.medusa
+        self.k_max = head.config.num_medusa
+        self.h: Tensor | None = None  # (H,) hidden at the last forwarded position
+        self.sampler: Sampler | None = None
+
+    def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.h = out.hidden[-1] if out is not None else None
+
+    @torch.inference_mode()
+    def propose(self, context: Tensor, k: int) -> Draft:
+        if self.h is None:
+            return Draft.empty()
+        k = min(k, self.k_max)
+        logits = self.target.head(self.heads(self.h[None])[:k, 0])  # (k, V)
+        if self.sampler.params.greedy:
+            return Draft(tokens=logits.argmax(-1))
+        q = self.sampler.probs(logits)  # (k, V) the same transform as p
+        return Draft(tokens=self.sampler.sample(q), q=q)
+
+    def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        self.h = out.hidden[verdict.num_accepted]

@@ -1,0 +1,186 @@
+"""Draft heads trained for a frozen target (`mtpspec train head`): MTP, Medusa, EAGLE.
+
+All three read the target's post-final-norm hidden states and share the target's embedding and LM
+head (frozen, not stored with the head):
+
+- **mtp**: the native module (qwen35.MTPModule) added to a target that has none. Position i reads
+  (h_i, e(t_{i+1})) and predicts t_{i+2}; chained for depth > 1 on its own output hidden.
+- **eagle**: x = fc([e(t_{i+1}), h_i]) (with bias) -> one decoder layer -> a predicted *feature*
+  f_{i+1} ~ h_{i+1} (no final norm: the target's hidden is already post-norm), logits = LM head(f).
+  Autoregressive at the feature level: the next step reads (f_{i+1}, e(d)). Trained with feature
+  regression + token cross-entropy.
+- **medusa**: K residual blocks h + SiLU(W_k h + b_k), W_k zero-initialised (so each head starts as
+  the target's own next-token head); block k at position i predicts t_{i+1+k}.
+
+MTP and EAGLE have the same interface (forward(hidden, emb, cache, start, layer) -> (T, H)), so one
+drafter (drafters/mtp.py) runs both through `AttachedHead`, which presents a head + its frozen
+target the way a target with a native MTP module presents itself.
+
+Checkpoint: a folder with head.json {"format": "mtpspec-head", "kind", "config"} + head.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..errors import ConfigError, ModelLoadError
+from .common import Rotary
+from .qwen35 import HybridBlock, HybridConfig, MTPModule
+
+KINDS = ("mtp", "medusa", "eagle")
+FORMAT = "mtpspec-head"
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig:
+    kind: str  # one of KINDS
+    hidden_size: int  # the target's
+    vocab_size: int  # the target's
+    max_seq_len: int  # the target's context (the head's KV cache is preallocated to it)
+    num_heads: int = 4  # attention of the head's decoder layer (mtp, eagle)
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    num_medusa: int = 3  # K (medusa)
+
+    @property
+    def mtp_num_layers(self) -> int:  # what MTPDrafter reads from a target's config
+        return 1
+
+    def layer_config(self) -> HybridConfig:
+        return HybridConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=0, layer_types=(),
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, max_seq_len=self.max_seq_len, rope_theta=self.rope_theta,
+            partial_rotary_factor=1.0, mtp_num_layers=1,
+        )
+
+
+class EagleModule(nn.Module):
+    """fc([emb, hidden]) -> one decoder layer -> predicted feature (T, H). Own KV cache."""
+
+    def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layers = nn.ModuleList([HybridBlock(cfg, "full_attention", 0, rotary, False)])
+
+    def step(self, hidden: Tensor, emb: Tensor, cache, start: int, layer: int = 0) -> Tensor:
+        """Batched: hidden, emb (B, T, H) -> (B, T, H)."""
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        return self.layers[layer](x, cache, start)
+
+    def forward(self, hidden: Tensor, emb: Tensor, cache, start: int, layer: int = 0) -> Tensor:
+        return self.step(hidden[None], emb[None], cache, start, layer)[0]
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks on the last hidden state; block k (1-based) predicts the token k+1 ahead."""
+
+    def __init__(self, hidden: int, k: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(k))
+        for b in self.blocks:
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden (..., H) -> (K, ..., H) features for the target's LM head."""
+        return torch.stack([hidden + F.silu(b(hidden)) for b in self.blocks])
+
+
+class DraftHead(nn.Module):
+    """The trainable part only (the target's embedding / LM head stay with the target)."""
+
+    def __init__(self, cfg: DraftHeadConfig) -> None:
+        super().__init__()
+        if cfg.kind not in KINDS:
+            raise ConfigError(f"unknown head kind '{cfg.kind}' (choose from: {', '.join(KINDS)})")
+        self.config = cfg
+        if cfg.kind == "medusa":
+            self.medusa = MedusaHeads(cfg.hidden_size, cfg.num_medusa)
+            return
+        lc = cfg.layer_config()
+        self.rotary = Rotary(lc.rot_dim, lc.max_seq_len, lc.rope_theta)
+        self.mtp = MTPModule(lc, self.rotary) if cfg.kind == "mtp" else EagleModule(lc, self.rotary)
+
+
+def save_head(head: DraftHead, directory: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
+    meta = {"format": FORMAT, "version": 1, "kind": head.config.kind, "config": asdict(head.config)}
+    (d / "head.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return d
+
+
+def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Strict: every missing or unexpected tensor is named."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    meta_path = d / "head.json"
+    if not meta_path.exists():
+        raise ModelLoadError(f"{d}: not a draft head (head.json missing; train one with `mtpspec train head`)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ModelLoadError(f"{meta_path}: not a draft head (format {meta.get('format')!r})")
+    try:
+        cfg = DraftHeadConfig(**meta["config"])
+    except TypeError as e:
+        raise ModelLoadError(f"{meta_path}: bad head config: {e}") from None
+    head = DraftHead(cfg)
+    state = load_file(str(d / "head.safetensors"))
+    own = head.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ModelLoadError(f"{d}: head tensors missing: {missing or 'none'}; unexpected: {unexpected or 'none'}")
+    head.load_state_dict(state)
+    return head.to(dtype).eval()
+
+
+def check_fits(head: DraftHead, target) -> None:
+    c, t = head.config, target.config
+    if c.hidden_size != t.hidden_size or c.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the {c.kind} head was trained for hidden {c.hidden_size} / vocabulary {c.vocab_size}; "
+            f"this target has hidden {t.hidden_size} / vocabulary {target.vocab_size}"
+        )
+
+
+class AttachedHead:
+    """A trained MTP or EAGLE head on its frozen target, with the interface MTPDrafter reads from a
+    target that has a native MTP module (mtp, config.mtp_num_layers, new_mtp_cache, mtp_forward, head)."""
+
+    def __init__(self, target, head: DraftHead) -> None:
+        if head.config.kind not in ("mtp", "eagle"):
+            raise ConfigError(f"a {head.config.kind} head is not an MTP-style module")
+        check_fits(head, target)
+        self.target, self.module, self.mtp, self.config = target, head, head.mtp, head.config
+        self.max_seq_len = min(target.max_seq_len, head.config.max_seq_len)
+
+    def new_mtp_cache(self) -> KVCache:
+        c = self.config
+        return KVCache(1, c.num_kv_heads, c.head_dim, self.max_seq_len, self.target.dtype)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.target.head(hidden)
+
+    @torch.inference_mode()
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
+        start = cache.length
+        out = self.mtp(hidden, self.target.embed(tokens), cache, start, layer)
+        cache.advance(tokens.shape[0])
+        return out
+
+
+__all__ = ["DraftHeadConfig", "DraftHead", "MedusaHeads", "EagleModule", "AttachedHead", "save_head", "load_head", "KINDS"]

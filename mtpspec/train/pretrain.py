@@ -1,0 +1,301 @@
+"""`mtpspec train pretrain`: a Qwen3.5-style hybrid trained from scratch with the DeepSeek-V3 objective
+
+    loss = CE(next token) + lambda * mean_k CE(MTP depth k),   lambda = 0.3, then 0.1 for the last part.
+
+MTP depth k (1-based) at position i reads the depth-(k-1) hidden (the model's post-final-norm hidden
+for k = 1) and the embedding of t_{i+k}, and predicts t_{i+k+1} (modules chained, layer (k-1) % n).
+Resumable: `train_state.pt` in the output folder holds model, optimizer, step and elapsed time;
+running the same command again continues. The final checkpoint is the project's own format
+(mtpspec.json + model.safetensors + tokenizer.json) with `report.json` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..models.qwen35 import HybridConfig, HybridLM
+from . import data as D
+
+
+@dataclass
+class PretrainConfig:
+    out: str  # output folder (checkpoint, tokenizer, train_state.pt, report.json)
+    vocab_size: int = 4096  # byte-level BPE vocabulary
+    hidden_size: int = 256
+    num_layers: int = 4
+    full_attention_every: int = 4  # layer i is full attention when (i + 1) % this == 0 (3:1 DeltaNet:attention)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 704
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    linear_head_dim: int = 64
+    max_seq_len: int = 1024  # context of the shipped model (full attention KV is preallocated to it)
+    seq_len: int = 384  # training window
+    batch_size: int = 8
+    steps: int = 4000  # schedule length; training also ends at max_minutes, whichever comes first
+    max_minutes: float = 0.0  # 0 = no time limit; > 0: the schedule follows max(step/steps, time/max_minutes)
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    mtp_depth: int = 1  # MTP depths trained (>= 1), chained through the one MTP module
+    mtp_lambda: float = 0.3
+    mtp_lambda_final: float = 0.1
+    lambda_switch: float = 0.8  # fraction of training after which lambda = mtp_lambda_final
+    eval_every: int = 200
+    eval_windows: int = 32
+    save_every: int = 200
+    seed: int = 0
+    threads: int = 1
+    data_files: list[str] = field(default_factory=list)  # training .py files; empty = the stdlib minus HELDOUT
+    heldout_files: list[str] = field(default_factory=list)
+    tokenizer_chars: int = 6_000_000  # characters of training text the BPE is fitted on
+
+    def model_config(self) -> HybridConfig:
+        types = tuple("full_attention" if (i + 1) % self.full_attention_every == 0 else "linear_attention" for i in range(self.num_layers))
+        return HybridConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers, layer_types=types,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, max_seq_len=self.max_seq_len, tie_embeddings=True,
+            linear_key_head_dim=self.linear_head_dim, linear_value_head_dim=self.linear_head_dim,
+            linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
+            mtp_num_layers=1,
+        )
+
+
+class TrainCache:
+    """A stateless stand-in for HybridCache / KVCache: whole windows from position 0, nothing stored.
+
+    Lets the inference layers run batched with autograd (the real caches write into preallocated buffers).
+    """
+
+    exact = False
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        self.conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+    def conv_window(self, i: int, batch: int = 1) -> Tensor:
+        return torch.zeros(batch, self.conv_dim, self.kernel - 1)
+
+    def start_state(self, i: int, batch: int = 1) -> Tensor:
+        return torch.zeros(batch, *self.state_shape)
+
+    def record_window(self, *args) -> None:
+        pass
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
+
+
+def hybrid_hidden(model: HybridLM, tokens: Tensor) -> Tensor:
+    """tokens (B, T) -> post-final-norm hidden (B, T, H), with autograd."""
+    cache = TrainCache(model.config)
+    x = model.embed(tokens)  # (B, T, H)
+    for layer in model.model.layers:
+        x = layer(x, cache, 0)
+    return model.model.norm(x)
+
+
+def mtp_hiddens(mtp, embed, hidden: Tensor, tokens: Tensor, depth: int, cache) -> list[Tensor]:
+    """Chained MTP depths over a window. hidden (B, T, H) post-final-norm, tokens (B, T).
+
+    Depth k output (B, T-k, H) at position i predicts t_{i+k+1} (fed h^{k-1}_i and e(t_{i+k})).
+    """
+    outs, h = [], hidden
+    emb = embed(tokens)  # (B, T, H)
+    for k in range(1, depth + 1):
+        e = emb[:, k:]  # (B, T-k, H) e(t_{i+k})
+        h = h[:, : e.shape[1]]
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(h)], dim=-1))
+        x = mtp.layers[(k - 1) % len(mtp.layers)](x, cache, 0)
+        h = mtp.norm(x)
+        outs.append(h)
+    return outs
+
+
+def losses(model: HybridLM, tokens: Tensor, depth: int) -> tuple[Tensor, list[Tensor]]:
+    """tokens (B, T) -> (next-token CE, [MTP CE at depth k = 1..depth])."""
+    h = hybrid_hidden(model, tokens)
+    v = model.config.vocab_size
+    main = F.cross_entropy(model.head(h[:, :-1]).reshape(-1, v), tokens[:, 1:].reshape(-1))
+    mtp = []
+    for k, hk in enumerate(mtp_hiddens(model.mtp, model.embed, h, tokens, depth, TrainCache(model.config)), 1):
+        logits = model.head(hk[:, :-1])  # (B, T-k-1, V) predicts t_{i+k+1}
+        mtp.append(F.cross_entropy(logits.reshape(-1, v), tokens[:, k + 1 :].reshape(-1)))
+    return main, mtp
+
+
+def schedule(cfg: PretrainConfig, progress: float, step: int) -> tuple[float, float]:
+    """(learning rate, MTP lambda) at training progress in [0, 1]."""
+    if step < cfg.warmup_steps:
+        lr = cfg.lr * (step + 1) / cfg.warmup_steps
+    else:
+        cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        lr = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+    lam = cfg.mtp_lambda if progress < cfg.lambda_switch else cfg.mtp_lambda_final
+    return lr, lam
+
+
+@torch.no_grad()
+def evaluate(model: HybridLM, windows: Tensor, depth: int, batch: int = 8) -> dict:
+    model.eval()
+    main, mtp, n = 0.0, [0.0] * depth, 0
+    for i in range(0, windows.shape[0], batch):
+        m, ks = losses(model, windows[i : i + batch], depth)
+        b = windows[i : i + batch].shape[0]
+        main += m.item() * b
+        mtp = [a + k.item() * b for a, k in zip(mtp, ks)]
+        n += b
+    model.train()
+    return {"next_token": main / n, **{f"mtp_{k + 1}": v / n for k, v in enumerate(mtp)}}
+
+
+def prepare_data(cfg: PretrainConfig, out: Path):
+    """Tokenizer (trained once, then reused) and the encoded train / held-out streams (cached in out/data.pt)."""
+    from ..loading.tokenizer_hf import HFTokenizer
+
+    if cfg.data_files:
+        train_files, held_files = [Path(p) for p in cfg.data_files], [Path(p) for p in cfg.heldout_files]
+    else:
+        train_files, held_files = D.stdlib_files()
+    tok_path, data_path = out / "tokenizer.json", out / "data.pt"
+    if tok_path.exists():
+        tok = HFTokenizer.load(tok_path, stop_ids=(0,))
+    else:
+        texts = D.read_texts(train_files)
+        sample, n = [], 0
+        for t in texts:
+            if n >= cfg.tokenizer_chars:
+                break
+            sample.append(t)
+            n += len(t)
+        tok = D.train_tokenizer(sample, cfg.vocab_size)
+        tok.save(tok_path)
+    if data_path.exists():
+        streams = torch.load(data_path)
+    else:
+        streams = {"train": D.encode_stream(tok, D.read_texts(train_files)), "heldout": D.encode_stream(tok, D.read_texts(held_files))}
+        torch.save(streams, data_path)
+    return tok, streams["train"], streams["heldout"], held_files
+
+
+def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
+    """Train (or resume) and write the checkpoint + report; returns the report."""
+    from tqdm import tqdm
+
+    from ..loading.native import save_checkpoint
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok, train, held, held_files = prepare_data(cfg, out)
+    if tok.vocab_size != cfg.vocab_size:
+        cfg.vocab_size = tok.vocab_size
+    model = HybridLM(cfg.model_config())
+    _init(model)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step, elapsed, history = 0, 0.0, []
+    state_path = out / "train_state.pt"
+    if state_path.exists():  # resume
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["generator"])
+        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+    evalw = D.eval_windows(held, cfg.seq_len, cfg.eval_windows)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+    def progress() -> float:
+        p = step / cfg.steps
+        return max(p, elapsed / (cfg.max_minutes * 60)) if cfg.max_minutes > 0 else p
+
+    def save() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                    "step": step, "elapsed": elapsed, "history": history}, state_path)
+        save_checkpoint(model, tok, out)
+
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress_bar, dynamic_ncols=True)
+    model.train()
+    t_last = time.perf_counter()
+    while progress() < 1.0:
+        lr, lam = schedule(cfg, progress(), step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)
+        main, mtp = losses(model, batch, cfg.mtp_depth)
+        loss = main + lam * torch.stack(mtp).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        elapsed += dt
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp[0].item():.3f}", lam=lam, tok_s=f"{batch.numel() / dt:.0f}")
+        if step % cfg.eval_every == 0 or progress() >= 1.0:
+            ev = evaluate(model, evalw, cfg.mtp_depth)
+            history.append({"step": step, "elapsed_s": round(elapsed, 1), "tokens": step * cfg.batch_size * cfg.seq_len,
+                            "train_next_token": round(main.item(), 4), **{k: round(v, 4) for k, v in ev.items()}})
+            bar.write(f"step {step}: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+        if step % cfg.save_every == 0:
+            save()
+    bar.close()
+    save()
+    report = final_report(model, tok, cfg, held, held_files, step, elapsed, history)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+@torch.no_grad()
+def _init(model: HybridLM) -> None:
+    """GPT-2 style init: N(0, 0.02) for matrices, output projections scaled by 1/sqrt(2 * layers)."""
+    n = len(model.config.layer_types) + 1
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and "conv1d" not in name:
+            std = 0.02 / math.sqrt(2 * n) if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")) else 0.02
+            p.normal_(0.0, std)
+
+
+def final_report(model, tok, cfg: PretrainConfig, held: Tensor, held_files: list[Path], step: int, elapsed: float,
+                 history: list, n_prompts: int = 8, new_tokens: int = 128) -> dict:
+    """Held-out loss per objective, and greedy MTP acceptance by position (D = 4) on held-out code prompts."""
+    from ..drafters.mtp import MTPDrafter
+    from ..engine import generate_tokens
+    from ..sampling import Sampler, SamplingParams
+
+    model.eval()
+    ev = evaluate(model, D.eval_windows(held, cfg.seq_len, cfg.eval_windows), cfg.mtp_depth)
+    prompts = D.code_prompts(held_files, n_prompts) if held_files else []
+    drafted, accepted = [0] * 4, [0] * 4
+    for p in prompts:
+        ids = tok.encode(p)[-256:]
+        r = generate_tokens(model, ids, MTPDrafter(model), 4, Sampler(SamplingParams()), new_tokens)
+        for i, a in enumerate(r.stats.acceptance_by_position or []):
+            drafted[i] += 1
+            accepted[i] += a
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "steps": step, "train_seconds": round(elapsed, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "parameters": params, "heldout_loss": ev,
+        "mtp_acceptance_by_position_greedy_D4": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
+        "history": history,
+    }
