@@ -19,7 +19,8 @@ does not see (a draft model reads the whole prompt at its first draft and catche
 plain stretch). A draft model as big as the target can at best gain a few percent with perfect
 acceptance, so it is never tried; prompt lookup (nearly free) only has to beat 3%.
 
-Choosing D = 0 gives no new evidence about acceptance, so after a run of plain steps the policy
+Choosing D = 0 gives no new evidence about acceptance, so while it runs plain steps the evidence
+fades toward the prior (`forget` per step: text that did not repeat may start to), and after a run of plain steps the policy
 probes with the best D >= 1 until a step actually drafts (prompt lookup may have nothing to offer,
 which costs nothing). The wait between probes is sized so probing costs about `explore` (2%) of
 the time: a probe costs c_draft + v1 (r(2) - 1), so a nearly free drafter (prompt lookup) probes
@@ -46,6 +47,7 @@ class AdaptiveDepth:
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,
         shrink: float = 2.0,  # pseudo-observations pulling each a_i toward the pooled estimate
+        forget: float = 0.95,  # per plain step, acceptance evidence fades toward the prior (text changes)
         explore: float = 0.02,  # share of time that probing may cost
         probe_min: int = 4,  # fewest plain steps between probes
         margin: float = 0.03,  # speculation must promise this much over a plain step to be chosen ...
@@ -57,7 +59,9 @@ class AdaptiveDepth:
         self.k_max = k_max
         self.ratio = list(verify_ratio) if verify_ratio else None
         self._r = [self.r(k) for k in range(1, k_max + 2)]  # r(d + 1) for d = 0..k_max
-        self.decay, self.shrink = decay, shrink
+        self.decay, self.shrink, self.forget = decay, shrink, forget
+        self.prior_acceptance = prior_acceptance
+        self.draft_cost_prior = draft_cost
         n = max(k_max, 1)
         self.passed = [0.0] * n  # decayed counts per draft position
         self.reached = [0.0] * n
@@ -150,6 +154,15 @@ class AdaptiveDepth:
         plain = (1.0 + self.plain_margin()) / (v1 + self.o)
         return any((d + 1) / (c * d + v1 * self._r[d] + self.o) > plain for d in range(1, k_max + 1))
 
+    def _fade(self) -> None:
+        """A plain step brings no evidence; old evidence fades so the prior can call for a retry."""
+        f = self.forget
+        self.passed = [x * f for x in self.passed]
+        self.reached = [x * f for x in self.reached]
+        w = 2.0 * (1.0 - f)  # pooled estimate drifts back toward the prior
+        self.pool_passed = f * self.pool_passed + w * self.prior_acceptance
+        self.pool_reached = f * self.pool_reached + w
+
     def _pays(self, k_max: int) -> bool:
         """can_pay, re-evaluated every 16 steps (the costs move slowly)."""
         if self._pays_at is None or len(self.history) - self._pays_at >= 16:
@@ -177,6 +190,7 @@ class AdaptiveDepth:
                 d = self.best_depth(k_max, 1)
             else:
                 self.plain_run += 1
+                self._fade()
                 if self.probe_wait is None:
                     self.probe_wait = self.probe_base()
                 if self.plain_run >= self.probe_wait:
@@ -194,8 +208,9 @@ class AdaptiveDepth:
             self._warm += 1
             if self._warm == 2 or self.c_draft is None:  # the first draft also read the prompt: replace it
                 self.c_draft = None
-            if self.c_draft is not None:  # one slow call (a catch-up over a long prompt) is clipped
-                c = 0.8 * self.c_draft + 0.2 * min(c, 4 * self.c_draft + 1e-5)
+            if self.c_draft is not None:  # a slow call (a catch-up over tokens it skipped) is clipped
+                cap = 4 * (self.draft_cost_prior if self.draft_cost_prior is not None else self.c_draft) + 1e-5
+                c = 0.8 * self.c_draft + 0.2 * min(c, cap)
             self.c_draft = c
             g = self.decay
             reached = min(accepted + 1, drafted)  # positions checked: all accepted + the first miss

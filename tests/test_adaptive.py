@@ -24,7 +24,7 @@ def test_zero_acceptance_chooses_plain_and_keeps_probing():
     p = AdaptiveDepth(k_max=8, verify_ratio=RATIO)
     chosen = drive(p, 300, accept_rate=0.0, draft_cost=1e-5)
     tail = chosen[50:]
-    assert tail.count(0) / len(tail) > 0.9  # almost all plain steps
+    assert tail.count(0) / len(tail) > 0.8  # mostly plain steps (retries: evidence fades)
     assert any(d > 0 for d in tail)  # ... but it still probes
     assert all(d <= 2 for d in tail)
 
