@@ -35,10 +35,21 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     head.add_argument("--tokenizer")
     _add_dataclass_args(head, HeadConfig)
     head.add_argument("--no-progress", action="store_true")
+    ev = sub.add_parser("eval", help="side-by-side table: plain and drafter x D on held-out prompts (greedy)")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--tokenizer")
+    ev.add_argument("--runs", required=True, help="comma list of DRAFTER:D[:HEAD_PATH], e.g. mtp:1,mtp:2,ngram:4")
+    ev.add_argument("--prompts", default="stdlib", help="stdlib (held-out modules) | tinystories (the first N) | a text file")
+    ev.add_argument("--n", type=int, default=8, help="number of prompts")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--repeats", type=int, default=1)
+    ev.add_argument("--threads", type=int, default=1)
 
 
 @command("train")(_train_args)
 def run_train(args: argparse.Namespace) -> int:
+    if args.train_command == "eval":
+        return _run_eval(args)
     if args.train_command == "pretrain":
         from .pretrain import PretrainConfig, pretrain
 
@@ -52,4 +63,36 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = HeadConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
         report = train_head(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
+    return 0
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..api import load
+    from .evaluate import HEADER, measure_table
+
+    torch.set_num_threads(args.threads)
+    model = load(args.model, args.tokenizer)
+    if args.prompts == "stdlib":
+        from .data import code_prompts, stdlib_files
+
+        prompts = code_prompts(stdlib_files()[1], args.n)
+    elif args.prompts == "tinystories":
+        from ..prompts import tinystories_prompts
+
+        prompts = tinystories_prompts(args.n)
+    else:
+        from pathlib import Path
+
+        prompts = [ln for ln in Path(args.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()][: args.n]
+    runs = []
+    for item in args.runs.split(","):
+        parts = item.split(":", 2)
+        runs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else None))
+    rows = measure_table(model, prompts, runs, args.max_new_tokens, args.repeats)
+    print(f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, greedy, {args.threads} thread(s)\n")
+    print(HEADER)
+    for r in rows:
+        print(r.markdown())
     return 0

@@ -1,0 +1,61 @@
+"""Side-by-side measurement for model cards: plain and each (drafter, D) on the same held-out prompts,
+greedy, in one process: acceptance by position, mean accepted length (tokens per target forward),
+tokens/s relative to plain, and whether every output equals plain greedy token for token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Row:
+    drafter: str
+    k: int
+    acceptance_by_position: list[float]
+    mean_accepted_length: float
+    tokens_per_second: float
+    speedup: float
+    identical: bool
+
+    def markdown(self) -> str:
+        acc = " / ".join(f"{a:.2f}" for a in self.acceptance_by_position) or "-"
+        return (f"| {self.drafter} | {self.k if self.drafter != 'none' else '-'} | {acc} | {self.mean_accepted_length:.2f} | "
+                f"{self.tokens_per_second:.0f} | {self.speedup:.2f}x | {'yes' if self.identical else 'NO'} |")
+
+
+HEADER = ("| drafter | D | acceptance by position | mean accepted length | tok/s | vs plain | identical to plain |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def measure_table(model, prompts: list[str], runs: list[tuple[str, int, object]], max_new_tokens: int = 128, repeats: int = 1) -> list[Row]:
+    """runs: (drafter, k, draft_model or None). Plain runs first; rows keep the runs' order after it.
+
+    Timing: the runs are interleaved per prompt (plain, then each run), `repeats` times, so slow and
+    fast moments of a shared machine fall on all of them alike.
+    """
+    ids = [model.encode(p) for p in prompts]
+    refs = [model.generate(i, max_new_tokens=max_new_tokens) for i in ids]  # warm-up + reference
+    all_runs = [("none", 1, None)] + list(runs)
+    stats = {j: {"tok": 0, "sec": 0.0, "fwd": 0, "reached": [0] * r[1], "passed": [0] * r[1], "same": True} for j, r in enumerate(all_runs)}
+    for _ in range(repeats):
+        for i, ref in zip(ids, refs):
+            for j, (drafter, k, dm) in enumerate(all_runs):
+                r = model.generate(i, drafter=drafter, k=k, draft_model=dm, max_new_tokens=max_new_tokens)
+                s = stats[j]
+                s["same"] &= r.tokens == ref.tokens
+                s["tok"] += len(r.tokens)
+                s["sec"] += r.stats.wall_seconds
+                s["fwd"] += r.stats.target_forwards
+                for st in r.steps:
+                    for a in range(min(st.num_accepted + 1, len(st.draft))):
+                        s["reached"][a] += 1
+                    for a in range(st.num_accepted):
+                        s["passed"][a] += 1
+    base = stats[0]["tok"] / stats[0]["sec"]
+    rows = []
+    for j, (drafter, k, _) in enumerate(all_runs):
+        s = stats[j]
+        tps = s["tok"] / s["sec"]
+        acc = [p / r for p, r in zip(s["passed"], s["reached"]) if r] if drafter != "none" else []
+        rows.append(Row(drafter, k, acc, s["tok"] / max(s["fwd"], 1), tps, tps / base, s["same"]))
+    return rows
