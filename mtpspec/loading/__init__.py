@@ -27,8 +27,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_demo() -> tuple[Path, Path]:
-    """The model `--model demo` names: stories260K from the assets until the project ships its own."""
+def shipped_demo_dir() -> Path:
+    """The project's own demo model (models/demo: trained by `mtpspec train pretrain`, see its MODEL_CARD.md)."""
+    return Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def resolve_demo() -> tuple[Path, Path | None]:
+    """The model `--model demo` names: the shipped MTP-trained hybrid, else stories260K from the assets."""
+    shipped = shipped_demo_dir()
+    if (shipped / "mtpspec.json").exists():
+        return shipped, None  # the checkpoint carries its tokenizer
     d = assets_dir() / "models"
     return d / "stories260K.bin", d / "tok512.bin"
 
