@@ -61,12 +61,13 @@ class AdaptiveDepth:
         self._r = [self.r(k) for k in range(1, k_max + 2)]  # r(d + 1) for d = 0..k_max
         self.decay, self.shrink, self.forget = decay, shrink, forget
         self.prior_acceptance = prior_acceptance
-        self.draft_cost_prior = draft_cost
+        # prior drafter cost relative to a target step (scaled by the running step time until drafts are seen)
+        self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
         n = max(k_max, 1)
         self.passed = [0.0] * n  # decayed counts per draft position
         self.reached = [0.0] * n
         self.pool_passed, self.pool_reached = prior_acceptance * 2.0, 2.0  # pooled, with a prior of 2
-        self.c_draft = draft_cost  # seconds per drafted token
+        self.c_draft = draft_cost if self.c_ratio is None else None  # seconds per drafted token, as observed
         self.v1: float | None = target_cost  # seconds of a one-token verify (target step)
         self.o = 0.0  # seconds of engine overhead per step
         self.explore, self.probe_min, self.margin, self.cost_margin = explore, probe_min, margin, cost_margin
@@ -108,14 +109,21 @@ class AdaptiveDepth:
             total += run
         return total
 
+    def _c(self) -> float:
+        """Drafter seconds per drafted token: observed, else the prior ratio x step time, else half a step."""
+        v1 = self.v1 or 1.0
+        if self.c_draft is not None:
+            return self.c_draft
+        return (self.c_ratio if self.c_ratio is not None else 0.5) * v1
+
     def step_time(self, d: int) -> float:
         v1 = self.v1 if self.v1 is not None else 1.0
-        c = self.c_draft if self.c_draft is not None else 0.5 * v1  # unknown drafter: assume half a step
+        c = self._c()
         return c * d + v1 * self.r(d + 1) + self.o
 
     def best_depth(self, k_max: int, min_depth: int = 0) -> int:
         v1 = self.v1 if self.v1 is not None else 1.0
-        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        c = self._c()
         best, best_rate = min_depth, -1.0
         tokens, run = 1.0, 1.0
         acc = self.acceptance_at()
@@ -137,20 +145,20 @@ class AdaptiveDepth:
     def probe_base(self) -> int:
         """Plain steps between probes so that probing costs about `explore` of the time."""
         v1 = self.v1 or 1.0
-        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        c = self._c()
         cost = (c + v1 * (self.r(2) - 1.0)) / (v1 + self.o)  # a D = 1 probe, in plain steps
         return max(self.probe_min, int(cost / self.explore + 0.5))
 
     def plain_margin(self) -> float:
         v1 = self.v1 or 1.0
-        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        c = self._c()
         return self.margin + self.cost_margin * min(c / v1, 1.0)
 
     def can_pay(self, k_max: int) -> bool:
         """Would speculation beat a plain step even if every draft were accepted? (If not, probing
         is pointless: a drafter as costly as the target can never pay.)"""
         v1 = self.v1 or 1.0
-        c = self.c_draft if self.c_draft is not None else 0.5 * v1
+        c = self._c()
         plain = (1.0 + self.plain_margin()) / (v1 + self.o)
         return any((d + 1) / (c * d + v1 * self._r[d] + self.o) > plain for d in range(1, k_max + 1))
 
@@ -178,7 +186,7 @@ class AdaptiveDepth:
         k_max = min(k_max, self.k_max)
         if k_max <= 0:
             d = 0
-        elif self.v1 is None or self.c_draft is None or self._warm < 2:  # warm-up: learn what a step and a draft cost
+        elif self.v1 is None or (self.c_draft is None and self.c_ratio is None) or self._warm < 2:  # warm-up: learn what a step and a draft cost
             d = min(2, k_max)
         elif not self._pays(k_max):  # even perfect acceptance would lose: stay plain, skip the search
             d = 0
@@ -206,12 +214,13 @@ class AdaptiveDepth:
         if drafted > 0:
             c = draft_seconds / drafted
             self._warm += 1
-            if self._warm == 2 or self.c_draft is None:  # the first draft also read the prompt: replace it
-                self.c_draft = None
-            if self.c_draft is not None:  # a slow call (a catch-up over tokens it skipped) is clipped
-                cap = 4 * (self.draft_cost_prior if self.draft_cost_prior is not None else self.c_draft) + 1e-5
-                c = 0.8 * self.c_draft + 0.2 * min(c, cap)
-            self.c_draft = c
+            if self.c_ratio is not None:  # a prior: running average, a slow call (catch-up) clipped at 4x it
+                base = self._c()
+                self.c_draft = 0.8 * base + 0.2 * min(c, 4 * self.c_ratio * self.v1 + 1e-5)
+            elif self.c_draft is None or self._warm == 2:  # warm-up: the first draft also read the prompt
+                self.c_draft = c
+            else:
+                self.c_draft = 0.8 * self.c_draft + 0.2 * min(c, 4 * self.c_draft + 1e-5)
             g = self.decay
             reached = min(accepted + 1, drafted)  # positions checked: all accepted + the first miss
             for i in range(min(drafted, len(self.passed))):
@@ -227,5 +236,5 @@ class AdaptiveDepth:
                 wait = self.probe_wait or base
                 self.probe_wait = base if accepted > 0 else min(wait * 2, 4 * base)
                 self.probing = False
-        elif self.last_depth > 0 and self.c_draft is None:
+        elif self.last_depth > 0 and self.c_draft is None and self.c_ratio is None:
             self.c_draft = draft_seconds  # asked for drafts, got none (n-gram miss): cost of asking
