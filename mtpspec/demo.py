@@ -46,12 +46,12 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
 def demo(max_new_tokens: int = 200, n_prompts: int = 5) -> None:
     torch.set_num_threads(1)  # small models: one thread is fastest on this 2-core machine
     if (shipped_demo_dir() / "mtpspec.json").exists():
-        demo_code(max_new_tokens=min(max_new_tokens, 128), n_prompts=min(n_prompts, 4))
+        demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3))
     else:
         demo_stories(max_new_tokens, n_prompts)
 
 
-def demo_code(max_new_tokens: int = 128, n_prompts: int = 4) -> None:
+def demo_code(max_new_tokens: int = 96, n_prompts: int = 3) -> None:
     from .train.data import HELDOUT, code_prompts, stdlib_files
 
     target = load("demo")

@@ -145,3 +145,21 @@ def test_training_lowers_the_loss(target, kind):
         opt.step()
     last = head_losses(head, target, *fixed, cfg)[0].item()
     assert last < first - 0.05, (first, last)
+
+
+SHIPPED = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "heads"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_stories260K_heads_are_lossless_and_accept(stories, kind):
+    """The heads shipped in models/heads (trained by `mtpspec train head` on stories260K): greedy identical."""
+    path = SHIPPED / f"stories260K-{kind}"
+    if not path.exists():
+        pytest.skip(f"{path} not shipped")
+    from mtpspec.prompts import tinystories_prompts
+
+    for p in tinystories_prompts(3):  # held out of the heads' training (its first 50 prompts)
+        ref = stories.generate(p, max_new_tokens=64)
+        r = stories.generate(p, drafter=kind, k=3, draft_model=str(path), max_new_tokens=64)
+        assert r.tokens == ref.tokens
+        assert r.stats.mean_accepted_length > (1.05 if kind == "medusa" else 1.5)  # medusa is the weakest head here
