@@ -54,7 +54,7 @@ def demo(max_new_tokens: int = 200, n_prompts: int = 5) -> None:
 def demo_code(max_new_tokens: int = 96, n_prompts: int = 3) -> None:
     from .train.data import HELDOUT, code_prompts, stdlib_files
 
-    target = load("demo")
+    target = load(shipped_demo_dir())
     prompts = code_prompts(stdlib_files()[1], n_prompts) or FALLBACK_CODE_PROMPTS[:n_prompts]
     print(f"target: models/demo (Qwen3.5-style hybrid with an MTP head, trained on the Python stdlib), {len(prompts)} "
           f"prompts from held-out modules ({', '.join(HELDOUT)}) x {max_new_tokens} new tokens, greedy\n")

@@ -83,3 +83,18 @@ def test_tokenizer_is_byte_level_and_adds_bos():
     ids = tok.encode("def f(y):  # é\n")
     assert ids[0] == 0 and tok.decode(ids[1:]) == "def f(y):  # é\n"
     json.dumps(tok.tokenizer.to_str())  # serialisable
+
+
+def test_shipped_demo_model_loads_and_its_mtp_head_is_lossless():
+    """models/demo (trained by `mtpspec train pretrain`, see its MODEL_CARD.md) loads and drafts losslessly."""
+    from mtpspec.loading import shipped_demo_dir
+
+    if not (shipped_demo_dir() / "mtpspec.json").exists():
+        pytest.skip("models/demo not shipped")
+    model = mtpspec.load(shipped_demo_dir())
+    assert model.module.mtp is not None
+    prompt = "def mean(data):\n    \"\"\"Return the sample arithmetic mean of data.\"\"\"\n"
+    ref = model.generate(prompt, max_new_tokens=32)
+    for k in (1, 3):
+        r = model.generate(prompt, drafter="mtp", k=k, max_new_tokens=32)
+        assert r.tokens == ref.tokens and r.stats.accepted_tokens > 0
