@@ -34,7 +34,7 @@ ASSETS ?= $(or $(MTPSPEC_ASSETS),../shared/assets)
 
 # The README's pictures, made by the project itself: a trace of real runs and the live verify page.
 screenshots: $(STAMP) browser
-	$(BIN)/mtpspec trace "Once upon a time, there was a little girl named Lily. She loved to" --model demo \
+	$(BIN)/mtpspec trace "Once upon a time, there was a little girl named Lily. She loved to" --model $(ASSETS)/models/stories260K.bin \
 		--drafters draft,ngram --draft-model $(ASSETS)/models/stories260K_q80.bin --ks 1,2,4 \
 		--max-new-tokens 40 --repeat 5 --out build/trace.html --png docs/images/trace.png
 	MTPSPEC_SCREENSHOT_DIR=docs/images $(BIN)/pytest -q tests/test_browser.py

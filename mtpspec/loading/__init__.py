@@ -32,9 +32,8 @@ def shipped_demo_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
-# `--model demo` = the shipped hybrid once this is True. Held at False for now: four requests in
-# tests/test_server.py omit "model" and rely on demo = stories260K (the API's default model).
-SHIPPED_DEMO_IS_DEFAULT = False
+# `--model demo` = the shipped hybrid; stories260K from the assets if the folder is missing.
+SHIPPED_DEMO_IS_DEFAULT = True
 
 
 def resolve_demo() -> tuple[Path, Path | None]:

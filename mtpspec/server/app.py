@@ -25,7 +25,7 @@ from .verify_page import MAX_DRAFT, MAX_TOP_K, ModelStore, available_drafters, s
 
 
 class ModelRef(BaseModel):
-    model: str = Field("demo", description="llama2.c .bin, model directory, project checkpoint, or 'demo'")
+    model: str | None = Field(None, description="llama2.c .bin, model directory, project checkpoint, or 'demo'; default: the server's model")
     tokenizer: str | None = Field(None, description="tokenizer file when the model does not carry one")
     dtype: str = "fp32"
 
@@ -52,6 +52,12 @@ def create_app(default_model: str = "demo", default_tokenizer: str | None = None
     """The app; models load lazily on first use and stay cached (at most a few at a time)."""
     app = FastAPI(title="mtpspec verify page", description="Greedy verification of drafts, one target forward each.")
     store = ModelStore()
+
+    def _model_of(req) -> tuple[str, str | None]:
+        """The request's model and tokenizer; a request that names none uses the server's own."""
+        if req.model is None:
+            return default_model, req.tokenizer or default_tokenizer
+        return req.model, req.tokenizer
 
     @app.exception_handler(MtpspecError)
     async def _bad_input(request: Request, exc: MtpspecError) -> JSONResponse:
@@ -85,14 +91,14 @@ def create_app(default_model: str = "demo", default_tokenizer: str | None = None
     @app.post("/api/load")
     def load_model(req: ModelRef) -> dict:
         with store.lock:
-            model = store.get(req.model, req.tokenizer, req.dtype)
-            return {"model": req.model, "vocab_size": model.module.vocab_size, "max_seq_len": model.module.max_seq_len,
+            model = store.get(*_model_of(req), req.dtype)
+            return {"model": _model_of(req)[0], "vocab_size": model.module.vocab_size, "max_seq_len": model.module.max_seq_len,
                     "drafters": available_drafters(model), "max_draft": MAX_DRAFT}
 
     @app.post("/api/verify")
     def verify(req: VerifyRequest) -> dict:
         with store.lock:
-            model = store.get(req.model, req.tokenizer, req.dtype)
+            model = store.get(*_model_of(req), req.dtype)
             dm = _draft_model(store, req)
             return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter,
                                 k=req.k, draft_model=dm, top_k=req.top_k)
@@ -100,7 +106,7 @@ def create_app(default_model: str = "demo", default_tokenizer: str | None = None
     @app.post("/api/step")
     def step(req: StepRequest) -> dict:
         with store.lock:
-            model = store.get(req.model, req.tokenizer, req.dtype)
+            model = store.get(*_model_of(req), req.dtype)
             return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=_draft_model(store, req))
 
     return app
