@@ -7,6 +7,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+class CausalLM(nn.Module):
+    """What every target and draft model shares: `config` (with max_seq_len, vocab_size), `model.embed_tokens`,
+    `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput."""
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, or * (1 + w) for the zero-centred norms of Qwen3-Next / Qwen3.5."""
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class DenseBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
-class DenseLM(nn.Module):
+class DenseLM(CausalLM):
     """A causal LM with the interface every target and draft model in mtpspec shares:
     new_cache(), forward_tokens(tokens, cache) -> TargetOutput, embed(), head()."""
 
@@ -104,27 +104,9 @@ class DenseLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.embed_tokens(tokens)
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: KVCache) -> TargetOutput:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
 
@@ -190,7 +190,7 @@ class MTPModule(nn.Module):
         return self.norm(x)[0]
 
 
-class HybridLM(nn.Module):
+class HybridLM(CausalLM):
     """The hybrid target: same interface as DenseLM, plus `mtp` (None when the checkpoint has none)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
@@ -215,18 +215,6 @@ class HybridLM(nn.Module):
         fresh = Rotary(c.rot_dim, c.max_seq_len, c.rope_theta)
         self.rotary.cos, self.rotary.sin = fresh.cos, fresh.sin
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.config.max_seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
     def new_cache(self, max_len: int | None = None) -> HybridCache:
         c = self.config
         n_lin = sum(t == "linear_attention" for t in c.layer_types)
@@ -241,12 +229,6 @@ class HybridLM(nn.Module):
     def new_mtp_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.embed_tokens(tokens)
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: HybridCache) -> TargetOutput:
