@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import mtpspec
-from mtpspec.engine import _verify_pass
 from mtpspec.prompts import tinystories_prompts
-from mtpspec.types import Draft
+from exact_passes import logits_in_passes
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +24,7 @@ def test_verify_rows_bitwise_equal_plain_steps(assets, dtype):
     width = k + 1
 
     def run(chunk: int) -> torch.Tensor:
-        cache = module.new_cache()
-        cache.exact = True
-        module.forward_tokens(torch.tensor(ids[:p0]), cache)
-        rows, j = [], p0
-        while j < len(ids):
-            toks = torch.tensor(ids[j : j + chunk])
-            start = cache.length
-            out = _verify_pass(module, cache, toks[:1], Draft(tokens=toks[1:]), width)
-            cache.crop(start + toks.shape[0])
-            rows.append(out.logits)
-            j += chunk
-        return torch.cat(rows)
+        return logits_in_passes(module, torch.tensor(ids), p0, chunk, width)
 
     plain = run(1)
     for chunk in (2, 3, 5):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mtpspec.drafters import make_drafter
-from mtpspec.engine import _verify_pass, generate_tokens
+from mtpspec.engine import generate_tokens
 from mtpspec.models.qwen35 import HybridConfig, HybridLM
 from mtpspec.sampling import Sampler, SamplingParams
-from mtpspec.types import Draft
+from exact_passes import logits_in_passes
 from qwen35_tiny import randomize
 
 CFG = HybridConfig(
@@ -38,18 +38,7 @@ def test_verify_rows_bitwise_equal_plain_steps(model):
     width, p0 = 5, 12
 
     def run(chunk: int) -> torch.Tensor:
-        cache = model.new_cache()
-        cache.exact = True
-        model.forward_tokens(ids[:p0], cache)
-        rows, j = [], p0
-        while j < len(ids):
-            toks = ids[j : j + chunk]
-            start = cache.length
-            out = _verify_pass(model, cache, toks[:1], Draft(tokens=toks[1:]), width)
-            cache.crop(start + toks.shape[0])
-            rows.append(out.logits)
-            j += chunk
-        return torch.cat(rows)
+        return logits_in_passes(model, ids, p0, chunk, width)
 
     plain = run(1)
     for chunk in (2, 3, 5):
