@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,42 @@ def test_bench_sampling_run(tmp_path, assets):
                         limit=2, max_new_tokens=8, temperature=0.8, seed=1, threads=1, cost_model=False, progress=False)
     assert res["summary"]["overall"]["ours:ngram@2"]["lossless"] == "-"
     assert res["cost_model"] is None and (tmp_path / "report.md").exists()
+
+
+def test_bench_head_folder_as_draft_model(tmp_path, assets):
+    """--draft-model takes a head folder (as `generate` does); its drafter gets a measured cost curve."""
+    from mtpspec.bench.cli import run_benchmark
+
+    m = assets / "models"
+    head = Path(__file__).resolve().parents[1] / "models" / "heads" / "stories260K-eagle"
+    res = run_benchmark(str(m / "stories260K.bin"), "spec_bench", ["eagle"], [2, "auto"], tmp_path, tokenizer=str(m / "tok512.bin"),
+                        draft_model=str(head), limit=2, max_new_tokens=8, threads=1, progress=False)
+    ov = res["summary"]["overall"]
+    assert ov["ours:eagle@2"]["lossless"] == "2/2" and ov["ours:eagle@auto"]["lossless"] == "2/2"
+    assert ov["ours:eagle@2"]["mean_accepted_length"] > 1.0
+    steps = res["cost_model"]["draft_steps"]["eagle"]
+    assert len(steps) == 8 and steps[0] > 0 and steps == sorted(steps) and steps[-1] > steps[0]  # a forward per drafted token
+    assert set(res["config"]["phase_seconds"]) == {"load", "cost_model", "warm_up", "runs"}
+    with pytest.raises(ConfigError, match="eagle head"):
+        run_benchmark(str(m / "stories260K.bin"), "spec_bench", ["draft"], [2], tmp_path, tokenizer=str(m / "tok512.bin"),
+                      draft_model=str(head), limit=1, max_new_tokens=4, threads=1, cost_model=False, progress=False)
+    with pytest.raises(ConfigError, match="does not include eagle"):
+        run_benchmark(str(m / "stories260K.bin"), "spec_bench", ["medusa"], [2], tmp_path, tokenizer=str(m / "tok512.bin"),
+                      draft_model=str(head), limit=1, max_new_tokens=4, threads=1, cost_model=False, progress=False)
+
+
+def test_bench_hybrid_demo_with_peers(tmp_path):
+    """The shipped hybrid: exported as transformers' Qwen3.5 for the plain peer (transformers runs no
+    prompt lookup on stateful models: skipped, with the reason); MTP gets a measured cost curve."""
+    from mtpspec.bench.cli import run_benchmark
+
+    res = run_benchmark("demo", "tinystories", ["ngram", "mtp"], [2], tmp_path, limit=1, max_new_tokens=8, threads=1,
+                        peers=True, progress=False)
+    ov = res["summary"]["overall"]
+    for lab in ("ours:plain", "ours:ngram@2", "ours:mtp@2", "hf:plain"):
+        assert ov[lab]["lossless"] == "1/1", lab
+    assert "hf:ngram@2" not in ov and "stateful" in res["config"]["peers_skipped"]["hf:ngram@2"]
+    assert res["config"]["export_max_abs_logit_diff"]["target"] < 1e-3
+    cm = res["cost_model"]
+    assert cm["draft_steps"]["mtp"][0] > 0 and cm["prefill_ratio"]["mtp"] >= 0
+    assert json.loads((tmp_path / "hf" / "target" / "config.json").read_text())["model_type"] == "qwen3_5_text"

@@ -16,6 +16,7 @@ import torch
 
 from ..cli import add_model_args, command, parse_k
 from ..errors import ConfigError
+from ..loading import parse_dtype
 
 
 def _list(text: str) -> list[str]:
@@ -26,7 +27,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--prompts", required=True, help="spec_bench | mt_bench | humaneval | tinystories, or a .jsonl / .jsonl.gz / .txt file")
     p.add_argument("--drafters", default="none,ngram", help="comma-separated: none,ngram,draft,mtp,...")
-    p.add_argument("--draft-model", help="draft model for the 'draft' drafter (and the assisted-generation peer)")
+    p.add_argument("--draft-model", help="draft model for the 'draft' drafter (and the assisted-generation peer), "
+                   "or a head folder (mtp / eagle / medusa, from `mtpspec train head`) for that drafter")
     p.add_argument("--k", default="1,2,4,auto", help="comma-separated draft depths, e.g. 1,2,4,auto")
     p.add_argument("--limit", type=int, help="number of prompts (taken round-robin over categories)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -40,6 +42,32 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-prefix", default="bench_", help="file name prefix of the PNG plots")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="output directory")
+
+
+HEAD_DRAFTERS = ("mtp", "eagle", "medusa")
+
+
+def resolve_draft_model(path: str | None, drafters: list[str], tokenizer: str | None, dtype: str):
+    """--draft-model -> (the full draft model or None, drafter -> its draft_model argument).
+
+    A head folder (head.json) goes to the drafter of its kind; anything else is loaded as a full
+    model for the 'draft' drafter and the assisted-generation peer (as `mtpspec generate` does)."""
+    from ..api import load
+    from ..models.heads import load_head
+
+    if not path:
+        return None, {}
+    p = Path(path)
+    if p.is_dir() and (p / "head.json").exists():
+        head = load_head(p, parse_dtype(dtype))
+        kind = head.config.kind
+        if "draft" in drafters:
+            raise ConfigError(f"--drafters draft needs a full draft model; {path} is a {kind} head")
+        if kind not in drafters:
+            raise ConfigError(f"--draft-model {path} is a {kind} head, but --drafters ({','.join(drafters)}) does not include {kind}")
+        return None, {kind: head}
+    dm = load(path, tokenizer, dtype)
+    return dm, {"draft": dm.module}
 
 
 def run_benchmark(
@@ -65,10 +93,10 @@ def run_benchmark(
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
-    from ..drafters import REGISTRY
+    from ..drafters import REGISTRY, make_drafter
     from ..prompts import load_prompts
     from . import costmodel
-    from .harness import PLAIN, Method, OursRunner, prepare_ids, run_bench
+    from .harness import PLAIN, Method, OursRunner, prepare_ids, run_bench, warm_up
     from .report import check_targets, summarize, write_all
 
     t_start = perf_counter()
@@ -81,10 +109,16 @@ def run_benchmark(
     for k in ks:
         if k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
+    phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
+    peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
+    t_phase = perf_counter()
     model = load(model_path, tokenizer, dtype)
-    dm = load(draft_model, tokenizer, dtype) if draft_model else None
+    dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
+    for d in drafters:  # bad combinations (a head for another target, no MTP module) fail here, before any timing
+        make_drafter(d, model.module, draft_model=draft_models.get(d))
     plist = load_prompts(prompts, limit)
     ids = prepare_ids(model, plist, max_new_tokens)
+    phases["load"], t_phase = perf_counter() - t_phase, perf_counter()
 
     if threads:
         torch.set_num_threads(threads)
@@ -93,13 +127,16 @@ def run_benchmark(
         k_max = max([k for k in ks if k != "auto"] + [8])
         lens = sorted(len(x) for x in ids)
         context = min(lens[len(lens) // 2] + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
-        cost = costmodel.measure(model.module, dm.module if dm else None, k_max=k_max, context=context, threads=threads, drafters=drafters)
+        typical = ids[sorted(range(len(ids)), key=lambda i: len(ids[i]))[len(ids) // 2]]  # the median prompt
+        cost = costmodel.measure(model.module, k_max=k_max, context=context, threads=threads, drafters=drafters,
+                                 draft_models=draft_models, tokens=typical)
         threads = cost.threads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    phases["cost_model"], t_phase = perf_counter() - t_phase, perf_counter()
 
     methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
-    runners: dict[str, object] = {"mtpspec": OursRunner(model, dm, cost)}
+    runners: dict[str, object] = {"mtpspec": OursRunner(model, draft_models, cost)}
     export_diff = {}
     if peers:
         from .peers import HFRunner, hf_directory
@@ -109,13 +146,20 @@ def run_benchmark(
         ddir = None
         if dm is not None:
             ddir, export_diff["draft"] = hf_directory(dm, hf_root, "draft")
-        runners["transformers"] = HFRunner(tdir, ddir, tuple(model.tokenizer.stop_ids))
-        methods.append(Method("transformers", "none", None))
+        hf = runners["transformers"] = HFRunner(tdir, ddir, tuple(model.tokenizer.stop_ids))
+        peer_methods = [Method("transformers", "none", None)]
         if "ngram" in drafters:
             hf_ks = [k for k in ks if k != "auto"]
-            methods += [Method("transformers", "ngram", k) for k in hf_ks + ([10] if 10 not in hf_ks else [])]  # 10: HF's usual
+            peer_methods += [Method("transformers", "ngram", k) for k in hf_ks + ([10] if 10 not in hf_ks else [])]  # 10: HF's usual
         if "draft" in drafters:
-            methods.append(Method("transformers", "draft", None))
+            peer_methods.append(Method("transformers", "draft", None))
+        for m in peer_methods:
+            why = hf.unsupported(m)
+            if why:
+                peers_skipped[m.label] = why
+            else:
+                methods.append(m)
+        phases["peers_setup"] = perf_counter() - t_phase
 
     bar = None
     tick = None
@@ -126,7 +170,11 @@ def run_benchmark(
         tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
     if repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {repeat}")
-    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, repeat=repeat)
+    t_phase = perf_counter()
+    warm_up(methods, plist[0], ids[0], runners, temperature, seed)
+    phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
+    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat)
+    phases["runs"] = perf_counter() - t_phase
     if bar is not None:
         bar.close()
     elapsed = perf_counter() - t_start
@@ -137,7 +185,8 @@ def run_benchmark(
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
             "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "drafters": drafters, "k": ks,
-            "peers": peers, "elapsed_seconds": elapsed, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
+            "peers": peers, "peers_skipped": peers_skipped, "elapsed_seconds": elapsed,
+            "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
         },
         "cost_model": cost.to_json() if cost else None,
         "summary": summary,

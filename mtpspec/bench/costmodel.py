@@ -6,9 +6,9 @@ only ever add time, and the curve is made non-decreasing in k by pooling adjacen
 
 - T(k): one target forward over k new tokens on a cache already holding `context` positions;
   reported as T(1) in seconds and the curve T(k)/T(1), k = 1..k_max+1.
-- the drafter's cost: for a draft model, its raw forwards over 1 and 2 tokens (a step with d drafts
-  is one forward over the 2 tokens it has not seen, then d - 1 one-token forwards); for prompt
-  lookup, a proposal on a realistic context, per drafted token; 0 for plain decoding.
+- the drafter's cost, for every drafter alike (drafter_cost.py): the real drafter object in steady
+  state, propose(d) + commit timed for d = 1..k_max (what the engine counts as draft time), and its
+  catch-up on a fresh prompt relative to the target's prefill; 0 for plain decoding.
 - the thread count: T(1) at 1..n threads, the fastest is used (the second core here is weak).
 
 Prediction for a finished run, step by step: each step with d drafts costs c_draft * d + T(d + 1),
@@ -17,8 +17,8 @@ and plain decoding needs one T(1) per token, so
     predicted speedup = (P + new_tokens * T(1)) / (P (1 + f) + sum over steps (C_draft(d) + T(d + 1)))
 
 where P is the target's prefill of the same prompts as measured in the plain runs and f the
-drafter's prefill relative to it (c_draft / T(1) for a draft model, which reads the prompt too; 0
-otherwise). Without prefill and for a constant D this is the textbook accepted-per-step x T(1) /
+drafter's prefill relative to it (measured: a draft model reads the prompt too, an MTP / EAGLE head
+runs over the prompt's hidden states; n-gram lookup and Medusa pay next to nothing). Without prefill and for a constant D this is the textbook accepted-per-step x T(1) /
 (T_draft + T(D+1)). The gap to the measured speedup is the engine's own overhead: bookkeeping,
 drafter catch-up, sampling and acceptance, Python between the forwards.
 """
@@ -37,7 +37,8 @@ class CostModel:
     t1: float  # seconds of a one-token target forward
     ratio: list[float]  # ratio[k-1] = T(k)/T(1), k = 1..len
     draft_cost: dict[str, float] = field(default_factory=dict)  # drafter -> seconds per drafted token (raw)
-    draft_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of its forwards in a step of d drafts, d = 1..
+    draft_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of propose + commit in a step of d drafts, d = 1..
+    prefill_ratio: dict[str, float] = field(default_factory=dict)  # drafter -> its catch-up on a prompt / the target's prefill
     threads: int = 1  # torch threads used for every timed run
     thread_t1: dict[int, float] = field(default_factory=dict)  # threads -> T(1) seconds, as measured
     context: int = 0  # cache length the forwards were timed at
@@ -66,8 +67,10 @@ class CostModel:
         return self.draft_seconds(drafter, d) + self.t(d + 1)
 
     def prefill_factor(self, drafter: str) -> float:
-        """Drafter prefill as a share of the target's: a draft model reads the prompt too (lazily,
-        at its first draft, so only runs that drafted pay it)."""
+        """Drafter prefill as a share of the target's (paid lazily, at the first draft, so only runs
+        that drafted pay it): measured, else a draft model's one-token cost relative to T(1)."""
+        if drafter in self.prefill_ratio:
+            return self.prefill_ratio[drafter]
         return self.draft_cost.get(drafter, 0.0) / self.t1 if drafter == "draft" else 0.0
 
     def run_seconds(self, drafter: str, drafts_per_step: list[int], prefill_seconds: float = 0.0) -> float:
@@ -88,16 +91,6 @@ class CostModel:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def _median_seconds(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = perf_counter()
-        fn()
-        times.append(perf_counter() - t0)
-    return _quantile(times, 0.5)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -165,19 +158,15 @@ def choose_threads(module, context: int = 128, candidates: list[int] | None = No
     return min(timings, key=timings.get), timings
 
 
-def _ngram_cost(k: int = 4, context: int = 128, repeat: int = 200) -> float:
-    from ..drafters.ngram import NgramDrafter
+def measure(target, k_max: int = 8, context: int = 128, threads: int | None = None, drafters=("none",),
+            draft_models: dict | None = None, tokens: list[int] | None = None, repeat: int = 9) -> CostModel:
+    """Measure the cost model of `target` on this machine, and the cost of every drafter in `drafters`.
 
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(3, 40, (context,), generator=g)  # small alphabet: matches are found
-    d = NgramDrafter()
-    d.prefill(ctx, None, None)
-    sec = _median_seconds(lambda: d.propose(ctx, k), repeat)
-    return sec / k
+    draft_models: drafter name -> what make_drafter gets as its draft_model (a draft model's module,
+    a loaded head); tokens: a real prompt to build the timing context from (tiled to its length)."""
+    from ..drafters import make_drafter
+    from .drafter_cost import time_drafter
 
-
-def measure(target, draft=None, k_max: int = 8, context: int = 128, threads: int | None = None, drafters=("none", "ngram", "draft")) -> CostModel:
-    """Measure the cost model of `target` (and `draft`, a module) on this machine."""
     if threads is None:
         threads, thread_t1 = choose_threads(target, context)
     else:
@@ -185,15 +174,15 @@ def measure(target, draft=None, k_max: int = 8, context: int = 128, threads: int
     torch.set_num_threads(threads)
     times = _monotone(time_forwards(target, list(range(1, k_max + 2)), context, repeat=40))
     t1 = times[0]
-    cost = {"none": 0.0}
-    if "ngram" in drafters:
-        cost["ngram"] = _ngram_cost()
-    steps = {}
-    if draft is not None and "draft" in drafters:
-        # A draft-model step with d drafts: one forward over the 2 tokens it has not seen (the last
-        # accepted draft and the recovered/bonus token), then d - 1 one-token forwards. Its Python
-        # glue (argmax, bookkeeping) is left out on purpose: that is implementation overhead.
-        td1, td2 = _monotone(time_forwards(draft, [1, 2], context, repeat=40))
-        cost["draft"] = td1
-        steps["draft"] = [td2 + (d - 1) * td1 for d in range(1, k_max + 1)]
-    return CostModel(t1=t1, ratio=[t / t1 for t in times], draft_cost=cost, draft_steps=steps, threads=threads, thread_t1=thread_t1, context=context)
+    cost, steps, prefill = {"none": 0.0}, {}, {}
+    dms = draft_models or {}
+    for name in drafters:
+        if name == "none":
+            continue
+        dc = time_drafter(target, lambda: make_drafter(name, target, draft_model=dms.get(name)), k_max, context, tokens, repeat)
+        steps[name] = _monotone(dc.steps)
+        prefill[name] = dc.prefill_ratio
+        d = min(4, k_max)
+        cost[name] = steps[name][d - 1] / d  # seconds per drafted token at a typical depth (what the policy's prior reads)
+    return CostModel(t1=t1, ratio=[t / t1 for t in times], draft_cost=cost, draft_steps=steps, prefill_ratio=prefill,
+                     threads=threads, thread_t1=thread_t1, context=context)

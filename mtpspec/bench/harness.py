@@ -89,10 +89,11 @@ def run_from_result(method: Method, prompt: Prompt, res) -> Run:
 
 
 class OursRunner:
-    """Our engine: model.generate with a preloaded draft model (loading is never timed)."""
+    """Our engine: model.generate with preloaded draft models / heads (loading is never timed)."""
 
-    def __init__(self, model, draft_model=None, cost: CostModel | None = None, k_max_auto: int = 8) -> None:
-        self.model, self.draft_model, self.cost, self.k_max_auto = model, draft_model, cost, k_max_auto
+    def __init__(self, model, draft_models: dict[str, object] | None = None, cost: CostModel | None = None, k_max_auto: int = 8) -> None:
+        self.model, self.cost, self.k_max_auto = model, cost, k_max_auto
+        self.draft_models = dict(draft_models or {})  # drafter -> its draft_model argument (a module, a head)
 
     def policy(self, method: Method) -> AdaptiveDepth:
         c = self.cost
@@ -104,7 +105,7 @@ class OursRunner:
         )
 
     def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
-        if method.drafter == "draft" and self.draft_model is None:
+        if method.drafter == "draft" and self.draft_models.get("draft") is None:
             raise ConfigError("--drafters draft needs --draft-model")
         kw = {}
         if method.k == "auto":
@@ -113,7 +114,7 @@ class OursRunner:
             kw = dict(k=method.k or 1)
         c0 = process_time()
         res = self.model.generate(
-            ids, drafter=method.drafter, draft_model=self.draft_model if method.drafter == "draft" else None,
+            ids, drafter=method.drafter, draft_model=self.draft_models.get(method.drafter),
             temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, **kw,
         )
         run = run_from_result(method, prompt, res)
@@ -133,6 +134,13 @@ def prepare_ids(model, prompts: list[Prompt], max_new_tokens: int) -> list[list[
     return out
 
 
+def warm_up(methods: list[Method], prompt: Prompt, ids: list[int], runners: dict[str, object], temperature: float = 0.0,
+            seed: int = 0, tokens: int = 8) -> None:
+    """Run every method once, untimed: first-call costs (allocations, lazy imports) are not measured."""
+    for m in methods:
+        runners[m.engine].run(m, prompt, ids, tokens, temperature, seed)
+
+
 def run_bench(
     methods: list[Method],
     prompts: list[Prompt],
@@ -147,13 +155,14 @@ def run_bench(
 ) -> list[Run]:
     """Every prompt through every method (order rotated per prompt); lossless flags filled in.
 
+    warmup_tokens = 0 skips the warm-up (the caller ran `warm_up`).
     repeat > 1 runs each (prompt, method) that many times, in separate alternating rounds, and keeps
     the fastest: other jobs on the machine only ever add time, so the minimum is the best estimate.
     """
     if PLAIN not in methods:
         methods = [PLAIN, *methods]
-    for m in methods:  # warm-up: first-call costs (allocations, lazy imports) are not timed
-        runners[m.engine].run(m, prompts[0], ids[0], warmup_tokens, temperature, seed)
+    if warmup_tokens > 0:
+        warm_up(methods, prompts[0], ids[0], runners, temperature, seed, warmup_tokens)
     best: list[dict[str, Run]] = [{} for _ in prompts]
     for rnd in range(repeat):
         for i, (p, pid) in enumerate(zip(prompts, ids)):

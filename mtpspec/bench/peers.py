@@ -1,7 +1,9 @@
 """Peers on the same weights: Hugging Face transformers' generate() (plain, prompt lookup, assisted).
 
-A model transformers can load directly (an HF directory) is used as it is; a llama2.c checkpoint is
-exported first (`mtpspec export`, checked by equal logits) so both engines run the same function.
+A model transformers can load directly (an HF directory) is used as it is; a llama2.c checkpoint or
+a project checkpoint (the demo hybrid) is exported first (`mtpspec export`: Llama or Qwen3.5 text,
+checked by equal logits) so both engines run the same function; transformers loads each with the
+class its config.json names (AutoModelForCausalLM).
 Prompts are the same token ids as ours. transformers stops at the token it emits from
 eos_token_id and keeps it; ours stops *before* its stop ids (BOS and EOS for llama2.c models), so
 generate() is given the same stop ids and a trailing stop token is dropped before comparing.
@@ -28,9 +30,9 @@ def hf_directory(model, out_dir: Path, name: str) -> tuple[Path, float | None]:
     src = Path(model.path) if model.path else None
     if src is not None and src.is_dir() and (src / "config.json").exists():
         return src, None
-    from ..export import check_export, export_hf
+    from ..export import check_export, export_hf, special_ids
 
-    d = export_hf(model.module, out_dir / name, getattr(model.tokenizer, "bos_id", 1) if model.tokenizer else 1)
+    d = export_hf(model.module, out_dir / name, *special_ids(model.tokenizer))
     ids = list(range(1, min(64, model.max_seq_len) + 1))
     chk = check_export(model.module, d, [i % model.module.vocab_size for i in ids])
     if not chk.ok:
@@ -48,15 +50,24 @@ def _quiet() -> None:
 
 
 class HFRunner:
-    """transformers' LlamaForCausalLM.generate on exported (or native) checkpoints."""
+    """transformers' generate() on exported (or native) checkpoints, each loaded by its own class."""
 
     def __init__(self, target_dir: Path, draft_dir: Path | None, stop_ids: tuple[int, ...]) -> None:
-        from transformers import LlamaForCausalLM
+        from ..export import load_hf
 
         _quiet()
-        self.target = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-        self.draft = LlamaForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval() if draft_dir else None
+        self.target = load_hf(target_dir)
+        self.draft = load_hf(draft_dir) if draft_dir else None
         self.stop_ids = list(stop_ids) or None
+        # transformers crops no recurrent state: prompt lookup and assisted generation (both "assisted
+        # generation" to it) refuse stateful models such as Qwen3.5's Gated DeltaNet hybrid
+        self.stateful = bool(getattr(self.target, "_is_stateful", False))
+
+    def unsupported(self, method: Method) -> str | None:
+        """Why transformers cannot run `method` on this model (None: it can)."""
+        if method.drafter != "none" and self.stateful:
+            return f"transformers runs no assisted generation (prompt lookup, draft model) on the stateful {type(self.target).__name__}"
+        return None
 
     def kwargs(self, method: Method) -> dict:
         if method.drafter == "none":

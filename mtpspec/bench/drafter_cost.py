@@ -1,0 +1,105 @@
+"""What a drafter costs per step, measured on the real drafter object in steady state.
+
+Every drafter (n-gram, draft model, MTP, EAGLE, Medusa, ...) is timed the same way, on exactly what
+the engine counts as draft time: `propose(context, d)` plus `commit(verdict, out)`. Around them the
+loop is the engine's own: the target's prefill of the context feeds `drafter.prefill`, each step
+runs the real verify pass over [last, d1..dD] (untimed), keeps one accepted draft plus the target's
+next token (so a draft model reads the two tokens it has not seen and an MTP / EAGLE head queues two
+target states, as in a typical step), crops the target cache to what was kept and commits.
+
+The context grows by the kept tokens, so it is held inside a window around the requested length:
+when a step would leave it, the target and the drafter are prefilled again (untimed) and the first
+step after that, which also catches the drafter up on the prompt (a draft model's lazy prefill,
+an MTP head's pass over the prompt's hidden states), is timed apart: its excess over a steady step,
+relative to the target's prefill of the same context, is the drafter's prefill ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..sampling import Sampler, SamplingParams
+from ..types import Verdict
+
+
+@dataclass(frozen=True)
+class DrafterCost:
+    """A drafter's measured cost on this machine."""
+
+    steps: list[float]  # steps[d-1] = median seconds of propose(d) + commit in a step with d drafts
+    prefill_ratio: float  # its catch-up on a fresh prompt / the target's prefill of the same prompt
+    samples: int  # timed steps per d
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def _base_tokens(target, length: int, tokens: list[int] | None) -> Tensor:
+    """A context of `length` tokens: the given ones (tiled, so text repeats as it does in real
+    prompts), or random ids from a small alphabet (n-gram lookup then finds matches)."""
+    if tokens:
+        reps = -(-length // len(tokens))
+        return torch.tensor((list(tokens) * reps)[:length], dtype=torch.long)  # (length,)
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, min(40, target.vocab_size), (length,), generator=g)  # (length,)
+
+
+class _Session:
+    """The target's cache, a drafter and the growing context, stepped as the engine steps them."""
+
+    def __init__(self, target, make: Callable[[], object], base: Tensor) -> None:
+        self.target, self.cache = target, target.new_cache()
+        self.context = base  # (L,)
+        t0 = perf_counter()
+        out = target.forward_tokens(base[:-1], self.cache)  # prefill, all but the last token
+        self.prefill_seconds = perf_counter() - t0
+        self.drafter = make()
+        self.drafter.prefill(base, out, Sampler(SamplingParams(temperature=0.0), 0))
+
+    def step(self, d: int) -> float:
+        """One draft -> verify -> commit step; returns the drafter's seconds (propose + commit)."""
+        t0 = perf_counter()
+        draft = self.drafter.propose(self.context, d)
+        t1 = perf_counter()
+        start = self.cache.length
+        out = self.target.forward_tokens(torch.cat([self.context[-1:], draft.tokens]), self.cache)  # (D+1,) verify pass
+        n = min(1, draft.size)  # keep one draft, then the target's own next token
+        kept = torch.cat([draft.tokens[:n], out.logits[n].argmax(-1).reshape(1)])  # (n+1,)
+        verdict = Verdict(num_accepted=n, tokens=kept, num_drafted=draft.size)
+        self.cache.crop(start + n + 1)
+        t2 = perf_counter()
+        self.drafter.commit(verdict, out)
+        t3 = perf_counter()
+        self.context = torch.cat([self.context, kept])
+        return (t1 - t0) + (t3 - t2)
+
+
+@torch.inference_mode()
+def time_drafter(target, make: Callable[[], object], k_max: int, context: int, tokens: list[int] | None = None,
+                 repeat: int = 9, window: int = 32) -> DrafterCost:
+    """Median seconds of a step with d = 1..k_max drafts (timed round-robin, `repeat` times each)
+    for the drafter that `make()` builds, at a context of about `context` tokens."""
+    hi = max(2, min(context + window // 2, target.max_seq_len - k_max - 2))  # longest context a step may start at
+    lo = max(2, min(context - window // 2, hi - 2 * k_max))
+    base = _base_tokens(target, lo, tokens)
+    times: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
+    catch_up: list[float] = []  # (first step's seconds, prefill seconds) after each fresh prefill
+    session = None
+    for rep in range(repeat + 1):  # round 0 warms up
+        for d in range(1, k_max + 1):
+            if session is None or session.context.shape[0] + 2 > hi:
+                session = _Session(target, make, base)
+                catch_up.append((session.step(1), session.prefill_seconds))
+            dt = session.step(d)
+            if rep > 0:
+                times[d].append(dt)
+    steps = [_median(times[d]) for d in range(1, k_max + 1)]
+    extra = [max(first - steps[0], 0.0) / pre for first, pre in catch_up[1:] if pre > 0]  # the first one is a warm-up
+    return DrafterCost(steps=steps, prefill_ratio=_median(extra), samples=repeat)
