@@ -54,6 +54,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--exact", action="store_true",
                    help="bit-exact mode: every decode forward k+1 rows wide with row-exact attention")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
     p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest n-gram matched")
 
@@ -62,7 +64,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
     )
 
 

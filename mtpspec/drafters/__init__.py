@@ -44,13 +44,15 @@ def _draft(target, draft_model=None, **opts) -> Drafter:
 
 
 @register("mtp")
-def _mtp(target, draft_model=None, mtp_prenorm_hidden: bool = False, **opts) -> Drafter:
-    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`."""
+def _mtp(target, draft_model=None, mtp_prenorm_hidden: bool = False, draft_vocab: int | None = None, **opts) -> Drafter:
+    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`.
+
+    draft_vocab: size of the drafter's LM head vocabulary (None = the checkpoint's default, 0 = full)."""
     from .mtp import MTPDrafter
 
     if draft_model is not None:
-        return MTPDrafter(_attached(target, draft_model, "mtp"))
-    return MTPDrafter(target, prenorm_hidden=mtp_prenorm_hidden)
+        return MTPDrafter(_attached(target, draft_model, "mtp"), draft_vocab=draft_vocab)
+    return MTPDrafter(target, prenorm_hidden=mtp_prenorm_hidden, draft_vocab=draft_vocab)
 
 
 def _head(draft_model, kind: str, target):

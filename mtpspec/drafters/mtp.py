@@ -24,18 +24,20 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
+from .draft_vocab import make_draft_head
 
 
 class MTPDrafter:
     name = "mtp"
 
-    def __init__(self, target, prenorm_hidden: bool = False) -> None:
+    def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None) -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
             )
         self.target = target
         self.prenorm = prenorm_hidden  # feed the pre-final-norm hidden (for heads trained that way)
+        self.head = make_draft_head(target, draft_vocab)  # None = the target's full LM head
         self.n_layers = target.config.mtp_num_layers
         if self.n_layers != 1:
             raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
@@ -74,12 +76,8 @@ class MTPDrafter:
         self.pending_h = self.pending_t = None
         tokens, qs = [], []
         for j in range(k):
-            logits = target.head(h)[0]  # (V,)
-            if sampler.params.greedy:
-                x = logits.argmax(-1)
-            else:
-                q = sampler.probs(logits)  # (V,) the same transform as p
-                x = sampler.sample(q)
+            x, q = self._next(h)
+            if q is not None:
                 qs.append(q)
             tokens.append(x)
             if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
@@ -87,6 +85,17 @@ class MTPDrafter:
         self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+
+    def _next(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """h (1, H) MTP output -> the drafted token and q (V,) (None when greedy)."""
+        greedy, head = self.sampler.params.greedy, self.head
+        if head is not None and greedy:
+            return head.token(head.logits(h)[0].argmax(-1)), None  # argmax over the draft vocabulary
+        logits = self.target.head(h)[0] if head is None else head.full(head.logits(h))[0]  # (V,)
+        if greedy:
+            return logits.argmax(-1), None
+        q = self.sampler.probs(logits)  # (V,) the same transform as p; zero outside a draft vocabulary
+        return self.sampler.sample(q), q
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         if verdict.num_drafted > 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.draft_vocab import read_draft_vocab
 from ..errors import ModelLoadError
 from ..models.dense import DenseConfig
 from ..models.qwen35 import LAYER_TYPES, HybridConfig
@@ -99,6 +100,7 @@ def load_native(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool 
         raise ModelLoadError(f"{path}: model.safetensors is missing")
     model = build_empty(cfg, dtype)
     load_state_strict(model, iter_tensors([weights]), path, NAMES[meta["config"]["arch"]])
+    model.token_ranking = read_draft_vocab(path, cfg.vocab_size)  # None without draft_vocab.json
     if not with_tokenizer:
         return model, None
     stop = tuple(meta.get("stop_ids") or ())

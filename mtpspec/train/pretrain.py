@@ -195,6 +195,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     """Train (or resume) and write the checkpoint + report; returns the report."""
     from tqdm import tqdm
 
+    from ..drafters.draft_vocab import write_draft_vocab
     from ..loading.native import save_checkpoint
 
     torch.set_num_threads(cfg.threads)
@@ -230,6 +231,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                     "step": step, "elapsed": elapsed, "history": history}, state_path)
         save_checkpoint(model, tok, out)
+        write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")
 
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress_bar, dynamic_ncols=True)
     model.train()
