@@ -139,14 +139,13 @@ def run_benchmark(
     runners: dict[str, object] = {"mtpspec": OursRunner(model, draft_models, cost)}
     export_diff = {}
     if peers:
-        from .peers import HFRunner, hf_directory
+        from .peers import HFRunner, peer_model
 
         hf_root = Path(hf_dir) if hf_dir else out / "hf"
-        tdir, export_diff["target"] = hf_directory(model, hf_root, "target")
-        ddir = None
-        if dm is not None:
-            ddir, export_diff["draft"] = hf_directory(dm, hf_root, "draft")
-        hf = runners["transformers"] = HFRunner(tdir, ddir, tuple(model.tokenizer.stop_ids))
+        tpeer = peer_model(model, hf_root, "target")
+        dpeer = peer_model(dm, hf_root, "draft") if dm is not None else None
+        export_diff = {name: p.export_diff for name, p in (("target", tpeer), ("draft", dpeer)) if p is not None}
+        hf = runners["transformers"] = HFRunner(tpeer, dpeer, tuple(model.tokenizer.stop_ids))
         peer_methods = [Method("transformers", "none", None)]
         if "ngram" in drafters:
             hf_ks = [k for k in ks if k != "auto"]

@@ -110,16 +110,26 @@ def _monotone(ys: list[float]) -> list[float]:
     return [b[0] / b[1] for b in blocks for _ in range(b[1])]
 
 
+def stable(prev: list[float] | None, cur: list[float], tol: float) -> bool:
+    """Every estimate within `tol` (relative) of its value one check earlier."""
+    return prev is not None and all(abs(c - p) <= tol * p for p, c in zip(prev, cur))
+
+
 @torch.inference_mode()
-def time_forwards(module, ks: list[int], context: int, repeat: int = 30, q: float = 0.25) -> list[float]:
+def time_forwards(module, ks: list[int], context: int, repeat: int = 30, q: float = 0.25, min_repeat: int | None = None,
+                  tol: float = 0.02) -> list[float]:
     """Seconds of module.forward_tokens over k new tokens after `context` cached positions, for
-    each k in ks (timed round-robin; lower quartile of `repeat` timings each)."""
+    each k in ks (timed round-robin; lower quartile of up to `repeat` timings each).
+
+    min_repeat: stop early, after at least this many rounds, once 8 more rounds moved no estimate
+    by more than `tol` (the curve is stable: more rounds would only cost time)."""
     cache = module.new_cache()
     ctx = max(1, min(context, module.max_seq_len - max(ks)))
     g = torch.Generator().manual_seed(0)
     module.forward_tokens(torch.randint(3, module.vocab_size, (ctx,), generator=g), cache)
     toks = {k: torch.randint(3, module.vocab_size, (k,), generator=g) for k in ks}
     times: dict[int, list[float]] = {k: [] for k in ks}
+    prev = None
     for rep in range(repeat + 2):  # two warm-up rounds
         for k in ks:
             t0 = perf_counter()
@@ -128,6 +138,12 @@ def time_forwards(module, ks: list[int], context: int, repeat: int = 30, q: floa
             cache.crop(ctx)
             if rep >= 2:
                 times[k].append(dt)
+        done = rep - 1  # timed rounds so far
+        if min_repeat is not None and done >= min_repeat and done % 8 == 0:
+            cur = [_quantile(times[k], q) for k in ks]
+            if stable(prev, cur, tol):
+                break
+            prev = cur
     return [_quantile(times[k], q) for k in ks]
 
 
@@ -138,22 +154,26 @@ def time_forward(module, k: int, context: int, repeat: int = 30) -> float:
 @torch.inference_mode()
 def choose_threads(module, context: int = 128, candidates: list[int] | None = None, budget_s: float = 0.5) -> tuple[int, dict[int, float]]:
     """Time T(1) at each thread count (at most `budget_s` seconds each: on a loaded machine a
-    multi-threaded forward can take 100x longer); return the fastest and the timings. The caller
-    sets the winner."""
+    multi-threaded forward can take 100x longer; a count whose first timings are all over twice
+    the best so far is dropped early); return the fastest and the timings. The caller sets the winner."""
     n = os.cpu_count() or 1
     candidates = candidates or sorted({1, n} | ({2} if n >= 2 else set()))
     timings = {}
     tok = torch.tensor([5])
+    cache = module.new_cache()  # prefilled once: the prompt's cost does not depend on the thread count
+    module.forward_tokens(torch.arange(3, 3 + min(context, module.max_seq_len - 1)) % module.vocab_size, cache)
+    ctx = cache.length
     for t in candidates:
         torch.set_num_threads(t)
-        cache = module.new_cache()
-        module.forward_tokens(torch.arange(3, 3 + min(context, module.max_seq_len - 1)) % module.vocab_size, cache)
-        ctx, times, start = cache.length, [], perf_counter()
+        best = min(timings.values(), default=None)
+        times, start = [], perf_counter()
         while len(times) < 20 and perf_counter() - start < budget_s:
             t0 = perf_counter()
             module.forward_tokens(tok, cache)
             times.append(perf_counter() - t0)
             cache.crop(ctx)
+            if best is not None and len(times) >= 3 and min(times) > 2 * best:
+                break
         timings[t] = _quantile(times, 0.25)
     return min(timings, key=timings.get), timings
 
@@ -172,7 +192,7 @@ def measure(target, k_max: int = 8, context: int = 128, threads: int | None = No
     else:
         thread_t1 = {}
     torch.set_num_threads(threads)
-    times = _monotone(time_forwards(target, list(range(1, k_max + 2)), context, repeat=40))
+    times = _monotone(time_forwards(target, list(range(1, k_max + 2)), context, repeat=40, min_repeat=16))
     t1 = times[0]
     cost, steps, prefill = {"none": 0.0}, {}, {}
     dms = draft_models or {}

@@ -33,7 +33,7 @@ class DrafterCost:
 
     steps: list[float]  # steps[d-1] = median seconds of propose(d) + commit in a step with d drafts
     prefill_ratio: float  # its catch-up on a fresh prompt / the target's prefill of the same prompt
-    samples: int  # timed steps per d
+    samples: int  # timed steps per d (rounds run: fewer than asked once the medians are stable)
 
 
 def _median(xs: list[float]) -> float:
@@ -83,15 +83,19 @@ class _Session:
 
 @torch.inference_mode()
 def time_drafter(target, make: Callable[[], object], k_max: int, context: int, tokens: list[int] | None = None,
-                 repeat: int = 9, window: int = 32) -> DrafterCost:
-    """Median seconds of a step with d = 1..k_max drafts (timed round-robin, `repeat` times each)
-    for the drafter that `make()` builds, at a context of about `context` tokens."""
+                 repeat: int = 9, window: int = 32, min_repeat: int = 5, tol: float = 0.03) -> DrafterCost:
+    """Median seconds of a step with d = 1..k_max drafts (timed round-robin, up to `repeat` times
+    each) for the drafter that `make()` builds, at a context of about `context` tokens.
+
+    After `min_repeat` rounds it stops once two more rounds moved no median by more than `tol`."""
+    from .costmodel import stable
+
     hi = max(2, min(context + window // 2, target.max_seq_len - k_max - 2))  # longest context a step may start at
     lo = max(2, min(context - window // 2, hi - 2 * k_max))
     base = _base_tokens(target, lo, tokens)
     times: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
     catch_up: list[float] = []  # (first step's seconds, prefill seconds) after each fresh prefill
-    session = None
+    session, prev, done = None, None, 0
     for rep in range(repeat + 1):  # round 0 warms up
         for d in range(1, k_max + 1):
             if session is None or session.context.shape[0] + 2 > hi:
@@ -100,6 +104,12 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
             dt = session.step(d)
             if rep > 0:
                 times[d].append(dt)
+        done = rep
+        if done >= min_repeat and (done - min_repeat) % 2 == 0:
+            cur = [_median(times[d]) for d in range(1, k_max + 1)]
+            if stable(prev, cur, tol):
+                break
+            prev = cur
     steps = [_median(times[d]) for d in range(1, k_max + 1)]
     extra = [max(first - steps[0], 0.0) / pre for first, pre in catch_up[1:] if pre > 0]  # the first one is a warm-up
-    return DrafterCost(steps=steps, prefill_ratio=_median(extra), samples=repeat)
+    return DrafterCost(steps=steps, prefill_ratio=_median(extra), samples=done)

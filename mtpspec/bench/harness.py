@@ -1,13 +1,16 @@
 """Run a prompt set through plain decoding and every requested drafter / depth, alternating runs.
 
-Every prompt is run by every method before the next prompt starts, and the order of the methods
-rotates from prompt to prompt, so slow drift of the machine (other jobs, thermal state) falls on
-all methods alike and speedups are ratios from the same run. Plain decoding (ours) is always
+Every prompt is run by every method before the next prompt starts, in an order shuffled afresh for
+every prompt and round (seeded, so a run reproduces), so slow drift of the machine (other jobs,
+thermal state) falls on all methods alike, no method always runs right after the same other one
+(whatever a run leaves behind, in caches or the allocator, does not fall on one method only), and
+speedups are ratios from the same run. Plain decoding (ours) is always
 included: it is the reference for speedup and for the lossless check (greedy output equal to it).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import asdict, dataclass, field
 from time import process_time
 from typing import Callable
@@ -153,7 +156,7 @@ def run_bench(
     warmup_tokens: int = 8,
     repeat: int = 1,
 ) -> list[Run]:
-    """Every prompt through every method (order rotated per prompt); lossless flags filled in.
+    """Every prompt through every method (order shuffled per prompt and round); lossless flags filled in.
 
     warmup_tokens = 0 skips the warm-up (the caller ran `warm_up`).
     repeat > 1 runs each (prompt, method) that many times, in separate alternating rounds, and keeps
@@ -166,8 +169,9 @@ def run_bench(
     best: list[dict[str, Run]] = [{} for _ in prompts]
     for rnd in range(repeat):
         for i, (p, pid) in enumerate(zip(prompts, ids)):
-            shift = (i + rnd) % len(methods)
-            for m in methods[shift:] + methods[:shift]:
+            order = list(methods)
+            random.Random(f"{seed}/{rnd}/{i}").shuffle(order)
+            for m in order:
                 r = runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)
                 if m.label not in best[i] or r.wall_seconds < best[i][m.label].wall_seconds:
                     best[i][m.label] = r

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter, process_time
 
@@ -23,21 +24,31 @@ from ..prompts import Prompt
 from .harness import Method, Run
 
 
-def hf_directory(model, out_dir: Path, name: str) -> tuple[Path, float | None]:
-    """A transformers-loadable directory for `model`: its own path if it is one, else an export.
+@dataclass
+class PeerModel:
+    """A model as transformers runs it: its directory and the loaded model (loaded once)."""
 
-    Returns (directory, max |logits diff| of the export check, or None when used as is)."""
+    directory: Path
+    model: object  # transformers' causal LM, fp32, eval mode
+    export_diff: float | None  # max |logits diff| of the export check (None: the directory was used as it is)
+
+
+def peer_model(model, out_dir: Path, name: str) -> PeerModel:
+    """`model` for transformers: its own directory if it is an HF one, else an export checked by equal
+    logits (the model loaded for the check is the one the peer runs)."""
+    from ..export import check_export, export_hf, load_hf, special_ids
+
+    _quiet()
     src = Path(model.path) if model.path else None
     if src is not None and src.is_dir() and (src / "config.json").exists():
-        return src, None
-    from ..export import check_export, export_hf, special_ids
-
+        return PeerModel(src, load_hf(src), None)
     d = export_hf(model.module, out_dir / name, *special_ids(model.tokenizer))
+    hf = load_hf(d)
     ids = list(range(1, min(64, model.max_seq_len) + 1))
-    chk = check_export(model.module, d, [i % model.module.vocab_size for i in ids])
+    chk = check_export(model.module, d, [i % model.module.vocab_size for i in ids], hf_model=hf)
     if not chk.ok:
         raise ConfigError(f"export of {name} does not reproduce our logits (max |diff| {chk.max_abs_diff:.2e})")
-    return d, chk.max_abs_diff
+    return PeerModel(d, hf, chk.max_abs_diff)
 
 
 def _quiet() -> None:
@@ -52,12 +63,9 @@ def _quiet() -> None:
 class HFRunner:
     """transformers' generate() on exported (or native) checkpoints, each loaded by its own class."""
 
-    def __init__(self, target_dir: Path, draft_dir: Path | None, stop_ids: tuple[int, ...]) -> None:
-        from ..export import load_hf
-
-        _quiet()
-        self.target = load_hf(target_dir)
-        self.draft = load_hf(draft_dir) if draft_dir else None
+    def __init__(self, target: PeerModel, draft: PeerModel | None, stop_ids: tuple[int, ...]) -> None:
+        self.target = target.model
+        self.draft = draft.model if draft is not None else None
         self.stop_ids = list(stop_ids) or None
         # transformers crops no recurrent state: prompt lookup and assisted generation (both "assisted
         # generation" to it) refuse stateful models such as Qwen3.5's Gated DeltaNet hybrid
@@ -89,9 +97,12 @@ class HFRunner:
         if sample:
             kw.update(temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
+        threads = torch.get_num_threads()
         c0, t0 = process_time(), perf_counter()
         out = self.target.generate(x, **kw, **self.kwargs(method))
         wall, cpu = perf_counter() - t0, process_time() - c0
+        if torch.get_num_threads() != threads:  # whatever generate() changed must not reach our runs
+            torch.set_num_threads(threads)
         new = out[0, len(ids) :].tolist()
         if new and self.stop_ids and new[-1] in self.stop_ids:
             new = new[:-1]
