@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from ..cli import command
+from ..errors import ConfigError
 
 
 def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -38,7 +39,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     ev = sub.add_parser("eval", help="side-by-side table: plain and drafter x D on held-out prompts (greedy)")
     ev.add_argument("--model", required=True)
     ev.add_argument("--tokenizer")
-    ev.add_argument("--runs", required=True, help="comma list of DRAFTER:D[:HEAD_PATH], e.g. mtp:1,mtp:2,ngram:4")
+    ev.add_argument("--runs", required=True, help="comma list of DRAFTER:D[:HEAD_PATH | :vocab=N], e.g. mtp:1,mtp:1:vocab=0,mtp:2,ngram:4")
     ev.add_argument("--prompts", default="stdlib", help="stdlib (held-out modules) | tinystories (the first N) | a text file")
     ev.add_argument("--n", type=int, default=8, help="number of prompts")
     ev.add_argument("--max-new-tokens", type=int, default=128)
@@ -89,7 +90,13 @@ def _run_eval(args: argparse.Namespace) -> int:
     runs = []
     for item in args.runs.split(","):
         parts = item.split(":", 2)
-        runs.append((parts[0], int(parts[1]), parts[2] if len(parts) > 2 else None))
+        if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) < 1:
+            raise ConfigError(f"--runs items are DRAFTER:D[:HEAD_PATH | :vocab=N] with D >= 1, got {item!r}")
+        extra = parts[2] if len(parts) > 2 else None
+        if extra is not None and extra.startswith("vocab="):
+            runs.append((parts[0], int(parts[1]), None, {"draft_vocab": int(extra[6:])}))
+        else:
+            runs.append((parts[0], int(parts[1]), extra))
     rows = measure_table(model, prompts, runs, args.max_new_tokens, args.repeats)
     print(f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, greedy, {args.threads} thread(s)\n")
     print(HEADER)
