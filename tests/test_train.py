@@ -51,6 +51,20 @@ def test_checkpoint_round_trips_and_drafts_losslessly(trained):
     assert plain.text == model.tokenizer.decode(plain.tokens, prev=model.encode(prompt)[-1])
 
 
+def test_draft_vocab_written_and_eval_table(trained, capsys):
+    """pretrain writes draft_vocab.json; `train eval` prints plain + each run (with a draft vocabulary), all identical."""
+    from mtpspec.cli import main
+
+    out, _ = trained
+    meta = json.loads((out / "draft_vocab.json").read_text())
+    assert len(meta["ranked_ids"]) == 300 and 0 < meta["default_size"] <= 300
+    assert mtpspec.load(out).module.token_ranking is not None
+    assert main(["train", "eval", "--model", str(out), "--runs", "mtp:1,mtp:2:vocab=64,ngram:2", "--n", "1", "--max-new-tokens", "8"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["none", "mtp", "mtp (draft vocab 64)", "ngram"]
+    assert all(r.rstrip(" |").endswith("yes") for r in rows)
+
+
 def test_resume_continues_from_the_saved_step(trained, tmp_path):
     out, _ = trained
     report = pretrain(_cfg(out, 40), progress_bar=False)
