@@ -44,9 +44,6 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory")
 
 
-HEAD_DRAFTERS = ("mtp", "eagle", "medusa")
-
-
 def resolve_draft_model(path: str | None, drafters: list[str], tokenizer: str | None, dtype: str):
     """--draft-model -> (the full draft model or None, drafter -> its draft_model argument).
 
@@ -109,6 +106,8 @@ def run_benchmark(
     for k in ks:
         if k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
+    if repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {repeat}")
     phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
     peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
     t_phase = perf_counter()
@@ -167,8 +166,6 @@ def run_benchmark(
 
         bar = tqdm(total=len(plist) * len(methods) * repeat, desc="bench", unit="run", file=sys.stderr)
         tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
-    if repeat < 1:
-        raise ConfigError(f"--repeat must be >= 1, got {repeat}")
     t_phase = perf_counter()
     warm_up(methods, plist[0], ids[0], runners, temperature, seed)
     phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
