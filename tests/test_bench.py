@@ -62,6 +62,11 @@ def test_cost_model_prediction():
     assert c.predict_speedup("draft", 8, [3, 3]) == pytest.approx(1.0)  # drafts cost a step each
     assert c.predict_constant("ngram", 3, 2.5) == pytest.approx(2.5)
     assert c.t(7) == pytest.approx(1.0)
+    # a measured per-step curve and prompt catch-up (any drafter: here an MTP head) take precedence
+    m = CostModel(t1=1.0, ratio=[1.0] * 5, draft_steps={"mtp": [0.5, 1.0]}, prefill_ratio={"mtp": 0.5})
+    assert m.draft_seconds("mtp", 2) == pytest.approx(1.0) and m.draft_seconds("mtp", 3) == pytest.approx(1.5)  # extended linearly
+    assert m.predict_speedup("mtp", 6, [2, 2], prefill_seconds=2.0) == pytest.approx((6 + 2) / (2 * 1.5 + 2 * 2.0))
+    assert m.predict_speedup("mtp", 2, [0, 0], prefill_seconds=2.0) == pytest.approx(1.0)  # never drafted: no catch-up
 
 
 def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
@@ -164,3 +169,16 @@ def test_bench_hybrid_demo_with_peers(tmp_path):
     cm = res["cost_model"]
     assert cm["draft_steps"]["mtp"][0] > 0 and cm["prefill_ratio"]["mtp"] >= 0
     assert json.loads((tmp_path / "hf" / "target" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+
+
+@pytest.mark.parametrize("kind", ["mtp", "medusa"])
+def test_drafter_cost_on_trained_heads(stories, kind):
+    """The generic steady-state timing runs every drafter through propose + commit, heads included."""
+    from mtpspec.bench.drafter_cost import time_drafter
+    from mtpspec.drafters import make_drafter
+    from mtpspec.models.heads import load_head
+
+    head = load_head(Path(__file__).resolve().parents[1] / "models" / "heads" / f"stories260K-{kind}")
+    dc = time_drafter(stories.module, lambda: make_drafter(kind, stories.module, draft_model=head), k_max=3, context=64,
+                      tokens=stories.encode("Once upon a time, there was a cat."), repeat=3, min_repeat=2)
+    assert len(dc.steps) == 3 and all(s > 0 for s in dc.steps) and dc.prefill_ratio >= 0 and 2 <= dc.samples <= 3
