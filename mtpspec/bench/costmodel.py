@@ -1,6 +1,6 @@
 """Cost model: what a step costs on this machine, and the speedup that measured acceptance predicts.
 
-Measured once per model (raw forwards, no engine around them; the k's are timed round-robin so
+Measured once per model (target forwards raw, no engine around them; the k's are timed round-robin so
 drift falls on all of them alike, each T(k) is the lower quartile of its repeats, since other jobs
 only ever add time, and the curve is made non-decreasing in k by pooling adjacent violators):
 
@@ -11,16 +11,17 @@ only ever add time, and the curve is made non-decreasing in k by pooling adjacen
   catch-up on a fresh prompt relative to the target's prefill; 0 for plain decoding.
 - the thread count: T(1) at 1..n threads, the fastest is used (the second core here is weak).
 
-Prediction for a finished run, step by step: each step with d drafts costs c_draft * d + T(d + 1),
+Prediction for a finished run, step by step: each step with d drafts costs C_draft(d) + T(d + 1),
 and plain decoding needs one T(1) per token, so
 
     predicted speedup = (P + new_tokens * T(1)) / (P (1 + f) + sum over steps (C_draft(d) + T(d + 1)))
 
 where P is the target's prefill of the same prompts as measured in the plain runs and f the
 drafter's prefill relative to it (measured: a draft model reads the prompt too, an MTP / EAGLE head
-runs over the prompt's hidden states; n-gram lookup and Medusa pay next to nothing). Without prefill and for a constant D this is the textbook accepted-per-step x T(1) /
-(T_draft + T(D+1)). The gap to the measured speedup is the engine's own overhead: bookkeeping,
-drafter catch-up, sampling and acceptance, Python between the forwards.
+runs over the prompt's hidden states; n-gram lookup and Medusa pay next to nothing). Without
+prefill and for a constant D this is the textbook accepted-per-step x T(1) / (T_draft + T(D+1)).
+The gap to the measured speedup is the engine's own overhead (acceptance, sampling, bookkeeping,
+Python between the forwards; the drafter's own Python is inside C_draft) and machine drift.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 class CostModel:
     t1: float  # seconds of a one-token target forward
     ratio: list[float]  # ratio[k-1] = T(k)/T(1), k = 1..len
-    draft_cost: dict[str, float] = field(default_factory=dict)  # drafter -> seconds per drafted token (raw)
+    draft_cost: dict[str, float] = field(default_factory=dict)  # drafter -> seconds per drafted token (at d = 4)
     draft_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of propose + commit in a step of d drafts, d = 1..
     prefill_ratio: dict[str, float] = field(default_factory=dict)  # drafter -> its catch-up on a prompt / the target's prefill
     threads: int = 1  # torch threads used for every timed run
