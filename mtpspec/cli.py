@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Callable
 
-from .errors import MtpspecError
+from .errors import ConfigError, MtpspecError
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -35,6 +35,23 @@ def parse_k(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"k must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default: int | None = 1, when_unset: str = "torch's choice") -> None:
+    """--threads for every command that runs a model (small models: 1 thread is fastest on few cores)."""
+    shown = f"default {default}" if default is not None else f"default: {when_unset}"
+    p.add_argument("--threads", type=int, default=default, help=f"torch threads ({shown}; 1 is fastest for small models on few cores)")
+
+
+def use_threads(n: int | None) -> None:
+    """Apply --threads (None leaves torch's choice); n < 1 is a clear error."""
+    if n is None:
+        return
+    if n < 1:
+        raise ConfigError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,17 +90,14 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_generation_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice; 1 is fastest for tiny models here)")
+    add_threads_arg(p, default=None)
 
 
 @command("generate")(_generate_args)
 def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     model = load(args.model, args.tokenizer, args.dtype)
     on_text = None
     if not args.json:

@@ -88,3 +88,9 @@ def test_draft_model_with_other_vocabulary(capsys, model_args, tmp_path, assets)
     small.write_bytes(bytes(raw))
     rc, err = run(capsys, "generate", "hi", *model_args, "--drafter", "draft", "--draft-model", str(small))
     assert rc == 2 and "vocabulary (256) differs from the target's (512)" in err
+
+
+@pytest.mark.parametrize("cmd", [["generate", "hi"], ["trace", "--out", "t.html"], ["train", "eval", "--runs", "mtp:1"]])
+def test_threads_below_one(capsys, model_args, cmd):
+    rc, err = run(capsys, *cmd, *model_args, "--threads", "0")
+    assert rc == 2 and "--threads must be >= 1, got 0" in err and "Traceback" not in err

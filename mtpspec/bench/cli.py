@@ -14,7 +14,7 @@ from time import perf_counter
 
 import torch
 
-from ..cli import add_model_args, command, parse_k
+from ..cli import add_model_args, add_threads_arg, command, parse_k, use_threads
 from ..errors import ConfigError
 from ..loading import parse_dtype
 
@@ -35,7 +35,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds), keep the fastest")
-    p.add_argument("--threads", type=int, help="torch threads (default: measured, the fastest for T(1))")
+    add_threads_arg(p, default=None, when_unset="measured, the fastest for T(1)")
     p.add_argument("--peers", action="store_true", help="also run transformers' generate() on the same weights")
     p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring the cost model")
@@ -119,8 +119,7 @@ def run_benchmark(
     ids = prepare_ids(model, plist, max_new_tokens)
     phases["load"], t_phase = perf_counter() - t_phase, perf_counter()
 
-    if threads:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     cost = None
     if cost_model:
         k_max = max([k for k in ks if k != "auto"] + [8])

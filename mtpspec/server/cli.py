@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import command
+from ..cli import add_threads_arg, command, use_threads
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -12,17 +12,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer file for --model when it does not carry one")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for small models on few cores)")
+    add_threads_arg(p)
 
 
 @command("serve")(_serve_args)
 def run_serve(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
     from .app import create_app
 
-    torch.set_num_threads(max(args.threads, 1))
+    use_threads(args.threads)
     print(f"mtpspec: verify page on http://{args.host}:{args.port}/  (JSON API under /api, Ctrl-C to stop)")
     uvicorn.run(create_app(args.model, args.tokenizer), host=args.host, port=args.port, log_level="warning")
     return 0

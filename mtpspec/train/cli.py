@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from ..cli import command
+from ..cli import add_threads_arg, command, use_threads
 from ..errors import ConfigError
 
 
@@ -44,7 +44,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     ev.add_argument("--n", type=int, default=8, help="number of prompts")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--repeats", type=int, default=1)
-    ev.add_argument("--threads", type=int, default=1)
+    add_threads_arg(ev)
 
 
 @command("train")(_train_args)
@@ -68,12 +68,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from ..api import load
     from .evaluate import HEADER, measure_table
 
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     model = load(args.model, args.tokenizer)
     if args.prompts == "stdlib":
         from .data import code_prompts, stdlib_files

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_generation_args, add_model_args, command, generation_kwargs
+from ..cli import add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, use_threads
 from ..errors import ConfigError
 
 
@@ -29,17 +29,15 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output HTML file; the PNG goes beside it (same name, .png)")
     p.add_argument("--png", help="PNG path (default: --out with .png)")
     p.add_argument("--repeat", type=int, default=1, help="run each config N times and draw the run of median wall time")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest and steadiest for small models)")
+    add_threads_arg(p)
 
 
 @command("trace")(_trace_args)
 def run_trace(args: argparse.Namespace) -> int:
-    import torch
-
     from ..api import load
     from .trace import trace_prompts, write_trace
 
-    torch.set_num_threads(max(args.threads, 1))
+    use_threads(args.threads)
 
     kw = generation_kwargs(args)
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()] if args.drafters else [kw.pop("drafter")]
