@@ -274,7 +274,8 @@ def plots(result: dict, out_dir: Path, prefix: str = "bench_") -> list[Path]:
     ax.set_ylabel("P(accepted | earlier accepted)")
     ax.set_title("acceptance by position")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     ax = axes[1]
     ours = [lab for lab in labels if ov[lab]["time_split"]]
     left = [0.0] * len(ours)
