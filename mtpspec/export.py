@@ -48,6 +48,11 @@ def hf_config(module, bos_id: int | None = 1, eos_id: int | list[int] | None = 2
     return _qwen35_config(module, bos_id, eos_id) if _is_hybrid(module) else _llama_config(module, bos_id, eos_id)
 
 
+def _common(bos_id: int | None, eos_id: int | list[int] | None) -> dict:
+    """The config.json fields every export shares."""
+    return {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": None, "use_cache": True, "dtype": "float32"}
+
+
 def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -> dict:
     """config.json for transformers' Qwen3_5TextConfig (the reverse of loading/hf.py's config_from_hf)."""
     c = module.config
@@ -76,11 +81,7 @@ def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -
         "tie_word_embeddings": bool(c.tie_embeddings),
         "attention_bias": bool(c.attention_bias),
         "mtp_num_hidden_layers": c.mtp_num_layers,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "use_cache": True,
-        "dtype": "float32",
+        **_common(bos_id, eos_id),
     }
 
 
@@ -106,11 +107,7 @@ def _llama_config(module, bos_id: int | None, eos_id: int | list[int] | None) ->
         "tie_word_embeddings": bool(c.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "use_cache": True,
-        "dtype": "float32",
+        **_common(bos_id, eos_id),
     }
 
 
