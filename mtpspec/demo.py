@@ -68,9 +68,9 @@ def demo_code(max_new_tokens: int = 96, n_prompts: int = 3) -> None:
           f"prompts from held-out modules ({', '.join(HELDOUT)}) x {max_new_tokens} new tokens, greedy\n")
     runs = [("plain", "none", 1), ("MTP head, D=1", "mtp", 1), ("MTP head, D=2", "mtp", 2), ("prompt lookup (n-gram), D=4", "ngram", 4)]
     _table(target, prompts, runs, max_new_tokens)
-    print("\nThe MTP head is one extra decoder layer trained with the model (next-token loss + 0.3 x MTP loss)."
-          "\nThe verify pass keeps the output exactly plain greedy. On a 5M-parameter model a call is mostly fixed"
-          "\nPython/kernel overhead, so a draft step costs nearly as much as a verify step and acceptance buys little.")
+    print("\nThe MTP head is one extra decoder layer trained with the model (next-token loss + 0.3 x MTP loss); it"
+          "\nscores the 1536 most frequent tokens (draft_vocab.json). A draft costs about a sixth of a target step on"
+          "\nthis 8-layer model; the verify pass keeps the output exactly plain greedy.")
 
 
 def demo_stories(max_new_tokens: int = 200, n_prompts: int = 5) -> None:
