@@ -14,6 +14,8 @@ Bookkeeping, with the engine's convention (the target cache holds every token bu
 
 Greedy: drafts are argmaxes and q is None. Sampling: drafts are sampled from q = sampler.probs
 (the same transform the target's p gets), and q is returned so rejection sampling stays exact.
+With a draft vocabulary (draft_vocab.py) the head scores only the N most frequent tokens; greedy
+drafts are the argmax over them and q is zero outside them.
 """
 
 from __future__ import annotations
