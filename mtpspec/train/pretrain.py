@@ -221,6 +221,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         gen.set_state(st["generator"])
         step, elapsed, history = st["step"], st["elapsed"], st["history"]
     evalw = D.eval_windows(held, cfg.seq_len, cfg.eval_windows)
+    write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")  # the counts never change
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
 
     def progress() -> float:
@@ -231,7 +232,6 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                     "step": step, "elapsed": elapsed, "history": history}, state_path)
         save_checkpoint(model, tok, out)
-        write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")
 
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress_bar, dynamic_ncols=True)
     model.train()
