@@ -85,11 +85,12 @@ class DraftHead:
     def __init__(self, lm_head_weight: Tensor, ids: Tensor) -> None:
         self.ids = ids  # (N,)
         self.vocab_size = lm_head_weight.shape[0]
-        self.weight = lm_head_weight.detach()[ids].contiguous()  # (N, H) a copy: one contiguous read per draft
+        self.weight_t = lm_head_weight.detach()[ids].t().contiguous()  # (H, N) a copy, stored transposed:
+        # one contiguous read per draft, and x @ W^T with W^T contiguous is the faster single-row product on CPU
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
-        return (h @ self.weight.T).float()
+        return (h @ self.weight_t).float()
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]
@@ -116,4 +117,10 @@ def make_draft_head(target, size: int | None) -> DraftHead | None:
             f"--draft-vocab {size} needs the model's token ranking ({FILE} next to the checkpoint, written by "
             "`mtpspec train pretrain`); this model has none"
         )
-    return DraftHead(target.lm_head.weight, ranking.top(size))
+    weight = target.lm_head.weight
+    key = (size, weight.data_ptr(), weight.dtype, weight._version if not weight.is_inference() else None)
+    cached = target.__dict__.setdefault("_draft_heads", {})  # built once per size and weights version
+    if key not in cached:
+        cached.clear()
+        cached[key] = DraftHead(weight, ranking.top(size))
+    return cached[key]

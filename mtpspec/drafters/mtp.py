@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
@@ -32,7 +33,7 @@ from .draft_vocab import make_draft_head
 class MTPDrafter:
     name = "mtp"
 
-    def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None) -> None:
+    def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True) -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
@@ -43,6 +44,7 @@ class MTPDrafter:
         self.n_layers = target.config.mtp_num_layers
         if self.n_layers != 1:
             raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
+        self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
         self.sampler: Sampler | None = None
         self.cache = None
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
@@ -73,8 +75,8 @@ class MTPDrafter:
         k = min(k, self.cache.max_len - self.cache.length - self.pending_h.shape[0] + 1)
         if k < 1:
             return Draft.empty()
-        target, sampler = self.target, self.sampler
-        h = target.mtp_forward(self.pending_h, self.pending_t, self.cache, layer=0)[-1:]  # (1, H) real pairs
+        sampler = self.sampler
+        h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
         self.pending_h = self.pending_t = None
         tokens, qs = [], []
         for j in range(k):
@@ -83,10 +85,18 @@ class MTPDrafter:
                 qs.append(q)
             tokens.append(x)
             if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
-                h = target.mtp_forward(h, x.reshape(1), self.cache, layer=(j + 1) % self.n_layers)
+                h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers)
         self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+
+    def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
+        """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""
+        if self.fused is None:
+            return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer)
+        out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer)
+        self.cache.advance(tokens.shape[0])
+        return out
 
     def _next(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """h (1, H) MTP output -> the drafted token and q (V,) (None when greedy)."""

@@ -175,6 +175,9 @@ class AttachedHead:
     def head(self, hidden: Tensor) -> Tensor:
         return self.target.head(hidden)
 
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.target.embed(tokens)
+
     @torch.inference_mode()
     def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
         start = cache.length

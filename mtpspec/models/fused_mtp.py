@@ -1,0 +1,166 @@
+"""Decode-time MTP / EAGLE module with folded weights: the module's maths in a third of the dispatched ops.
+
+At batch 1 on CPU a draft step is dispatch-bound: one MTP layer through nn.Modules is ~140 ATen
+calls for ~1 M multiply-adds, so the call count, not the arithmetic, sets its cost. The drafter
+therefore runs a folded copy of the module's weights:
+
+- RMSNorm as x / |x| (two ops): rms_norm(x) = sqrt(D) x / sqrt(|x|^2 + D eps), and the factor
+  sqrt(D) (1 + w) of a zero-centred norm is folded into whatever reads the result: the next
+  projection's input columns, the per-head q/k norm scales, the final norm's scale;
+- one projection for [q | k | gate | v] (q and k adjacent, so they share one norm and one rotary
+  call), one for [gate | up];
+- the attention scale 1/sqrt(hd) folded into the q norm's scale (it cancels the sqrt(hd));
+- rotary as x C + (x P) S with per-position tables C = [cos, 1], S = [sin, 0] and a fixed signed
+  permutation P (rotate_half), which only moves and negates values;
+- one-query attention (every chained draft step) as two small matmuls, without SDPA's set-up.
+
+Outputs equal the module's up to float rounding (a folded product rounds differently, and eps is
+dropped: |x| of a hidden state is never near 0), which can change a draft but never the generated
+text: verification always runs the target itself. A folded copy is built once per module and
+rebuilt when any of its parameters changes (training).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from .common import RMSNorm, SwiGLU
+
+
+def _unit(x: Tensor, c: Tensor) -> Tensor:
+    """x / sqrt(|x|^2 + c^2) over the last dim, c^2 = D eps: RMSNorm up to the factor sqrt(D) (folded elsewhere)."""
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), c)
+
+
+def _c(norm: RMSNorm, dim: int) -> Tensor:
+    """sqrt(D eps): the eps term of `_unit` for this norm."""
+    return torch.tensor(math.sqrt(dim * norm.eps))
+
+
+def _scale(norm: RMSNorm, dim: int) -> Tensor:
+    """(D,) what multiplies x / |x| in a zero-centred RMSNorm: sqrt(D) (1 + w)."""
+    return math.sqrt(dim) * (1.0 + norm.weight.detach().float())
+
+
+def _fold(weights: list[Tensor], scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Stack nn.Linear weights (N_i, K), scale their input columns, store transposed: (K, sum N_i).
+
+    x @ W^T with W^T stored contiguous is the faster single-row product on CPU."""
+    w = torch.cat([x.detach().float() for x in weights])
+    if scale is not None:
+        w = w * scale
+    return w.t().contiguous().to(dtype)
+
+
+class FusedAttentionBlock:
+    """A full-attention HybridBlock (gated attention + dense SwiGLU) with its norms folded in."""
+
+    def __init__(self, block: nn.Module) -> None:
+        att, mlp = block.self_attn, block.mlp
+        dtype, h = att.q_proj.weight.dtype, att.q_proj.weight.shape[1]
+        nh, nkv, hd = self.nh, self.nkv, self.hd = att.nh, att.nkv, att.hd
+        self.kv_index = att.kv_index
+        self.c_in, self.c_post = _c(block.input_layernorm, h), _c(block.post_attention_layernorm, h)
+        self.c_qk = torch.cat([_c(att.q_norm, hd).expand(nh), _c(att.k_norm, hd).expand(nkv)])[:, None]  # (nh + nkv, 1)
+        qg = att.q_proj.weight.detach().view(nh, 2, hd, h)  # per head [q | gate]
+        rows = [qg[:, 0].reshape(nh * hd, h), att.k_proj.weight, qg[:, 1].reshape(nh * hd, h), att.v_proj.weight]
+        self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # (H, (nh + nkv) hd + nh hd + nkv hd)
+        self.split = [(nh + nkv) * hd, nh * hd, nkv * hd]
+        # per-head scales of x / |x| for q and k; q's sqrt(hd) cancels the attention's 1 / sqrt(hd)
+        self.qk_w = torch.cat([_scale(att.q_norm, hd).expand(nh, hd) / math.sqrt(hd), _scale(att.k_norm, hd).expand(nkv, hd)]).to(dtype)
+        self.o = _fold([att.o_proj.weight], None, dtype)  # (nh hd, H)
+        self.gate_up = _fold([mlp.gate_proj.weight, mlp.up_proj.weight], _scale(block.post_attention_layernorm, h), dtype)
+        self.down = _fold([mlp.down_proj.weight], None, dtype)  # (I, H)
+        rope = att.rotary[0]
+        n, rot = rope.cos.shape[0], rope.rot_dim
+        self.cos = torch.cat([rope.cos, rope.cos.new_ones(n, hd - rot)], -1).to(dtype)[:, None]  # (max_len, 1, hd)
+        self.sin = torch.cat([rope.sin, rope.sin.new_zeros(n, hd - rot)], -1).to(dtype)[:, None]
+        half, idx = rot // 2, torch.arange(rot // 2)
+        self.p = torch.zeros(hd, hd, dtype=dtype)  # x @ p = [rotate_half(x[:rot]), 0]
+        self.p[idx + half, idx] = -1.0
+        self.p[idx, idx + half] = 1.0
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """q (T, nh, hd) pre-scaled; k, v (nkv, start+T, hd) -> (T, nh hd). Query i sees keys ..start+i."""
+        t, nh, nkv, hd = q.shape[0], self.nh, self.nkv, self.hd
+        if t == 1:  # heads grouped by their kv head, as enable_gqa does
+            w = torch.softmax(q.view(nkv, nh // nkv, hd) @ k.transpose(1, 2), dim=-1)  # (nkv, g, S)
+            return (w @ v).view(1, nh * hd)
+        mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+        y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=1.0, enable_gqa=nh != nkv)
+        return y.transpose(0, 1).reshape(t, nh * hd)
+
+    def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
+        """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
+        t, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
+        qk, gate, v = (_unit(x, self.c_in) @ self.qkgv).split(self.split, -1)
+        qk = _unit(qk.view(t, nh + nkv, hd), self.c_qk) * self.qk_w  # (T, nh + nkv, hd) normed q and k
+        qk = qk * self.cos[start : start + t] + (qk @ self.p) * self.sin[start : start + t]
+        k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.view(t, nkv, hd).transpose(0, 1)[None])
+        y = self._attend(qk[:, :nh], k_all[0], v_all[0], start)  # (T, nh hd)
+        x = x + (y * torch.sigmoid(gate)) @ self.o
+        g, u = (_unit(x, self.c_post) @ self.gate_up).chunk(2, -1)
+        return x + (F.silu(g) * u) @ self.down
+
+
+class FusedMTP:
+    """forward(hidden, emb, cache, start, layer) -> (T, H), as MTPModule.forward / EagleModule.forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.eagle = not hasattr(module, "pre_fc_norm_hidden")  # EAGLE: fc([e, h]) with bias, no norms
+        fc = module.fc.weight
+        h = fc.shape[0]
+        self.fc_bias = module.fc.bias.detach() if module.fc.bias is not None else None
+        if self.eagle:
+            self.fc, self.norm_w = _fold([fc], None, fc.dtype), None
+        else:
+            scale = torch.cat([_scale(module.pre_fc_norm_embedding, h), _scale(module.pre_fc_norm_hidden, h)])
+            self.fc = _fold([fc], scale, fc.dtype)  # (2H, H)
+            self.norm_w = _scale(module.norm, h).to(fc.dtype)
+            self.c_pre = torch.stack([_c(module.pre_fc_norm_embedding, h), _c(module.pre_fc_norm_hidden, h)])[:, None]  # (2, 1)
+            self.c_norm = _c(module.norm, h)
+        self.layers = [FusedAttentionBlock(b) for b in module.layers]
+
+    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
+        t, h = hidden.shape
+        x = torch.cat([emb, hidden], -1)  # (T, 2H)
+        if not self.eagle:  # the two pre-fc norms at once (their scales are folded into fc)
+            x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
+        x = x @ self.fc if self.fc_bias is None else torch.addmm(self.fc_bias, x, self.fc)
+        x = self.layers[layer](x, cache, start)
+        return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
+
+
+def _foldable(module: nn.Module) -> bool:
+    """Full-attention layers with a dense, bias-free SwiGLU and bias-free projections (what folding assumes)."""
+    for block in module.layers:
+        att, mlp = getattr(block, "self_attn", None), block.mlp
+        if att is None or type(mlp) is not SwiGLU or any(lin.bias is not None for lin in (
+            att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+        )):
+            return False
+    return True
+
+
+def _version(module: nn.Module) -> tuple:
+    """Changes whenever a parameter is replaced or updated in place."""
+    # an inference tensor has no version counter (and cannot be updated in place)
+    return tuple((p.data_ptr(), p.dtype, None if p.is_inference() else p._version) for p in module.parameters())
+
+
+def fused_mtp(module: nn.Module) -> FusedMTP | None:
+    """The folded copy of an MTP / EAGLE module (cached on it), or None when its layout is not foldable."""
+    if not _foldable(module):
+        return None
+    key = _version(module)
+    cached = module.__dict__.get("_fused_mtp")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, FusedMTP(module))
+        module.__dict__["_fused_mtp"] = cached
+    return cached[1]

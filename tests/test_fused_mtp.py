@@ -1,0 +1,100 @@
+"""The folded decode copy of MTP / EAGLE modules (models/fused_mtp.py): same outputs and KV entries as
+the module up to rounding, rebuilt when weights change, and a fallback for layouts it cannot fold."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import mtpspec
+from mtpspec.drafters import make_drafter
+from mtpspec.models.fused_mtp import fused_mtp
+from mtpspec.models.qwen35 import HybridLM
+from test_heads import CFG as HEAD_TARGET_CFG
+from test_heads import _head
+from test_mtp_lossless import CFG, run
+from qwen35_tiny import randomize
+
+
+def _model(cfg=CFG, seed=5) -> HybridLM:
+    torch.manual_seed(0)
+    m = HybridLM(cfg)
+    randomize(m, seed)
+    return m.eval()
+
+
+def _compare(module, new_cache, hidden_size: int, vocab: int, embed) -> None:
+    """Module vs folded copy on the same (hidden, token) pairs, in windows of 1..3 rows, each on its own cache."""
+    fused = fused_mtp(module)
+    assert fused is not None
+    ref_cache, fused_cache = new_cache(), new_cache()
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for t in (4, 1, 2, 1, 1, 3, 1):
+            h = torch.randn(t, hidden_size, generator=g)
+            e = embed(torch.randint(0, vocab, (t,), generator=g))
+            want = module(h, e, ref_cache, ref_cache.length)
+            got = fused(h, e, fused_cache, fused_cache.length)
+            ref_cache.advance(t)
+            fused_cache.advance(t)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        n = ref_cache.length
+        torch.testing.assert_close(fused_cache.k[..., :n, :], ref_cache.k[..., :n, :], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fused_cache.v[..., :n, :], ref_cache.v[..., :n, :], rtol=1e-4, atol=1e-4)
+
+
+def test_native_mtp_matches_module():
+    m = _model()
+    _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle"])
+def test_trained_heads_match_module(kind):
+    target = _model(HEAD_TARGET_CFG, 3)
+    head = _head(kind)
+    from mtpspec.models.heads import AttachedHead
+
+    attached = AttachedHead(target, head)
+    _compare(head.mtp, attached.new_mtp_cache, HEAD_TARGET_CFG.hidden_size, HEAD_TARGET_CFG.vocab_size, target.embed)
+
+
+def test_demo_model_mtp_matches_module():
+    """The shipped checkpoint (partial rotary, GQA, real norm weights)."""
+    m = mtpspec.load("demo").module
+    _compare(m.mtp, m.new_mtp_cache, m.config.hidden_size, m.vocab_size, m.embed)
+
+
+def test_rebuilt_when_weights_change():
+    m = _model()
+    first = fused_mtp(m.mtp)
+    assert fused_mtp(m.mtp) is first  # cached
+    with torch.no_grad():
+        m.mtp.layers[0].mlp.down_proj.weight.mul_(2.0)  # an optimizer step updates in place
+    again = fused_mtp(m.mtp)
+    assert again is not first
+    _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed)
+
+
+def test_moe_mtp_falls_back_to_the_module():
+    """A Qwen3-Next style MoE MTP layer is not folded: the drafter runs the module itself, still lossless."""
+    cfg = replace(CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    m = _model(cfg)
+    assert fused_mtp(m.mtp) is None
+    d = make_drafter("mtp", m)
+    assert d.fused is None
+    for prompt in ([1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]):
+        assert run(m, prompt, "mtp", 2).tokens == run(m, prompt, "none", 1).tokens
+
+
+def test_unfused_drafter_is_lossless_too():
+    from mtpspec.drafters.mtp import MTPDrafter
+    from mtpspec.engine import generate_tokens
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    m = _model()
+    for prompt in ([1, 4, 1, 5, 9, 2, 6], list(range(16))):
+        ref = run(m, prompt, "none", 1).tokens
+        got = generate_tokens(m, prompt, MTPDrafter(m, fused=False), 3, Sampler(SamplingParams(), 0), 48).tokens
+        assert got == ref
