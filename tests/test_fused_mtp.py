@@ -98,3 +98,9 @@ def test_unfused_drafter_is_lossless_too():
         ref = run(m, prompt, "none", 1).tokens
         got = generate_tokens(m, prompt, MTPDrafter(m, fused=False), 3, Sampler(SamplingParams(), 0), 48).tokens
         assert got == ref
+
+
+def test_bf16_module_is_not_folded():
+    """bf16 MTP norms compute in fp32; folded bf16 weights would not, so the module runs as it is."""
+    m = _model().to(torch.bfloat16)
+    assert fused_mtp(m.mtp) is None

@@ -12,6 +12,11 @@ when a step would leave it, the target and the drafter are prefilled again (unti
 step after that, which also catches the drafter up on the prompt (a draft model's lazy prefill,
 an MTP head's pass over the prompt's hidden states), is timed apart: its excess over a steady step,
 relative to the target's prefill of the same context, is the drafter's prefill ratio.
+
+The verify forward of each step is timed too: a target forward costs more inside a speculative loop
+than back to back (the drafter's weights, caches and Python pass through the CPU caches between two
+forwards), and that difference belongs to the drafter's configuration, not to the engine. The same
+loop with no drafter (plain steps) gives the plain decoding baseline.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class DrafterCost:
     """A drafter's measured cost on this machine."""
 
     steps: list[float]  # steps[d-1] = median seconds of propose(d) + commit in a step with d drafts
+    verify: list[float]  # verify[d-1] = median seconds of that step's target forward over d + 1 tokens
     prefill_ratio: float  # its catch-up on a fresh prompt / the target's prefill of the same prompt
     samples: int  # timed steps per d (rounds run: fewer than asked once the medians are stable)
 
@@ -63,13 +69,16 @@ class _Session:
         self.drafter = make()
         self.drafter.prefill(base, out, Sampler(SamplingParams(temperature=0.0), 0))
 
-    def step(self, d: int) -> float:
-        """One draft -> verify -> commit step; returns the drafter's seconds (propose + commit)."""
+    def step(self, d: int) -> tuple[float, float]:
+        """One draft -> verify -> commit step; returns the drafter's seconds (propose + commit) and the verify forward's."""
         t0 = perf_counter()
         draft = self.drafter.propose(self.context, d)
         t1 = perf_counter()
         start = self.cache.length
-        out = self.target.forward_tokens(torch.cat([self.context[-1:], draft.tokens]), self.cache)  # (D+1,) verify pass
+        tokens = torch.cat([self.context[-1:], draft.tokens])  # (D+1,)
+        tv = perf_counter()
+        out = self.target.forward_tokens(tokens, self.cache)  # the verify pass
+        verify_seconds = perf_counter() - tv
         n = min(1, draft.size)  # keep one draft, then the target's own next token
         kept = torch.cat([draft.tokens[:n], out.logits[n].argmax(-1).reshape(1)])  # (n+1,)
         verdict = Verdict(num_accepted=n, tokens=kept, num_drafted=draft.size)
@@ -78,7 +87,7 @@ class _Session:
         self.drafter.commit(verdict, out)
         t3 = perf_counter()
         self.context = torch.cat([self.context, kept])
-        return (t1 - t0) + (t3 - t2)
+        return (t1 - t0) + (t3 - t2), verify_seconds
 
 
 @torch.inference_mode()
@@ -94,16 +103,18 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
     lo = max(2, min(context - window // 2, hi - 2 * k_max))
     base = _base_tokens(target, lo, tokens)
     times: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
+    verify: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
     catch_up: list[float] = []  # (first step's seconds, prefill seconds) after each fresh prefill
     session, prev, done = None, None, 0
     for rep in range(repeat + 1):  # round 0 warms up
         for d in range(1, k_max + 1):
             if session is None or session.context.shape[0] + 2 > hi:
                 session = _Session(target, make, base)
-                catch_up.append((session.step(1), session.prefill_seconds))
-            dt = session.step(d)
+                catch_up.append((session.step(1)[0], session.prefill_seconds))
+            dt, dv = session.step(d)
             if rep > 0:
                 times[d].append(dt)
+                verify[d].append(dv)
         done = rep
         if done >= min_repeat and (done - min_repeat) % 2 == 0:
             cur = [_median(times[d]) for d in range(1, k_max + 1)]
@@ -112,4 +123,4 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
             prev = cur
     steps = [_median(times[d]) for d in range(1, k_max + 1)]
     extra = [max(first - steps[0], 0.0) / pre for first, pre in catch_up[1:] if pre > 0]  # the first one is a warm-up
-    return DrafterCost(steps=steps, prefill_ratio=_median(extra), samples=done)
+    return DrafterCost(steps=steps, verify=[_median(verify[d]) for d in range(1, k_max + 1)], prefill_ratio=_median(extra), samples=done)

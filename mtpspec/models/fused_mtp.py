@@ -17,7 +17,8 @@ therefore runs a folded copy of the module's weights:
 Outputs equal the module's up to float rounding (a folded product rounds differently, and eps is
 dropped: |x| of a hidden state is never near 0), which can change a draft but never the generated
 text: verification always runs the target itself. A folded copy is built once per module and
-rebuilt when any of its parameters changes (training).
+rebuilt when any of its parameters changes (training). Other layouts (MoE layers, biases, bf16)
+run the module itself.
 """
 
 from __future__ import annotations
@@ -137,7 +138,10 @@ class FusedMTP:
 
 
 def _foldable(module: nn.Module) -> bool:
-    """Full-attention layers with a dense, bias-free SwiGLU and bias-free projections (what folding assumes)."""
+    """fp32 full-attention layers with a dense, bias-free SwiGLU and bias-free projections (what folding
+    assumes; in bf16 the module's norms compute in fp32, which folded weights would not keep)."""
+    if module.fc.weight.dtype != torch.float32:
+        return False
     for block in module.layers:
         att, mlp = getattr(block, "self_attn", None), block.mlp
         if att is None or type(mlp) is not SwiGLU or any(lin.bias is not None for lin in (
