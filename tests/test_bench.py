@@ -67,12 +67,13 @@ def test_cost_model_prediction():
     assert m.draft_seconds("mtp", 2) == pytest.approx(1.0) and m.draft_seconds("mtp", 3) == pytest.approx(1.5)  # extended linearly
     assert m.predict_speedup("mtp", 6, [2, 2], prefill_seconds=2.0) == pytest.approx((6 + 2) / (2 * 1.5 + 2 * 2.0))
     assert m.predict_speedup("mtp", 2, [0, 0], prefill_seconds=2.0) == pytest.approx(1.0)  # never drafted: no catch-up
-    # verify forwards timed in situ replace T(k): the plain loop's for plain tokens, the drafter's for its steps
-    v = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.5, 2.0], draft_steps={"mtp": [0.5, 0.5]}, verify_steps={"none": [1.2], "mtp": [1.5, 1.8]})
+    # verify forwards timed in situ replace T(k), with the plain baseline (d = 0) from the same loop
+    v = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.5, 2.0], draft_steps={"mtp": [0.5, 0.5]}, verify_steps={"mtp": [1.2, 1.5, 1.8]})
     assert v.verify_seconds("mtp", 0) == pytest.approx(1.2) and v.verify_seconds("mtp", 2) == pytest.approx(1.8)
     assert v.verify_seconds("mtp", 3) == pytest.approx(1.8 * 2.0 / 1.5)  # past the measured depths: along T(k)
-    assert v.verify_seconds("ngram", 1) == pytest.approx(1.0)  # not timed in situ: T(d + 1)
+    assert v.verify_seconds("ngram", 1) == pytest.approx(1.0) and v.plain_seconds("ngram") == 1.0  # not timed in situ: T(k)
     assert v.predict_speedup("mtp", 4, [1, 1]) == pytest.approx(4 * 1.2 / (2 * (0.5 + 1.5)))
+    assert v.predict_speedup("mtp", 2, [0, 0]) == pytest.approx(1.0)  # plain steps cost what plain decoding does
     assert v.predict_constant("mtp", 2, 2.6) == pytest.approx(2.6 * 1.2 / (0.5 + 1.8))
 
 
@@ -175,7 +176,7 @@ def test_bench_hybrid_demo_with_peers(tmp_path):
     assert res["config"]["export_max_abs_logit_diff"]["target"] < 1e-3
     cm = res["cost_model"]
     assert cm["draft_steps"]["mtp"][0] > 0 and cm["prefill_ratio"]["mtp"] >= 0
-    assert cm["verify_steps"]["none"][0] > 0 and len(cm["verify_steps"]["mtp"]) == len(cm["draft_steps"]["mtp"])
+    assert cm["verify_steps"]["mtp"][0] > 0 and len(cm["verify_steps"]["mtp"]) == len(cm["draft_steps"]["mtp"]) + 1
     assert json.loads((tmp_path / "hf" / "target" / "config.json").read_text())["model_type"] == "qwen3_5_text"
 
 
@@ -190,4 +191,4 @@ def test_drafter_cost_on_trained_heads(stories, kind):
     dc = time_drafter(stories.module, lambda: make_drafter(kind, stories.module, draft_model=head), k_max=3, context=64,
                       tokens=stories.encode("Once upon a time, there was a cat."), repeat=3, min_repeat=2)
     assert len(dc.steps) == 3 and all(s > 0 for s in dc.steps) and dc.prefill_ratio >= 0 and 2 <= dc.samples <= 3
-    assert len(dc.verify) == 3 and all(v > 0 for v in dc.verify)
+    assert len(dc.verify) == 4 and all(v > 0 for v in dc.verify)  # d = 0 (plain steps) .. 3

@@ -10,18 +10,19 @@ only ever add time, and the curve is made non-decreasing in k by pooling adjacen
   state, propose(d) + commit timed for d = 1..k_max (what the engine counts as draft time), and its
   catch-up on a fresh prompt relative to the target's prefill; 0 for plain decoding.
 - the verify forward in situ: the same steady-state loop times each step's target forward over
-  d + 1 tokens, V_drafter(d), and the loop without a drafter gives the plain step's forward V_plain.
-  Back to back a forward finds the target's weights and the interpreter warm in the CPU caches;
-  inside a run the drafter's own work passes through them between two forwards, so an in-run
-  forward costs more (here 3-15 %, more with a heavier drafter). The prediction uses the in-situ
-  times, which puts that cost on the configuration that causes it instead of on the engine.
+  d + 1 tokens, V_drafter(d), with plain steps (d = 0) interleaved in it. Back to back a forward
+  finds the target's weights and the interpreter warm in the CPU caches; inside a run the drafter's
+  own work passes through them between two forwards, so an in-run forward costs more (more with a
+  heavier drafter). The prediction uses the in-situ times, which puts that cost on the
+  configuration that causes it instead of on the engine, and takes its plain baseline from the
+  same loop, so drift of the machine between the drafters' measurements cancels.
 - the thread count: T(1) at 1..n threads, the fastest is used (the second core here is weak).
 
 Prediction for a finished run, step by step: each step with d drafts costs C_draft(d) + V(d)
-(V = the in-situ verify forward, T(d + 1) where none was measured; a step with d = 0 is a plain
-step), and plain decoding needs one V_plain per token, so
+(V = the in-situ verify forward, T(d + 1) where none was measured), and plain decoding needs one
+V(0) per token, so
 
-    predicted speedup = (P + new_tokens * V_plain) / (P (1 + f) + sum over steps (C_draft(d) + V(d)))
+    predicted speedup = (P + new_tokens * V(0)) / (P (1 + f) + sum over steps (C_draft(d) + V(d)))
 
 where P is the target's prefill of the same prompts as measured in the plain runs and f the
 drafter's prefill relative to it (measured: a draft model reads the prompt too, an MTP / EAGLE head
@@ -49,7 +50,7 @@ class CostModel:
     draft_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of propose + commit in a step of d drafts, d = 1..
     prefill_ratio: dict[str, float] = field(default_factory=dict)  # drafter -> its catch-up on a prompt / the target's prefill
     verify_steps: dict[str, list[float]] = field(default_factory=dict)  # drafter -> seconds of the verify forward of a step
-    # with d drafts (d = 1..), in that drafter's loop; "none" -> [the plain step's forward in a plain loop]
+    # with d drafts, d = 0..k_max, timed in that drafter's loop (d = 0: its interleaved plain steps)
     threads: int = 1  # torch threads used for every timed run
     thread_t1: dict[int, float] = field(default_factory=dict)  # threads -> T(1) seconds, as measured
     context: int = 0  # cache length the forwards were timed at
@@ -74,21 +75,20 @@ class CostModel:
             return curve[-1] + per * (d - len(curve))
         return self.draft_cost.get(drafter, 0.0) * d
 
-    def plain_seconds(self) -> float:
-        """Seconds of a plain step's forward: in situ when measured, else T(1)."""
-        return self.verify_steps["none"][0] if self.verify_steps.get("none") else self.t1
+    def plain_seconds(self, drafter: str = "none") -> float:
+        """Seconds of a plain step's forward: in situ (the plain steps of `drafter`'s loop) when measured, else T(1)."""
+        curve = self.verify_steps.get(drafter)
+        return curve[0] if curve else self.t1
 
     def verify_seconds(self, drafter: str, d: int) -> float:
         """The target forward of a step with d drafts: in situ when measured (scaled along T(k) past the
         measured depths), else T(d + 1)."""
         curve = self.verify_steps.get(drafter)
-        if d <= 0:
-            return self.plain_seconds()
         if not curve:
-            return self.t(d + 1)
-        if d <= len(curve):
-            return curve[d - 1]
-        return curve[-1] * self.t(d + 1) / self.t(len(curve) + 1)
+            return self.t(max(d, 0) + 1)
+        if d < len(curve):
+            return curve[max(d, 0)]
+        return curve[-1] * self.t(d + 1) / self.t(len(curve))
 
     def step_seconds(self, drafter: str, d: int) -> float:
         return self.draft_seconds(drafter, d) + self.verify_seconds(drafter, d)
@@ -110,11 +110,11 @@ class CostModel:
 
         prefill_seconds: the target's prefill of the same prompt (measured), paid by both sides."""
         cost = self.run_seconds(drafter, drafts_per_step, prefill_seconds)
-        return (new_tokens * self.plain_seconds() + prefill_seconds) / cost if cost > 0 else 0.0
+        return (new_tokens * self.plain_seconds(drafter) + prefill_seconds) / cost if cost > 0 else 0.0
 
     def predict_constant(self, drafter: str, d: int, mean_accepted_length: float) -> float:
         """accepted-per-step x T(1) / (T_draft + T(D+1)) for a constant depth D (T in situ when measured)."""
-        return mean_accepted_length * self.plain_seconds() / self.step_seconds(drafter, d)
+        return mean_accepted_length * self.plain_seconds(drafter) / self.step_seconds(drafter, d)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -211,7 +211,7 @@ def measure(target, k_max: int = 8, context: int = 128, threads: int | None = No
 
     draft_models: drafter name -> what make_drafter gets as its draft_model (a draft model's module,
     a loaded head); tokens: a real prompt to build the timing context from (tiled to its length)."""
-    from ..drafters import NoDrafter, make_drafter
+    from ..drafters import make_drafter
     from .drafter_cost import time_drafter
 
     if threads is None:
@@ -222,8 +222,6 @@ def measure(target, k_max: int = 8, context: int = 128, threads: int | None = No
     times = _monotone(time_forwards(target, list(range(1, k_max + 2)), context, repeat=40, min_repeat=16))
     t1 = times[0]
     cost, steps, prefill, verify = {"none": 0.0}, {}, {}, {}
-    plain = time_drafter(target, NoDrafter, 1, context, tokens, repeat=4 * repeat, min_repeat=4 * repeat)  # plain steps
-    verify["none"] = plain.verify
     dms = draft_models or {}
     for name in drafters:
         if name == "none":

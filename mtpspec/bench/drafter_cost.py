@@ -15,8 +15,9 @@ relative to the target's prefill of the same context, is the drafter's prefill r
 
 The verify forward of each step is timed too: a target forward costs more inside a speculative loop
 than back to back (the drafter's weights, caches and Python pass through the CPU caches between two
-forwards), and that difference belongs to the drafter's configuration, not to the engine. The same
-loop with no drafter (plain steps) gives the plain decoding baseline.
+forwards), and that difference belongs to the drafter's configuration, not to the engine. Plain
+steps (d = 0: no propose, a one-token forward, commit) are interleaved with the others, so the plain
+baseline is timed in the same minutes as the drafted steps and the machine's drift cancels.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..sampling import Sampler, SamplingParams
-from ..types import Verdict
+from ..types import Draft, Verdict
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class DrafterCost:
     """A drafter's measured cost on this machine."""
 
     steps: list[float]  # steps[d-1] = median seconds of propose(d) + commit in a step with d drafts
-    verify: list[float]  # verify[d-1] = median seconds of that step's target forward over d + 1 tokens
+    verify: list[float]  # verify[d] = median seconds of the target forward over d + 1 tokens in a step with
+    # d drafts, d = 0..k_max (d = 0: a plain step of the same loop, as `--k auto` takes them)
     prefill_ratio: float  # its catch-up on a fresh prompt / the target's prefill of the same prompt
     samples: int  # timed steps per d (rounds run: fewer than asked once the medians are stable)
 
@@ -72,7 +74,7 @@ class _Session:
     def step(self, d: int) -> tuple[float, float]:
         """One draft -> verify -> commit step; returns the drafter's seconds (propose + commit) and the verify forward's."""
         t0 = perf_counter()
-        draft = self.drafter.propose(self.context, d)
+        draft = self.drafter.propose(self.context, d) if d > 0 else Draft.empty()  # as the engine does
         t1 = perf_counter()
         start = self.cache.length
         tokens = torch.cat([self.context[-1:], draft.tokens])  # (D+1,)
@@ -102,12 +104,12 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
     hi = max(2, min(context + window // 2, target.max_seq_len - k_max - 2))  # longest context a step may start at
     lo = max(2, min(context - window // 2, hi - 2 * k_max))
     base = _base_tokens(target, lo, tokens)
-    times: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
-    verify: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}
+    times: dict[int, list[float]] = {d: [] for d in range(0, k_max + 1)}
+    verify: dict[int, list[float]] = {d: [] for d in range(0, k_max + 1)}
     catch_up: list[float] = []  # (first step's seconds, prefill seconds) after each fresh prefill
     session, prev, done = None, None, 0
     for rep in range(repeat + 1):  # round 0 warms up
-        for d in range(1, k_max + 1):
+        for d in range(0, k_max + 1):
             if session is None or session.context.shape[0] + 2 > hi:
                 session = _Session(target, make, base)
                 catch_up.append((session.step(1)[0], session.prefill_seconds))
@@ -123,4 +125,4 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
             prev = cur
     steps = [_median(times[d]) for d in range(1, k_max + 1)]
     extra = [max(first - steps[0], 0.0) / pre for first, pre in catch_up[1:] if pre > 0]  # the first one is a warm-up
-    return DrafterCost(steps=steps, verify=[_median(verify[d]) for d in range(1, k_max + 1)], prefill_ratio=_median(extra), samples=done)
+    return DrafterCost(steps=steps, verify=[_median(verify[d]) for d in range(0, k_max + 1)], prefill_ratio=_median(extra), samples=done)

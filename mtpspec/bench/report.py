@@ -65,7 +65,7 @@ def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | N
         if cost is not None:
             pre = plain_prefill or {}
             dr = _drafter_of(label)
-            plain_s = sum(r.new_tokens * cost.plain_seconds() + pre.get(r.prompt_id, 0.0) for r in rs)
+            plain_s = sum(r.new_tokens * cost.plain_seconds(dr) + pre.get(r.prompt_id, 0.0) for r in rs)
             spec_s = sum(cost.run_seconds(dr, r.drafts_per_step, pre.get(r.prompt_id, 0.0)) for r in rs)
             agg.predicted_speedup = plain_s / spec_s if spec_s > 0 else None
             agg.efficiency = agg.speedup / agg.predicted_speedup if agg.predicted_speedup else None
@@ -222,11 +222,11 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
                       for k, v in cost.get("draft_steps", {}).items()),
         ]
         vs = cost.get("verify_steps") or {}
-        if vs.get("none"):
-            lines[-1] += (f" Verify forward in situ (timed in each loop, used by the predictions): plain step {1000 * vs['none'][0]:.2f} ms"
-                          f" ({vs['none'][0] / cost['t1']:.2f}x T(1) back to back)"
-                          + "".join(f"; {k}, d = 1..{len(v)}: " + ", ".join(f"{1000 * x:.2f}" for x in v) + " ms"
-                                    for k, v in vs.items() if k != "none") + ".")
+        if vs:
+            lines[-1] += (" Verify forward in situ (timed in each drafter's loop, used by the predictions), d = 0 (its plain"
+                          f" steps) .. {max(len(v) for v in vs.values()) - 1}: "
+                          + "; ".join(f"{k} " + ", ".join(f"{1000 * x:.2f}" for x in v) + f" ms ({v[0] / cost['t1']:.2f}x T(1) back to back at d = 0)"
+                                      for k, v in vs.items()) + ".")
     if meta.get("peers_skipped"):
         lines += ["", "Peers not run: " + "; ".join(f"{lab} ({why})" for lab, why in meta["peers_skipped"].items()) + "."]
     tg = result.get("targets")
