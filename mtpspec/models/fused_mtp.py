@@ -12,7 +12,8 @@ therefore runs a folded copy of the module's weights:
 - the attention scale 1/sqrt(hd) folded into the q norm's scale (it cancels the sqrt(hd));
 - rotary as x C + (x P) S with per-position tables C = [cos, 1], S = [sin, 0] and a fixed signed
   permutation P (rotate_half), which only moves and negates values;
-- one-query attention (every chained draft step) as two small matmuls, without SDPA's set-up.
+- attention of a short window (a chained draft step, the catch-up over accepted tokens) as two
+  small matmuls with a fixed causal block, without SDPA's set-up and mask building.
 
 Outputs equal the module's up to float rounding (a folded product rounds differently, and eps is
 dropped: |x| of a hidden state is never near 0), which can change a draft but never the generated
@@ -31,6 +32,8 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from .common import RMSNorm, SwiGLU
+
+SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through SDPA
 
 
 def _unit(x: Tensor, c: Tensor) -> Tensor:
@@ -85,16 +88,21 @@ class FusedAttentionBlock:
         self.p = torch.zeros(hd, hd, dtype=dtype)  # x @ p = [rotate_half(x[:rot]), 0]
         self.p[idx + half, idx] = -1.0
         self.p[idx, idx + half] = 1.0
+        self.future = torch.full((SHORT, SHORT), float("-inf"), dtype=dtype).triu(1)  # (S, S) keys after the query
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """q (T, nh, hd) pre-scaled; k, v (nkv, start+T, hd) -> (T, nh hd). Query i sees keys ..start+i."""
         t, nh, nkv, hd = q.shape[0], self.nh, self.nkv, self.hd
-        if t == 1:  # heads grouped by their kv head, as enable_gqa does
-            w = torch.softmax(q.view(nkv, nh // nkv, hd) @ k.transpose(1, 2), dim=-1)  # (nkv, g, S)
-            return (w @ v).view(1, nh * hd)
-        mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
-        y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=1.0, enable_gqa=nh != nkv)
-        return y.transpose(0, 1).reshape(t, nh * hd)
+        g = nh // nkv  # query heads per kv head, grouped as enable_gqa does
+        if t > SHORT:  # a long catch-up (the prompt's pairs): SDPA with a mask
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=1.0, enable_gqa=g > 1)
+            return y.transpose(0, 1).reshape(t, nh * hd)
+        rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd), row = (position, head)
+        w = rows @ k.transpose(1, 2)  # (nkv, T g, start + T)
+        if t > 1:  # causal among the new positions (a view of a fixed -inf block, no mask built per call)
+            w[:, :, start:] += self.future[:t, :t].repeat_interleave(g, 0)
+        return (torch.softmax(w, dim=-1) @ v).view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
     def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
         """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
