@@ -112,3 +112,35 @@ def test_shipped_demo_model_loads_and_its_mtp_head_is_lossless():
     for k in (1, 3):
         r = model.generate(prompt, drafter="mtp", k=k, max_new_tokens=32)
         assert r.tokens == ref.tokens and r.stats.accepted_tokens > 0
+
+
+def test_native_mtp_tuning_changes_only_the_mtp_and_lowers_its_loss(trained, tmp_path):
+    """`mtpspec train mtp`: self-distillation of the model's own MTP module, the rest frozen."""
+    from safetensors.torch import load_file
+
+    from mtpspec.train.native_mtp import MTPTuneConfig, tune_native_mtp
+
+    src, _ = trained
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"def f{i}(x):" for i in range(12)) + "\n")
+    cfg = MTPTuneConfig(out=str(tmp_path / "tuned"), prompts=str(prompts), heldout_prompts=2, train_prompts=10, gen_tokens=24,
+                        steps=30, batch_size=4, seq_len=32, lr=3e-3, eval_tokens=16)
+    report = tune_native_mtp(src, cfg, progress_bar=False)
+    assert report["distill_loss_after"]["ce_1"] < report["distill_loss_before"]["ce_1"]  # fits the model's own distribution better
+    assert report["heldout_greedy_after"]["identical_to_plain"] and report["heldout_greedy_before"]["identical_to_plain"]
+    old, new = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "tuned" / "model.safetensors"))
+    assert old.keys() == new.keys()
+    changed = {k for k in old if not torch.equal(old[k], new[k])}
+    assert changed and all(k.startswith("mtp.") for k in changed)
+    assert (tmp_path / "tuned" / "draft_vocab.json").exists() and (tmp_path / "tuned" / "mtp_tune_report.json").exists()
+    m = mtpspec.load(tmp_path / "tuned")
+    ids = m.encode("def g(x):")
+    assert m.generate(ids, drafter="mtp", k=2, max_new_tokens=16).tokens == m.generate(ids, max_new_tokens=16).tokens
+
+
+def test_native_mtp_tuning_needs_an_mtp_module(tmp_path, assets):
+    from mtpspec.errors import ConfigError
+    from mtpspec.train.native_mtp import MTPTuneConfig, tune_native_mtp
+
+    with pytest.raises(ConfigError, match="no MTP module"):
+        tune_native_mtp(assets / "models" / "stories260K.bin", MTPTuneConfig(out=str(tmp_path / "x")), tokenizer=assets / "models" / "tok512.bin")

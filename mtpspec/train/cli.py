@@ -1,4 +1,5 @@
-"""`mtpspec train pretrain | head`: thin argparse wrappers over train.pretrain and train.heads."""
+"""`mtpspec train pretrain | head | mtp | eval`: thin argparse wrappers over train.pretrain, train.heads,
+train.native_mtp and train.evaluate."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     head.add_argument("--tokenizer")
     _add_dataclass_args(head, HeadConfig)
     head.add_argument("--no-progress", action="store_true")
+    tune = sub.add_parser("mtp", help="fine-tune a model's own MTP module by self-distillation (the model frozen)")
+    tune.add_argument("--model", required=True, help="a model with an MTP module (project checkpoint, HF directory, 'demo')")
+    tune.add_argument("--tokenizer")
+    from .native_mtp import MTPTuneConfig
+
+    _add_dataclass_args(tune, MTPTuneConfig)
+    tune.add_argument("--no-progress", action="store_true")
     ev = sub.add_parser("eval", help="side-by-side table: plain and drafter x D on held-out prompts (greedy)")
     ev.add_argument("--model", required=True)
     ev.add_argument("--tokenizer")
@@ -57,6 +65,12 @@ def run_train(args: argparse.Namespace) -> int:
         names = {f.name for f in dataclasses.fields(PretrainConfig)}
         cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
         report = pretrain(cfg, progress_bar=not args.no_progress)
+    elif args.train_command == "mtp":
+        from .native_mtp import MTPTuneConfig, tune_native_mtp
+
+        names = {f.name for f in dataclasses.fields(MTPTuneConfig)}
+        cfg = MTPTuneConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+        report = tune_native_mtp(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
     else:
         from .heads import HeadConfig, train_head
 

@@ -145,8 +145,10 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
     return total, parts
 
 
-def measure(target, tokenizer, head: DraftHead, prompts: list[str], k: int, new_tokens: int) -> dict:
-    """Greedy on held-out prompts: mean accepted length, acceptance by position, identical to plain."""
+def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: int, new_tokens: int, drafter: str | None = None) -> dict:
+    """Greedy on held-out prompts: mean accepted length, acceptance by position, identical to plain.
+
+    drafter: defaults to the head's kind (head None + drafter "mtp": the target's own MTP module)."""
     from ..drafters import make_drafter
     from ..engine import generate_tokens
     from ..sampling import Sampler, SamplingParams
@@ -157,7 +159,8 @@ def measure(target, tokenizer, head: DraftHead, prompts: list[str], k: int, new_
     for p in prompts:
         ids = tokenizer.encode(p)
         plain = generate_tokens(target, ids, make_drafter("none", target), 1, Sampler(SamplingParams()), new_tokens)
-        r = generate_tokens(target, ids, make_drafter(head.config.kind, target, draft_model=head), k, Sampler(SamplingParams()), new_tokens)
+        d = make_drafter(drafter or head.config.kind, target, draft_model=head)
+        r = generate_tokens(target, ids, d, k, Sampler(SamplingParams()), new_tokens)
         identical &= r.tokens == plain.tokens
         forwards += r.stats.target_forwards
         emitted += len(r.tokens)
