@@ -7,6 +7,8 @@ training. Without it: stories260K from the assets, plain vs prompt lookup vs a d
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from .api import load
@@ -20,14 +22,16 @@ FALLBACK_CODE_PROMPTS = [
 
 
 def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new_tokens: int, draft=None, rounds: int = 3) -> None:
-    """Every run on every prompt, alternating, `rounds` times (each keeps its fastest wall time, so
-    machine noise does not pick the winner); the plain run is the reference every other must equal."""
+    """Every run on every prompt, alternating in a shuffled order, `rounds` times (each keeps its fastest
+    wall time, so machine noise does not pick the winner); the plain run is the reference every other must equal."""
     target.generate(prompts[0], max_new_tokens=8)  # warm-up: the first call pays one-off costs
     results: dict[tuple[int, int], object] = {}
     seconds: dict[tuple[int, int], float] = {}
+    order = random.Random(0)
     for _ in range(rounds):
         for j, p in enumerate(prompts):
-            for i, (_, drafter, k) in enumerate(runs):
+            for i in order.sample(range(len(runs)), len(runs)):  # a fresh order each time: no run always follows another
+                _, drafter, k = runs[i]
                 r = target.generate(p, drafter=drafter, k=k, draft_model=draft, max_new_tokens=max_new_tokens)
                 results[i, j] = r
                 seconds[i, j] = min(seconds.get((i, j), float("inf")), r.stats.wall_seconds)

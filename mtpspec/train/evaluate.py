@@ -4,6 +4,7 @@ tokens/s relative to plain, and whether every output equals plain greedy token f
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
@@ -30,7 +31,7 @@ HEADER = ("| drafter | D | acceptance by position | mean accepted length | tok/s
 def measure_table(model, prompts: list[str], runs: list[tuple], max_new_tokens: int = 128, repeats: int = 1) -> list[Row]:
     """runs: (drafter, k, draft_model or None[, drafter options dict]). Plain runs first; rows keep the runs' order.
 
-    Timing: the runs are interleaved per prompt (plain, then each run), `repeats` rounds, and each
+    Timing: the runs are interleaved per prompt (in a shuffled order), `repeats` rounds, and each
     (prompt, run) keeps its fastest round: other jobs on a shared machine only ever add time.
     """
     ids = [model.encode(p) for p in prompts]
@@ -38,9 +39,11 @@ def measure_table(model, prompts: list[str], runs: list[tuple], max_new_tokens: 
     all_runs = [("none", 1, None, {})] + [(*r, {})[:4] for r in runs]
     stats = {j: {"tok": 0, "fwd": 0, "reached": [0] * r[1], "passed": [0] * r[1], "same": True} for j, r in enumerate(all_runs)}
     best: dict[tuple[int, int], float] = {}
+    order = random.Random(0)
     for rnd in range(repeats):
         for i, (x, ref) in enumerate(zip(ids, refs)):
-            for j, (drafter, k, dm, opts) in enumerate(all_runs):
+            for j in order.sample(range(len(all_runs)), len(all_runs)):  # a fresh order: no run always follows another
+                drafter, k, dm, opts = all_runs[j]
                 r = model.generate(x, drafter=drafter, k=k, draft_model=dm, max_new_tokens=max_new_tokens, **opts)
                 best[i, j] = min(best.get((i, j), float("inf")), r.stats.wall_seconds)
                 if rnd:
