@@ -9,9 +9,10 @@ target states, as in a typical step), crops the target cache to what was kept an
 
 The context grows by the kept tokens, so it is held inside a window around the requested length:
 when a step would leave it, the target and the drafter are prefilled again (untimed) and the first
-step after that, which also catches the drafter up on the prompt (a draft model's lazy prefill,
-an MTP head's pass over the prompt's hidden states), is timed apart: its excess over a steady step,
-relative to the target's prefill of the same context, is the drafter's prefill ratio.
+step after that, which also catches the drafter up on the prompt (a draft model's lazy prefill, an
+MTP head's pass over the prompt's hidden states), is timed apart: its excess over a steady step,
+relative to the target's prefill of the same context, is the drafter's prefill ratio. A few
+settling steps then run untimed before the steady-state timing resumes.
 
 The verify forward of each step is timed too: a target forward costs more inside a speculative loop
 than back to back (the drafter's weights, caches and Python pass through the CPU caches between two
@@ -94,11 +95,14 @@ class _Session:
 
 @torch.inference_mode()
 def time_drafter(target, make: Callable[[], object], k_max: int, context: int, tokens: list[int] | None = None,
-                 repeat: int = 9, window: int = 32, min_repeat: int = 5, tol: float = 0.03) -> DrafterCost:
+                 repeat: int = 9, window: int = 96, min_repeat: int = 5, tol: float = 0.03, settle: int = 4) -> DrafterCost:
     """Median seconds of a step with d = 1..k_max drafts (timed round-robin, up to `repeat` times
     each) for the drafter that `make()` builds, at a context of about `context` tokens.
 
-    After `min_repeat` rounds it stops once two more rounds moved no median by more than `tol`."""
+    After `min_repeat` rounds it stops once two more rounds moved no median by more than `tol`.
+    After each fresh prefill (and the timed catch-up step) `settle` steps run untimed: the first
+    forwards after a prefill run slower (its large buffers have just passed through the CPU caches
+    and the allocator), which a generation of 128 tokens pays only a few times out of its many steps."""
     from .costmodel import stable
 
     hi = max(2, min(context + window // 2, target.max_seq_len - k_max - 2))  # longest context a step may start at
@@ -113,6 +117,8 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
             if session is None or session.context.shape[0] + 2 > hi:
                 session = _Session(target, make, base)
                 catch_up.append((session.step(1)[0], session.prefill_seconds))
+                for _ in range(settle):
+                    session.step(1)
             dt, dv = session.step(d)
             if rep > 0:
                 times[d].append(dt)
