@@ -92,6 +92,16 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
     return seqs
 
 
+def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
+    """`self_distill_data`, read from / written to cfg.data_cache when it names a file."""
+    if cfg.data_cache and Path(cfg.data_cache).exists():
+        return torch.load(cfg.data_cache)
+    seqs = self_distill_data(target, tokenizer, prompts, cfg, progress_bar)
+    if cfg.data_cache:
+        torch.save(seqs, cfg.data_cache)
+    return seqs
+
+
 def _batch(seqs, n: int, length: int, rng: random.Random) -> tuple[Tensor, Tensor]:
     """(tokens (B, T), hidden (B, T, H)) windows of the same length from random sequences."""
     toks, hid = [], []
@@ -190,12 +200,7 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
         p.requires_grad_(False)
     train_p, held_p = training_prompts(cfg, tok)
     t0 = time.perf_counter()
-    if cfg.data_cache and Path(cfg.data_cache).exists():
-        seqs = torch.load(cfg.data_cache)
-    else:
-        seqs = self_distill_data(module, tok, train_p, cfg, progress_bar)
-        if cfg.data_cache:
-            torch.save(seqs, cfg.data_cache)
+    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
     gen_s = time.perf_counter() - t0
     h = module.config.hidden_size
     hc = DraftHeadConfig(

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .heads import _batch, _soft_ce, measure, self_distill_data, training_prompts
+from .heads import _batch, _soft_ce, cached_distill_data, measure, training_prompts
 from .pretrain import TrainCache, mtp_hiddens
 
 
@@ -85,12 +85,7 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     k_eval = max(cfg.depth, 1)
     before = measure(module, tok, None, held_p[: cfg.heldout_prompts], k_eval, cfg.eval_tokens, drafter="mtp")
     t0 = time.perf_counter()
-    if cfg.data_cache and Path(cfg.data_cache).exists():
-        seqs = torch.load(cfg.data_cache)
-    else:
-        seqs = self_distill_data(module, tok, train_p, cfg, progress_bar)
-        if cfg.data_cache:
-            torch.save(seqs, cfg.data_cache)
+    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
     gen_s = time.perf_counter() - t0
     n_eval = max(1, len(seqs) // 10)  # a tenth of the generated sequences is held out: the distillation loss
     eval_seqs, seqs = seqs[:n_eval], seqs[n_eval:] or seqs[:n_eval]
