@@ -108,7 +108,7 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
     hi = max(2, min(context + window // 2, target.max_seq_len - k_max - 2))  # longest context a step may start at
     lo = max(2, min(context - window // 2, hi - 2 * k_max))
     base = _base_tokens(target, lo, tokens)
-    times: dict[int, list[float]] = {d: [] for d in range(0, k_max + 1)}
+    times: dict[int, list[float]] = {d: [] for d in range(1, k_max + 1)}  # drafted steps only: d = 0 drafts nothing
     verify: dict[int, list[float]] = {d: [] for d in range(0, k_max + 1)}
     catch_up: list[float] = []  # (first step's seconds, prefill seconds) after each fresh prefill
     session, prev, done = None, None, 0
@@ -121,8 +121,9 @@ def time_drafter(target, make: Callable[[], object], k_max: int, context: int, t
                     session.step(1)
             dt, dv = session.step(d)
             if rep > 0:
-                times[d].append(dt)
                 verify[d].append(dv)
+                if d > 0:
+                    times[d].append(dt)
         done = rep
         if done >= min_repeat and (done - min_repeat) % 2 == 0:
             cur = [_median(times[d]) for d in range(1, k_max + 1)]

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, ModelLoadError
+from ..models.common import weights_version
 
 FILE = "draft_vocab.json"
 DEFAULT_COVERAGE = 0.9  # default_size: the fewest tokens (a multiple of 256) covering 90% of the training text
@@ -118,7 +119,7 @@ def make_draft_head(target, size: int | None) -> DraftHead | None:
             "`mtpspec train pretrain`); this model has none"
         )
     weight = target.lm_head.weight
-    key = (size, weight.data_ptr(), weight.dtype, weight._version if not weight.is_inference() else None)
+    key = (size, weights_version([weight]))
     cached = target.__dict__.setdefault("_draft_heads", {})  # built once per size and weights version
     if key not in cached:
         cached.clear()

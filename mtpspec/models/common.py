@@ -30,6 +30,13 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def weights_version(tensors) -> tuple:
+    """A key that changes whenever one of `tensors` is replaced or updated in place (an optimizer step):
+    for copies derived from weights (a folded MTP, a draft-vocabulary head) cached beside them."""
+    # an inference tensor has no version counter (and cannot be updated in place)
+    return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in tensors)
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, or * (1 + w) for the zero-centred norms of Qwen3-Next / Qwen3.5."""
 

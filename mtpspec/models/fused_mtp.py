@@ -4,7 +4,7 @@ At batch 1 on CPU a draft step is dispatch-bound: one MTP layer through nn.Modul
 calls for ~1 M multiply-adds, so the call count, not the arithmetic, sets its cost. The drafter
 therefore runs a folded copy of the module's weights:
 
-- RMSNorm as x / |x| (two ops): rms_norm(x) = sqrt(D) x / sqrt(|x|^2 + D eps), and the factor
+- RMSNorm as x / hypot(|x|, sqrt(D eps)) (three ops): rms_norm(x) = sqrt(D) x / sqrt(|x|^2 + D eps), and the factor
   sqrt(D) (1 + w) of a zero-centred norm is folded into whatever reads the result: the next
   projection's input columns, the per-head q/k norm scales, the final norm's scale;
 - one projection for [q | k | gate | v] (q and k adjacent, so they share one norm and one rotary
@@ -15,9 +15,8 @@ therefore runs a folded copy of the module's weights:
 - attention of a short window (a chained draft step, the catch-up over accepted tokens) as two
   small matmuls with a fixed causal block, without SDPA's set-up and mask building.
 
-Outputs equal the module's up to float rounding (a folded product rounds differently, and eps is
-dropped: |x| of a hidden state is never near 0), which can change a draft but never the generated
-text: verification always runs the target itself. A folded copy is built once per module and
+Outputs equal the module's up to float rounding (a folded product rounds differently), which can
+change a draft but never the generated text: verification always runs the target itself. A folded copy is built once per module and
 rebuilt when any of its parameters changes (training). Other layouts (MoE layers, biases, bf16)
 run the module itself.
 """
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
-from .common import RMSNorm, SwiGLU
+from .common import RMSNorm, SwiGLU, weights_version
 
 SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through SDPA
 
@@ -159,17 +158,11 @@ def _foldable(module: nn.Module) -> bool:
     return True
 
 
-def _version(module: nn.Module) -> tuple:
-    """Changes whenever a parameter is replaced or updated in place."""
-    # an inference tensor has no version counter (and cannot be updated in place)
-    return tuple((p.data_ptr(), p.dtype, None if p.is_inference() else p._version) for p in module.parameters())
-
-
 def fused_mtp(module: nn.Module) -> FusedMTP | None:
     """The folded copy of an MTP / EAGLE module (cached on it), or None when its layout is not foldable."""
     if not _foldable(module):
         return None
-    key = _version(module)
+    key = weights_version(module.parameters())
     cached = module.__dict__.get("_fused_mtp")
     if cached is None or cached[0] != key:
         with torch.no_grad():

@@ -82,8 +82,7 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     for p in params:
         p.requires_grad_(True)
     train_p, held_p = training_prompts(cfg, tok)
-    k_eval = max(cfg.depth, 1)
-    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], k_eval, cfg.eval_tokens, drafter="mtp")
+    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.depth, cfg.eval_tokens, drafter="mtp")
     t0 = time.perf_counter()
     seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
     gen_s = time.perf_counter() - t0
@@ -117,7 +116,7 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     loss_after = distill_loss()
     for p in params:
         p.requires_grad_(False)
-    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], k_eval, cfg.eval_tokens, drafter="mtp")
+    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.depth, cfg.eval_tokens, drafter="mtp")
     out = Path(cfg.out)
     save_checkpoint(module, tok, out)
     for name in ("draft_vocab.json", "report.json", "train_config.json"):  # pretraining's, unchanged
