@@ -207,6 +207,12 @@ class AdaptiveDepth:
         self.history.append(d)
         return d
 
+    def pause(self, seconds: float) -> None:
+        """`seconds` between steps were spent outside this generation (a benchmark running other
+        methods in turn): not engine overhead."""
+        if self._t_choose is not None:
+            self._t_choose += seconds
+
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self._step_work = draft_seconds + verify_seconds
         v = verify_seconds / (self._r[drafted] if drafted < len(self._r) else self.r(drafted + 1))

@@ -49,6 +49,7 @@ class Model:
         seed: int = 0,
         max_new_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
         depth_policy=None,
         trace: bool = False,
         exact: bool = False,
@@ -57,6 +58,7 @@ class Model:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
 
         trace=True fills each StepRecord's timing and target probabilities (see engine.generate_tokens).
+        on_text gets each step's new text, on_tokens its new token ids.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
@@ -70,6 +72,8 @@ class Model:
         d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
+        if on_tokens is not None:
+            callback = on_tokens if callback is None else (lambda toks, text=callback: (on_tokens(toks), text(toks)))
         res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace, exact)
         if on_text is not None:
             tail = stream.flush()

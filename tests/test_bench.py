@@ -192,3 +192,40 @@ def test_drafter_cost_on_trained_heads(stories, kind):
                       tokens=stories.encode("Once upon a time, there was a cat."), repeat=3, min_repeat=2)
     assert len(dc.steps) == 3 and all(s > 0 for s in dc.steps) and dc.prefill_ratio >= 0 and 2 <= dc.samples <= 3
     assert len(dc.verify) == 4 and all(v > 0 for v in dc.verify)  # d = 0 (plain steps) .. 3
+
+
+def test_lockstep_takes_turns_and_does_not_count_time_away():
+    from time import perf_counter
+
+    from mtpspec.bench.lockstep import Lockstep
+
+    log = []
+
+    def job(name, steps, work=0.002):
+        def f(turn):
+            t0 = perf_counter()
+            for _ in range(steps):
+                end = perf_counter() + work
+                while perf_counter() < end:  # busy: wall time passes however fast the machine is
+                    pass
+                log.append(name)
+                turn.step_done()
+            return perf_counter() - t0 - turn.waited
+
+        return f
+
+    t0 = perf_counter()
+    own = Lockstep(slice_seconds=0.0).run([job("a", 3), job("b", 5)])
+    whole = perf_counter() - t0
+    assert log == ["a", "b", "a", "b", "a", "b", "b", "b"]  # one step each in turn, then b alone
+    assert 0.006 <= own[0] < 0.75 * whole and 0.010 <= own[1] < 0.9 * whole
+    log.clear()
+    Lockstep(slice_seconds=10.0).run([job("a", 2), job("b", 2)])  # a long slice: each runs to the end
+    assert log == ["a", "a", "b", "b"]
+
+    def bad(turn):
+        turn.step_done()
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        Lockstep(slice_seconds=0.0).run([job("a", 2), bad])

@@ -35,6 +35,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds), keep the fastest")
+    p.add_argument("--interleave", choices=["auto", "step", "run"], default="auto",
+                   help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
+                   "run: whole generations in turn; auto: step with one torch thread, else run")
     add_threads_arg(p, default=None, when_unset="measured, the fastest for T(1)")
     p.add_argument("--peers", action="store_true", help="also run transformers' generate() on the same weights")
     p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
@@ -87,6 +90,7 @@ def run_benchmark(
     plot_prefix: str = "bench_",
     progress: bool = True,
     repeat: int = 1,
+    interleave: str = "auto",
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
@@ -108,6 +112,8 @@ def run_benchmark(
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
     if repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {repeat}")
+    if interleave not in ("auto", "step", "run"):
+        raise ConfigError(f"--interleave must be auto, step or run, got {interleave!r}")
     phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
     peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
     t_phase = perf_counter()
@@ -131,6 +137,10 @@ def run_benchmark(
         threads = cost.threads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    if interleave == "auto":  # lockstep needs one torch thread: waiting jobs' OpenMP pools would spin
+        interleave = "step" if threads == 1 else "run"
+    elif interleave == "step" and threads != 1:
+        raise ConfigError(f"--interleave step needs --threads 1 (got {threads}): each waiting job's thread pool would spin")
     phases["cost_model"], t_phase = perf_counter() - t_phase, perf_counter()
 
     methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
@@ -168,7 +178,8 @@ def run_benchmark(
     t_phase = perf_counter()
     warm_up(methods, plist[0], ids[0], runners, temperature, seed)
     phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
-    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat)
+    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat,
+                     interleave=interleave)
     phases["runs"] = perf_counter() - t_phase
     if bar is not None:
         bar.close()
@@ -179,7 +190,7 @@ def run_benchmark(
             "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
-            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "drafters": drafters, "k": ks,
+            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "interleave": interleave, "drafters": drafters, "k": ks,
             "peers": peers, "peers_skipped": peers_skipped, "elapsed_seconds": elapsed,
             "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
         },
@@ -204,7 +215,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress, repeat=args.repeat,
+        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

@@ -4,8 +4,10 @@ Every prompt is run by every method before the next prompt starts, in an order s
 every prompt and round (seeded, so a run reproduces), so slow drift of the machine (other jobs,
 thermal state) falls on all methods alike, no method always runs right after the same other one
 (whatever a run leaves behind, in caches or the allocator, does not fall on one method only), and
-speedups are ratios from the same run. Plain decoding (ours) is always
-included: it is the reference for speedup and for the lossless check (greedy output equal to it).
+speedups are ratios from the same run. Our methods of one prompt go further: they run in a
+Lockstep rotation, a few milliseconds of each in turn (lockstep.py), so they share the machine's
+drift step by step, not run by run. Plain decoding (ours) is always included: it is the reference
+for speedup and for the lossless check (greedy output equal to it).
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from time import process_time
 from typing import Callable
+
+import torch
 
 from ..adaptive import AdaptiveDepth
 from ..errors import ConfigError
 from ..prompts import Prompt, fit_prompt
 from .costmodel import CostModel
+from .lockstep import Lockstep, Turn
 
 
 @dataclass(frozen=True)
@@ -108,21 +114,31 @@ class OursRunner:
             target_cost=c.t1 if c else None,
         )
 
-    def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Run:
+    def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+            turn: Turn | None = None) -> Run:
+        """One generation; with a `turn` it runs in a Lockstep rotation and its waits are not its time."""
         if method.drafter == "draft" and self.draft_models.get("draft") is None:
             raise ConfigError("--drafters draft needs --draft-model")
         kw = {}
         if method.k == "auto":
-            kw = dict(k=self.k_max_auto, depth_policy=self.policy(method))
+            policy = self.policy(method)
+            kw = dict(k=self.k_max_auto, depth_policy=policy)
+            if turn is not None:
+                turn.on_wait = policy.pause  # a wait for the turn is not engine overhead
         else:
             kw = dict(k=method.k or 1)
         c0 = process_time()
         res = self.model.generate(
             ids, drafter=method.drafter, draft_model=self.draft_models.get(method.drafter),
-            temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, **kw,
+            temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+            on_tokens=turn.step_done if turn is not None else None, **kw,
         )
         run = run_from_result(method, prompt, res)
         run.cpu_seconds = process_time() - c0
+        if turn is not None:  # time away while other jobs ran is not this run's
+            run.cpu_seconds -= turn.waited_cpu
+            run.wall_seconds -= turn.waited
+            run.overhead_seconds = max((run.overhead_seconds or 0.0) - turn.waited, 0.0)
         return run
 
 
@@ -156,6 +172,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     warmup_tokens: int = 8,
     repeat: int = 1,
+    interleave: str = "step",
 ) -> list[Run]:
     """Every prompt through every method (order shuffled per prompt and round); lossless flags filled in.
 
@@ -166,7 +183,11 @@ def run_bench(
     warmup_tokens = 0 skips the warm-up (the caller ran `warm_up`).
     repeat > 1 runs each (prompt, method) that many times, in separate alternating rounds, and keeps
     the fastest: other jobs on the machine only ever add time, so the minimum is the best estimate.
+    interleave="step" runs our methods of one prompt in a Lockstep rotation (5 ms of each in turn,
+    time away not counted; one torch thread only); "run" runs each whole generation in turn.
     """
+    if interleave not in ("step", "run"):
+        raise ConfigError(f"interleave must be 'step' or 'run', got {interleave!r}")
     if PLAIN not in methods:
         methods = [PLAIN, *methods]
     if warmup_tokens > 0:
@@ -188,8 +209,14 @@ def run_bench(
                 rng.shuffle(order_peers)
                 if peers:  # settle after the previous prompt's peer runs (untimed)
                     runners[PLAIN.engine].run(PLAIN, p, pid, max(warmup_tokens, 8), temperature, seed)
-                for m in order_ours + order_peers:
-                    r = runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)
+                if interleave == "step":
+                    jobs = [partial(runners[m.engine].run, m, p, pid, max_new_tokens, temperature, seed) for m in order_ours]
+                    with torch.inference_mode():  # one mode for all: a job leaving its own would end the others'
+                        done = list(zip(order_ours, Lockstep().run(jobs)))
+                else:
+                    done = [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_ours]
+                done += [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_peers]
+                for m, r in done:
                     if m.label not in best[i] or r.wall_seconds < best[i][m.label].wall_seconds:
                         best[i][m.label] = r
                     if progress:

@@ -153,7 +153,9 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
         f"## {meta['model_name']} on {meta['prompts_name']}",
         "",
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
-        f"torch threads {meta['threads']}, best of {meta.get('repeat', 1)} alternating round(s), prompts cut to {meta['max_prompt_tokens']} tokens; "
+        f"torch threads {meta['threads']}, best of {meta.get('repeat', 1)} alternating round(s)"
+        + (", our methods of each prompt interleaved every 5 ms" if meta.get("interleave") == "step" else "")
+        + f", prompts cut to {meta['max_prompt_tokens']} tokens; "
         f"wall time {meta['elapsed_seconds']:.0f} s. Speedup = tokens/s over ours:plain on the same prompts in the same run.",
         "",
         "| method | tok/s | speedup | speedup (CPU time) | predicted | measured/predicted | mean accepted length | drafts/step | lossless |",

@@ -32,9 +32,9 @@ class DraftModelDrafter:
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         self.sampler = sampler
-        self.cache = self.model.new_cache()
-        self.pending = 0
-        self.fed = 0  # lazy: the first propose reads the prompt, so a run that never drafts never pays for it
+        self.cache = None  # lazy: the first propose allocates it and reads the prompt, so a run that
+        self.pending = 0  # never drafts (adaptive depth on plain) never pays for either
+        self.fed = 0
 
     @torch.inference_mode()
     def propose(self, context: Tensor, k: int) -> Draft:
@@ -42,6 +42,8 @@ class DraftModelDrafter:
         if k < 1:
             return Draft.empty()
         sampler = self.sampler
+        if self.cache is None:
+            self.cache = self.model.new_cache()
         logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
         self.fed = len(context)
         tokens, qs = [], []
@@ -60,6 +62,8 @@ class DraftModelDrafter:
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if self.cache is None:  # nothing drafted yet
+            return
         keep = min(verdict.num_accepted, self.pending)  # accepted drafts already in the cache
         self.cache.crop(self.fed + keep)
         self.fed += keep
