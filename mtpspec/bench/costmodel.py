@@ -206,7 +206,7 @@ def choose_threads(module, context: int = 128, candidates: list[int] | None = No
 
 
 def measure(target, k_max: int = 8, context: int = 128, threads: int | None = None, drafters=("none",),
-            draft_models: dict | None = None, tokens: list[int] | None = None, repeat: int = 9) -> CostModel:
+            draft_models: dict | None = None, tokens: list[int] | None = None, repeat: int = 25) -> CostModel:
     """Measure the cost model of `target` on this machine, and the cost of every drafter in `drafters`.
 
     draft_models: drafter name -> what make_drafter gets as its draft_model (a draft model's module,

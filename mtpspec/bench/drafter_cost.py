@@ -95,7 +95,7 @@ class _Session:
 
 @torch.inference_mode()
 def time_drafter(target, make: Callable[[], object], k_max: int, context: int, tokens: list[int] | None = None,
-                 repeat: int = 9, window: int = 96, min_repeat: int = 5, tol: float = 0.03, settle: int = 4) -> DrafterCost:
+                 repeat: int = 25, window: int = 96, min_repeat: int = 11, tol: float = 0.03, settle: int = 4) -> DrafterCost:
     """Median seconds of a step with d = 1..k_max drafts (timed round-robin, up to `repeat` times
     each) for the drafter that `make()` builds, at a context of about `context` tokens.
 

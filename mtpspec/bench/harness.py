@@ -212,7 +212,7 @@ def run_bench(
                 if interleave == "step":
                     jobs = [partial(runners[m.engine].run, m, p, pid, max_new_tokens, temperature, seed) for m in order_ours]
                     with torch.inference_mode():  # one mode for all: a job leaving its own would end the others'
-                        done = list(zip(order_ours, Lockstep().run(jobs)))
+                        done = list(zip(order_ours, Lockstep(seed=f"{seed}/{rnd}/{i}").run(jobs)))
                 else:
                     done = [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_ours]
                 done += [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_peers]

@@ -8,7 +8,8 @@ same stretches.
 
 Each job is a greenlet in the caller's thread: after every engine step it calls `Turn.step_done`,
 which, once the job's slice (5 ms) is used up, switches to the next job, and the job resumes where
-it stopped when its turn comes back. The time away is recorded per job (`Turn.waited`) and
+it stopped when its turn comes back. Every pass over the jobs runs them in a fresh (seeded) order,
+so no job always runs right after the same other one (which leaves its data in the CPU caches). The time away is recorded per job (`Turn.waited`) and
 subtracted from its wall time, so a job's time is its own work only. Greenlets, not threads: OS
 threads would migrate between cores at every switch (cold L1/L2) and allocate from their own
 malloc arenas, which cost 5-25% here; a greenlet switch is a stack swap on the same core. Every
@@ -22,6 +23,7 @@ The engine enters torch.inference_mode per generation; run the rotation inside i
 
 from __future__ import annotations
 
+import random
 from time import perf_counter, process_time
 from typing import Callable, Generic, TypeVar
 
@@ -60,8 +62,9 @@ class Turn:
 class Lockstep(Generic[R]):
     """Run jobs (each `job(turn) -> result`) in turn, one slice at a time; results in job order."""
 
-    def __init__(self, slice_seconds: float = SLICE_SECONDS) -> None:
+    def __init__(self, slice_seconds: float = SLICE_SECONDS, seed: int | str = 0) -> None:
         self.slice_seconds = slice_seconds
+        self.rng = random.Random(seed)
         self._hub = getcurrent()
 
     def run(self, jobs: list[Callable[[Turn], R]]) -> list[R]:
@@ -73,10 +76,14 @@ class Lockstep(Generic[R]):
             turn._since = perf_counter()
             results[i] = jobs[i](turn)
 
-        live = [(i, greenlet(lambda i=i: body(i))) for i in range(len(jobs))]
+        live = [greenlet(lambda i=i: body(i)) for i in range(len(jobs))]
+        first = True
         while live:  # round robin; an exception in a job propagates here, the others are dropped
-            for i, g in list(live):
+            order = list(live)
+            if not first:  # each pass in a fresh order: whose leftovers sit in the caches varies
+                self.rng.shuffle(order)
+            first = False
+            for g in order:
                 g.switch()
-                if g.dead:
-                    live.remove((i, g))
+            live = [g for g in live if not g.dead]
         return results  # type: ignore[return-value]
