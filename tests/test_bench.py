@@ -230,3 +230,27 @@ def test_lockstep_takes_turns_and_does_not_count_time_away():
 
     with pytest.raises(ValueError, match="boom"):
         Lockstep(slice_seconds=0.0).run([job("a", 2), bad])
+
+
+def test_rounds_are_averaged_or_the_fastest_kept():
+    from mtpspec.bench.harness import PLAIN, Run, run_bench
+
+    class Fake:  # plain takes 1, 3, 2 seconds in rounds 0, 1, 2
+        def __init__(self):
+            self.n = 0
+
+        def run(self, m, p, ids, max_new_tokens, temperature, seed, turn=None):
+            self.n += 1
+            return Run(m.label, p.id, p.category, len(ids), [5, 6], wall_seconds=[1.0, 3.0, 2.0][(self.n - 1) % 3],
+                       prefill_seconds=0.1, cpu_seconds=None)
+
+    from mtpspec.prompts import Prompt
+
+    p = [Prompt(id="a", category="c", text="x")]
+    mean = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, repeat=3, interleave="run")
+    assert mean[0].wall_seconds == pytest.approx(2.0) and mean[0].prefill_seconds == pytest.approx(0.1)
+    assert mean[0].cpu_seconds is None and mean[0].lossless
+    best = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, repeat=3, interleave="run", keep="best")
+    assert best[0].wall_seconds == pytest.approx(1.0)
+    with pytest.raises(ConfigError):
+        run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, keep="median")

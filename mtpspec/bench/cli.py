@@ -34,7 +34,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds), keep the fastest")
+    p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds)")
+    p.add_argument("--keep", choices=["mean", "best"], default="mean",
+                   help="with --repeat: the rounds' mean time (keeps the pairing of interleaved runs) or each one's fastest")
     p.add_argument("--interleave", choices=["auto", "step", "run"], default="auto",
                    help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
                    "run: whole generations in turn; auto: step with one torch thread, else run")
@@ -91,6 +93,7 @@ def run_benchmark(
     progress: bool = True,
     repeat: int = 1,
     interleave: str = "auto",
+    keep: str = "mean",
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
@@ -179,7 +182,7 @@ def run_benchmark(
     warm_up(methods, plist[0], ids[0], runners, temperature, seed)
     phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
     runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat,
-                     interleave=interleave)
+                     interleave=interleave, keep=keep)
     phases["runs"] = perf_counter() - t_phase
     if bar is not None:
         bar.close()
@@ -190,7 +193,7 @@ def run_benchmark(
             "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
-            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "interleave": interleave, "drafters": drafters, "k": ks,
+            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "keep": keep, "interleave": interleave, "drafters": drafters, "k": ks,
             "peers": peers, "peers_skipped": peers_skipped, "elapsed_seconds": elapsed,
             "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
         },
@@ -215,7 +218,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave,
+        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

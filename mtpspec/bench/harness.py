@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from time import process_time
 from typing import Callable
@@ -142,6 +142,18 @@ class OursRunner:
         return run
 
 
+_TIMES = ("wall_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds", "cpu_seconds")
+
+
+def _mean_run(rs: list[Run]) -> Run:
+    """One run with the rounds' mean times (the rounds are the same generation: same seed, same tokens)."""
+    out = replace(rs[0])
+    for f in _TIMES:
+        vals = [getattr(r, f) for r in rs]
+        setattr(out, f, None if any(v is None for v in vals) else sum(vals) / len(vals))
+    return out
+
+
 def prepare_ids(model, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]:
     """Token ids of every prompt (BOS first), cut to the model's context minus max_new_tokens."""
     budget = model.max_seq_len - max_new_tokens
@@ -173,6 +185,7 @@ def run_bench(
     warmup_tokens: int = 8,
     repeat: int = 1,
     interleave: str = "step",
+    keep: str = "mean",
 ) -> list[Run]:
     """Every prompt through every method (order shuffled per prompt and round); lossless flags filled in.
 
@@ -181,13 +194,17 @@ def run_bench(
     doing the same work measured up to +-15% apart per category when they followed one at random.
 
     warmup_tokens = 0 skips the warm-up (the caller ran `warm_up`).
-    repeat > 1 runs each (prompt, method) that many times, in separate alternating rounds, and keeps
-    the fastest: other jobs on the machine only ever add time, so the minimum is the best estimate.
+    repeat > 1 runs each (prompt, method) that many times, in separate alternating rounds; keep="mean"
+    averages the rounds' times, keep="best" keeps each one's fastest. The mean keeps the pairing
+    that interleaving gives (every method of a round went through the same stretch of the machine);
+    the fastest of each, taken separately, picks each method's luckiest round, which breaks it.
     interleave="step" runs our methods of one prompt in a Lockstep rotation (5 ms of each in turn,
     time away not counted; one torch thread only); "run" runs each whole generation in turn.
     """
     if interleave not in ("step", "run"):
         raise ConfigError(f"interleave must be 'step' or 'run', got {interleave!r}")
+    if keep not in ("mean", "best"):
+        raise ConfigError(f"keep must be 'mean' or 'best', got {keep!r}")
     if PLAIN not in methods:
         methods = [PLAIN, *methods]
     if warmup_tokens > 0:
@@ -197,7 +214,7 @@ def run_bench(
     # land, at random, inside one timed run.
     gc.collect()
     gc.freeze()
-    best: list[dict[str, Run]] = [{} for _ in prompts]
+    rounds: list[dict[str, list[Run]]] = [{} for _ in prompts]  # prompt -> method -> its run in each round
     ours = [m for m in methods if m.engine == PLAIN.engine]
     peers = [m for m in methods if m.engine != PLAIN.engine]
     try:
@@ -217,17 +234,16 @@ def run_bench(
                     done = [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_ours]
                 done += [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_peers]
                 for m, r in done:
-                    if m.label not in best[i] or r.wall_seconds < best[i][m.label].wall_seconds:
-                        best[i][m.label] = r
+                    rounds[i].setdefault(m.label, []).append(r)
                     if progress:
                         progress(m.label)
     finally:
         gc.unfreeze()
     runs: list[Run] = []
-    for by_label in best:
-        ref = by_label[PLAIN.label].tokens
+    for by_label in rounds:
+        ref = by_label[PLAIN.label][0].tokens
         for m in methods:
-            r = by_label[m.label]
+            r = _mean_run(by_label[m.label]) if keep == "mean" else min(by_label[m.label], key=lambda x: x.wall_seconds)
             r.lossless = (r.tokens == ref) if temperature == 0 else None
             runs.append(r)
     return runs

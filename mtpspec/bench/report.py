@@ -153,7 +153,9 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
         f"## {meta['model_name']} on {meta['prompts_name']}",
         "",
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
-        f"torch threads {meta['threads']}, best of {meta.get('repeat', 1)} alternating round(s)"
+        f"torch threads {meta['threads']}, "
+        + (f"{'mean' if meta.get('keep', 'best') == 'mean' else 'best'} of {meta.get('repeat', 1)} alternating rounds"
+           if meta.get("repeat", 1) > 1 else "one round")
         + (", our methods of each prompt interleaved every 5 ms" if meta.get("interleave") == "step" else "")
         + f", prompts cut to {meta['max_prompt_tokens']} tokens; "
         f"wall time {meta['elapsed_seconds']:.0f} s. Speedup = tokens/s over ours:plain on the same prompts in the same run.",
