@@ -3,9 +3,11 @@
 Every drafter (n-gram, draft model, MTP, EAGLE, Medusa, ...) is timed the same way, on exactly what
 the engine counts as draft time: `propose(context, d)` plus `commit(verdict, out)`. Around them the
 loop is the engine's own: the target's prefill of the context feeds `drafter.prefill`, each step
-runs the real verify pass over [last, d1..dD] (untimed), keeps one accepted draft plus the target's
-next token (so a draft model reads the two tokens it has not seen and an MTP / EAGLE head queues two
-target states, as in a typical step), crops the target cache to what was kept and commits.
+runs the real verify pass over [last, d1..dD] (untimed), keeps half the drafts (rounded up: 1 of 1
+or 2, 2 of 4, 4 of 8) plus the target's next token, as a typical step does, crops the target cache
+to what was kept and commits. How many are kept matters for a head that catches up on every kept
+position (an MTP / EAGLE head queues their target states and runs over them at its next draft);
+keeping a single draft at every D made D = 4 on the demo model look cheaper than it was.
 
 The context grows by the kept tokens, so it is held inside a window around the requested length:
 when a step would leave it, the target and the drafter are prefilled again (untimed) and the first
@@ -82,7 +84,7 @@ class _Session:
         tv = perf_counter()
         out = self.target.forward_tokens(tokens, self.cache)  # the verify pass
         verify_seconds = perf_counter() - tv
-        n = min(1, draft.size)  # keep one draft, then the target's own next token
+        n = (draft.size + 1) // 2  # keep half the drafts (rounded up), then the target's own next token
         kept = torch.cat([draft.tokens[:n], out.logits[n].argmax(-1).reshape(1)])  # (n+1,)
         verdict = Verdict(num_accepted=n, tokens=kept, num_drafted=draft.size)
         self.cache.crop(start + n + 1)
