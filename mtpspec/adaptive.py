@@ -20,7 +20,9 @@ plain stretch). A draft model as big as the target can at best gain a few percen
 acceptance, so it is never tried; prompt lookup (nearly free) only has to beat 3%.
 
 Choosing D = 0 gives no new evidence about acceptance, so while it runs plain steps the evidence
-fades toward the prior (`forget` per step: text that did not repeat may start to), and after a run of plain steps the policy
+fades (`forget` per step: text that did not repeat may start to) toward the sequence's long-run
+acceptance (the prior until it has drafted: fading toward the optimistic prior made it retry hopeless
+text, such as prompt lookup at 10% acceptance, every few dozen steps), and after a run of plain steps the policy
 probes with the best D >= 1 until a step actually drafts (prompt lookup may have nothing to offer,
 which costs nothing). The wait between probes is sized so probing costs about `explore` (2%) of
 the time: a probe costs c_draft + v1 (r(2) - 1), so a nearly free drafter (prompt lookup) probes
@@ -67,6 +69,7 @@ class AdaptiveDepth:
         self.passed = [0.0] * n  # decayed counts per draft position
         self.reached = [0.0] * n
         self.pool_passed, self.pool_reached = prior_acceptance * 2.0, 2.0  # pooled, with a prior of 2
+        self.long_passed, self.long_reached = 0.0, 0.0  # the sequence's acceptance over ~200 drafting steps
         self.c_draft = draft_cost if self.c_ratio is None else None  # seconds per drafted token, as observed
         self.v1: float | None = target_cost  # seconds of a one-token verify (target step)
         self.o = 0.0  # seconds of engine overhead per step
@@ -167,8 +170,9 @@ class AdaptiveDepth:
         f = self.forget
         self.passed = [x * f for x in self.passed]
         self.reached = [x * f for x in self.reached]
-        w = 2.0 * (1.0 - f)  # pooled estimate drifts back toward the prior
-        self.pool_passed = f * self.pool_passed + w * self.prior_acceptance
+        w = 2.0 * (1.0 - f)  # pooled estimate drifts back toward this sequence's long-run acceptance
+        target = (self.long_passed + 2.0 * self.prior_acceptance) / (self.long_reached + 2.0)  # (the prior, until drafts are seen)
+        self.pool_passed = f * self.pool_passed + w * target
         self.pool_reached = f * self.pool_reached + w
 
     def _pays(self, k_max: int) -> bool:
@@ -237,6 +241,8 @@ class AdaptiveDepth:
                     self.passed[i] += 1.0 if i < accepted else 0.0
             self.pool_passed = g * self.pool_passed + accepted
             self.pool_reached = g * self.pool_reached + reached
+            self.long_passed = 0.995 * self.long_passed + accepted
+            self.long_reached = 0.995 * self.long_reached + reached
             if self.probing:  # a probe that paid resets the wait; one that failed doubles it (up to 4x)
                 base = self.probe_base()
                 wait = self.probe_wait or base
