@@ -49,7 +49,7 @@ class AdaptiveDepth:
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,
         shrink: float = 2.0,  # pseudo-observations pulling each a_i toward the pooled estimate
-        forget: float = 0.98,  # per plain step, acceptance evidence fades toward the prior (text changes)
+        forget: float = 0.98,  # per plain step, acceptance evidence fades toward its long-run level (text changes)
         explore: float = 0.02,  # share of time that probing may cost
         probe_min: int = 4,  # fewest plain steps between probes
         margin: float = 0.03,  # speculation must promise this much over a plain step to be chosen ...
