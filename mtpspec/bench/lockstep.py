@@ -37,12 +37,12 @@ SLICE_SECONDS = 0.005
 class Turn:
     """A job's view of the rotation: call `step_done` after every step; `waited` = seconds away."""
 
-    def __init__(self, rotation: "Lockstep", index: int) -> None:
-        self._rotation, self.index = rotation, index
+    def __init__(self, rotation: "Lockstep") -> None:
+        self._rotation = rotation
         self.waited = 0.0
         self.waited_cpu = 0.0  # process CPU time spent by the other jobs meanwhile
         self.on_wait: Callable[[float], None] | None = None  # told each wait (e.g. a depth policy's pause)
-        self._since = 0.0
+        self._since = perf_counter()  # start of the current slice (the job starts when created)
 
     def step_done(self, _tokens: object = None) -> None:
         """Hand the turn on if this job's slice is used up; return when the turn comes back."""
@@ -72,9 +72,7 @@ class Lockstep(Generic[R]):
         results: list[R | None] = [None] * len(jobs)
 
         def body(i: int) -> None:
-            turn = Turn(self, i)
-            turn._since = perf_counter()
-            results[i] = jobs[i](turn)
+            results[i] = jobs[i](Turn(self))
 
         live = [greenlet(lambda i=i: body(i)) for i in range(len(jobs))]
         first = True
