@@ -72,14 +72,38 @@ def test_resume_continues_from_the_saved_step(trained, tmp_path):
 
 
 def test_mtp_loss_targets_are_shifted_by_depth():
-    """With a model that copies nothing, each depth's loss is a cross-entropy over the right number of positions."""
+    """Each depth's training loss is the cross-entropy of t_{i+k+1} given the chained MTP hidden at i.
+
+    Recomputed here another way: the inference layers with real caches, one sequence at a time, and
+    the loss taken position by position. Scoring depth 1 against t_{i+1} instead changes it by ~0.7
+    (measured). The two sides run the same fp32 ops in other batch shapes: they differed by 2e-6
+    (4 ulps of a loss of ~6) here; the tolerance 1e-4 leaves 50x for other CPUs' summation orders.
+    """
     from mtpspec.models.qwen35 import HybridLM
 
+    torch.manual_seed(0)
     cfg = _cfg("unused", 1)
-    m = HybridLM(cfg.model_config())
-    toks = torch.randint(0, cfg.vocab_size, (2, 16))
-    main, mtp = losses(m, toks, 3)
-    assert len(mtp) == 3 and all(torch.isfinite(x) for x in [main, *mtp])
+    m = HybridLM(cfg.model_config()).eval()
+    toks = torch.randint(0, cfg.vocab_size, (2, 16))  # (B, T)
+    depth = 3
+    want_main, want_mtp, shifted = [], [[] for _ in range(depth)], []
+    with torch.no_grad():
+        main, mtp = losses(m, toks, depth)
+        for seq in toks:
+            out = m.forward_tokens(seq, m.new_cache())  # hidden (T, H) post final norm
+            want_main.append(-torch.log_softmax(out.logits[:-1], -1)[torch.arange(15), seq[1:]])
+            h = out.hidden
+            for k in range(1, depth + 1):  # depth k: (h^{k-1}_i, e(t_{i+k})) -> t_{i+k+1}
+                h = m.mtp_forward(h[: 16 - k], seq[k:], m.new_mtp_cache(), layer=(k - 1) % cfg.model_config().mtp_num_layers)
+                logp = torch.log_softmax(m.head(h[:-1]), -1)  # (T-k-1, V)
+                want_mtp[k - 1].append(-logp[torch.arange(15 - k), seq[k + 1 :]])
+                if k == 1:  # the off-by-one alternative: depth 1 scored against t_{i+1}
+                    shifted.append(-logp[torch.arange(14), seq[1:-1]])
+    assert main.item() == pytest.approx(torch.cat(want_main).mean().item(), abs=1e-4)
+    assert len(mtp) == depth
+    for k in range(depth):
+        assert mtp[k].item() == pytest.approx(torch.cat(want_mtp[k]).mean().item(), abs=1e-4), f"depth {k + 1}"
+    assert abs(torch.cat(shifted).mean().item() - mtp[0].item()) > 1e-2  # so the check above can fail
 
 
 def test_cli_parses_train_commands():
