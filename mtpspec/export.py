@@ -90,6 +90,8 @@ def _llama_config(module, bos_id: int | None, eos_id: int | list[int] | None) ->
     c = module.config
     if getattr(c, "qk_norm", False) or getattr(c, "attention_bias", False):
         raise ConfigError("export to a Llama checkpoint supports plain Llama models (no q/k norm, no attention bias)")
+    if getattr(c, "mlp_bias", False) or any(getattr(c, "layer_windows", ())):
+        raise ConfigError("export to a Llama checkpoint supports plain Llama models (no MLP bias, no sliding window)")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -103,7 +105,7 @@ def _llama_config(module, bos_id: int | None, eos_id: int | list[int] | None) ->
         "hidden_act": "silu",
         "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.norm_eps,
-        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default", **(getattr(c, "rope_scaling", None) or {})},
         "tie_word_embeddings": bool(c.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,

@@ -54,8 +54,28 @@ HYBRID_KW = dict(
 )
 
 
+# More dense kinds: (config class, model class, config fields) for the config-field tests (tests/test_hf_configs.py):
+# rope scaling, sliding windows (8 positions, so a 40-token prompt slides), biases
+DENSE_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # wavelengths 6 | 63 | 628, 6283: all three bands
+EXTRA_KINDS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    "llama-linear": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={"rope_type": "linear", "factor": 4.0})),
+    "llama-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0})),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
+                                                      max_window_layers=1)),  # layer 0 full, layers 1-2 slide
+    "qwen3-swa": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=3, head_dim=16, attention_bias=True,
+                                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                         use_sliding_window=True, sliding_window=8)),
+}
+
+
 def hf_model(kind: str, tie: bool = False, seed: int = 0):
-    """A randomised transformers model of `kind` in fp32 (qwen35, qwen3next, llama, qwen3)."""
+    """A randomised transformers model of `kind` in fp32 (qwen35, qwen3next, llama, qwen3, or one of EXTRA_KINDS)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -77,6 +97,10 @@ def hf_model(kind: str, tie: bool = False, seed: int = 0):
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                              tie_word_embeddings=tie)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind in EXTRA_KINDS:
+        cfg_cls, model_cls, fields = EXTRA_KINDS[kind]
+        cfg = getattr(tf, cfg_cls)(**{**DENSE_KW, **fields}, tie_word_embeddings=tie)
+        model = getattr(tf, model_cls)(cfg)
     else:
         raise ValueError(kind)
     randomize(model, seed)

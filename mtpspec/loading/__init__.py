@@ -63,11 +63,42 @@ def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype
         return load_directory(path, tokenizer, dt, with_tokenizer)
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"model file is not readable: {path}")
+    _refuse_foreign_file(path)
     model = load_llama2c(path, dt)
     if not with_tokenizer:
         return model, None
     tok_path = Path(tokenizer) if tokenizer else _find_llama2c_tokenizer(path, model.vocab_size)
     return model, Llama2cTokenizer.load(tok_path, vocab_size=model.vocab_size)
+
+
+def _sniff(path: Path) -> str | None:
+    """What a model file that is not a llama2.c checkpoint is, from its name and first bytes (None: maybe llama2.c)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return None  # load_llama2c reports the read error
+    if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000):
+        return "safetensors"
+    if path.suffix == ".json":
+        return "json"
+    if head.startswith(b"PK\x03\x04"):  # torch.save's zip container
+        return "pickle"
+    if head.startswith(b"GGUF"):
+        return "gguf"
+    return None
+
+
+def _refuse_foreign_file(path: Path) -> None:
+    """A file from another format given as --model: say what to pass instead (not 'implausible header')."""
+    kind = _sniff(path)
+    if kind in ("safetensors", "json"):
+        raise ModelLoadError(f"{path} is one file of a checkpoint directory: pass the directory ({path.parent}), "
+                             "which holds config.json (or mtpspec.json), the *.safetensors and tokenizer.json")
+    if kind == "pickle":
+        raise ModelLoadError(f"{path}: PyTorch pickle checkpoints are not supported; use a safetensors checkpoint directory")
+    if kind == "gguf":
+        raise ModelLoadError(f"{path}: GGUF files are not supported; use a safetensors checkpoint directory or a llama2.c .bin")
 
 
 def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):

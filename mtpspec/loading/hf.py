@@ -1,7 +1,8 @@
 """Hugging Face safetensors directories: Qwen3.5, Qwen3-Next, Llama, Qwen2/Qwen3 (+ their MTP tensors).
 
 config.json is mapped to a HybridConfig (qwen3_5, qwen3_5_text, qwen3_next) or a DenseConfig (llama,
-qwen2, qwen3); tensor names are mapped to ours (`model.language_model.*` of the multimodal Qwen3.5
+mistral, qwen2, qwen3: with Llama 3 / linear rope scaling, sliding windows, biases), and every field that
+changes the function is implemented or refused by name (see HARMLESS / USED); tensor names are mapped to ours (`model.language_model.*` of the multimodal Qwen3.5
 checkpoint, Qwen3-Next's fused in_proj_qkvz / in_proj_ba, DeepSeek-V3-style MTP names), and loading
 is strict: every missing, unexpected or wrongly shaped tensor is named in the error.
 
@@ -11,6 +12,7 @@ Unlike transformers, the `mtp.*` tensors are kept: the model gets its MTP module
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -38,9 +40,88 @@ def read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+# -- config.json -----------------------------------------------------------------------------
+#
+# Every field of config.json is accounted for: implemented (USED: read below and computed as
+# transformers 5.24 computes it), harmless (HARMLESS: bookkeeping, training-only settings, generate()
+# defaults), or refused with an error naming it. A field we do not know is refused when it is set
+# (not null / false / 0 / empty): it may change what the model computes, and a silent wrong answer is
+# worse than no answer.
+
+HARMLESS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path",
+    "_commit_hash", "_attn_implementation", "attn_implementation", "use_cache", "pad_token_id", "bos_token_id",
+    "eos_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range", "attention_dropout",
+    "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop", "dropout", "output_router_logits",
+    "router_aux_loss_coef", "router_jitter_noise", "pretraining_tp", "max_position_embeddings", "id2label",
+    "label2id", "num_labels", "problem_type", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16",
+    "chunk_size_feed_forward", "is_decoder", "is_llama_config", "keys_to_ignore_at_inference", "cache_implementation",
+    # generate() defaults some older configs carry: they do not change the logits
+    "max_length", "min_length", "max_new_tokens", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss",
+})
+_CORE = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+         "rope_scaling", "partial_rotary_factor", "tie_word_embeddings", "original_max_position_embeddings"}
+_WINDOWS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+_HYBRID = {"attention_bias", "layer_types", "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "mtp_num_hidden_layers",
+           "mtp_use_dedicated_embeddings", "attn_output_gate"}
+_MOE = {"num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        "moe_intermediate_size", "shared_expert_intermediate_size"}
+USED = {
+    "llama": frozenset(_CORE | {"attention_bias", "mlp_bias"}),
+    # transformers' Mistral and Qwen2 read neither bias flag (their biases are fixed): ignored as there
+    "mistral": frozenset(_CORE | {"sliding_window", "attention_bias", "mlp_bias"}),
+    "qwen2": frozenset(_CORE | _WINDOWS | {"attention_bias", "mlp_bias"}),
+    "qwen3": frozenset(_CORE | _WINDOWS | {"attention_bias", "mlp_bias"}),
+    "qwen3_5": frozenset(_CORE | _HYBRID),
+    "qwen3_5_text": frozenset(_CORE | _HYBRID),
+    "qwen3_next": frozenset(_CORE | _HYBRID | _MOE),
+}
+_ABSENT = object()
+# transformers 5.24's defaults for fields config.json may leave out (None: computed, see config_from_hf)
+TYPE_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096, "max_position_embeddings": 131072},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "max_position_embeddings": 32768},
+    "qwen3_5_text": {"num_key_value_heads": 4, "head_dim": 256, "partial_rotary_factor": 0.25,
+                     "max_position_embeddings": 32768},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+                   "max_position_embeddings": 32768, "num_experts": 512, "num_experts_per_tok": 10,
+                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+}
+ROPE_KEYS = {  # the rope_parameters keys each rope type reads (others must be unset)
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
+    "dynamic": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"},
+    "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
+               "high_freq_factor", "original_max_position_embeddings"},
+    "mrope": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+}
+MROPE_KEYS = {"mrope_section", "mrope_interleaved"}  # text-only positions are equal on every axis: plain RoPE
+
+
+def _is_set(value) -> bool:
+    return value not in (None, False, 0, "", [], {})
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _text_config(cfg: dict) -> dict:
     if cfg.get("model_type") == "qwen3_5" or "text_config" in cfg:
-        text = dict(cfg.get("text_config") or {})
+        text = cfg.get("text_config") or {}
+        text = dict(text) if isinstance(text, dict) else {}
         text.setdefault("model_type", "qwen3_5_text")
         for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
             if key in cfg and key not in text:
@@ -49,77 +130,213 @@ def _text_config(cfg: dict) -> dict:
     return cfg
 
 
-def _rope(cfg: dict, path: Path) -> tuple[float, float]:
-    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+class _Fields:
+    """Typed reads of one config.json (with transformers' defaults for absent fields) that name the field on error."""
+
+    def __init__(self, cfg: dict, mtype: str, path: Path) -> None:
+        self.cfg, self.mtype, self.path = cfg, mtype, path
+        self.defaults = TYPE_DEFAULTS.get("qwen3_5_text" if mtype == "qwen3_5" else mtype, {})
+
+    def error(self, msg: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: config.json: {msg}")
+
+    def get(self, key: str, default=_ABSENT):
+        if key in self.cfg:
+            return self.cfg[key]
+        return self.defaults.get(key, None if default is _ABSENT else default)
+
+    def int(self, key: str, default=_ABSENT, minimum: int = 1) -> int:
+        value = self.get(key, default)
+        if value is None and default is _ABSENT and key not in self.defaults:
+            raise self.error(f"lacks '{key}' (a {self.mtype} config needs it)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(f"'{key}' must be an integer >= {minimum}, not {_show(value)}")
+        return value
+
+    def float(self, key: str, default: float, src: dict | None = None, name: str | None = None) -> float:
+        src = self.cfg if src is None else src
+        value = src.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self.error(f"'{name or key}' must be a positive number, not {_show(value)}")
+        return float(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(f"'{key}' must be true or false, not {_show(value)}")
+        return value
+
+
+def _check_fields(f: _Fields) -> None:
+    """Refuse any set field that is neither implemented for this model type nor harmless."""
+    used = USED[f.mtype]
+    for key, value in f.cfg.items():
+        if key in used or key in HARMLESS or not _is_set(value):
+            continue
+        if key == "quantization_config":
+            raise f.error("quantized checkpoints (quantization_config) are not supported; use a bf16 / fp32 checkpoint")
+        raise f.error(f"'{key}' = {_show(value)} is not implemented for model type '{f.mtype}' "
+                      "and may change the model's outputs; refusing rather than computing something else")
+
+
+def _rope(f: _Fields, dense: bool) -> tuple[float, float, dict | None]:
+    """(rope_theta, partial_rotary_factor, scaling for Rotary or None), as transformers reads them."""
+    cfg = f.cfg
+    # transformers: a non-empty rope_scaling (the old name) replaces rope_parameters
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rp = cfg.get(key) or {}
+    if not isinstance(rp, dict):
+        raise f.error(f"'{key}' must be an object, not {_show(rp)}")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", "mrope", None):  # mrope: text positions are equal on all axes
-        raise ModelLoadError(f"{path}: rope type '{rope_type}' is not supported (only plain RoPE)")
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    return float(theta), float(factor)
+    kinds = ("default", "linear", "dynamic", "llama3") if dense else ("default", "mrope")
+    if rope_type not in kinds:
+        raise f.error(f"{key}.rope_type '{rope_type}' is not supported for {f.mtype} (supported: {', '.join(kinds)})")
+    allowed = ROPE_KEYS[rope_type] | (set() if dense else MROPE_KEYS)
+    extra = sorted(k for k, v in rp.items() if k not in allowed and _is_set(v))
+    if extra:
+        raise f.error(f"{key}.{extra[0]} = {_show(rp[extra[0]])} is not implemented for rope type '{rope_type}'")
+    theta = f.float("rope_theta", f.float("rope_theta", 10000.0), src=rp, name=f"{key}.rope_theta")
+    factor = rp.get("partial_rotary_factor", f.get("partial_rotary_factor", 1.0))
+    if factor is None:
+        factor = f.defaults.get("partial_rotary_factor", 1.0)
+    factor = f.float("partial_rotary_factor", factor, src={}, name="partial_rotary_factor")
+    if dense and factor != 1.0:
+        raise f.error(f"partial_rotary_factor {factor} is not supported for {f.mtype} (only 1.0)")
+    if rope_type in ("default", "mrope"):
+        return theta, factor, None
+    scale = f.float("factor", None, src=rp, name=f"{key}.factor")
+    if rope_type == "linear":
+        return theta, factor, {"rope_type": "linear", "factor": scale}
+    # dynamic NTK changes the frequencies only for positions past max_position_embeddings; our context
+    # (config_from_hf's ctx) never goes past it, so there it is plain RoPE.
+    if rope_type == "dynamic":
+        return theta, factor, None
+    low = f.float("low_freq_factor", None, src=rp, name=f"{key}.low_freq_factor")
+    high = f.float("high_freq_factor", None, src=rp, name=f"{key}.high_freq_factor")
+    if high <= low:
+        raise f.error(f"{key}.high_freq_factor ({high}) must be greater than low_freq_factor ({low})")
+    if "original_max_position_embeddings" not in rp and "original_max_position_embeddings" in cfg:
+        raise f.error(f"'original_max_position_embeddings' belongs in {key} (transformers ignores it at the top level)")
+    original = rp.get("original_max_position_embeddings", f.get("max_position_embeddings"))
+    f.float("original_max_position_embeddings", original, src={}, name=f"{key}.original_max_position_embeddings")
+    return theta, factor, {"rope_type": "llama3", "factor": scale, "low_freq_factor": low, "high_freq_factor": high,
+                           "original_max_position_embeddings": original}
 
 
-def _need(cfg: dict, key: str, path: Path):
-    if key not in cfg:
-        raise ModelLoadError(f"{path}: config.json lacks '{key}'")
-    return cfg[key]
+def _windows(f: _Fields, n_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding-window sizes (0 = full attention) as transformers' Mistral / Qwen2 / Qwen3 choose them."""
+    if f.mtype == "llama":
+        return ()
+    if f.mtype == "mistral":  # every layer, unless sliding_window is null
+        w = f.get("sliding_window")
+        return () if w is None else (f.int("sliding_window"),) * n_layers
+    window = f.get("sliding_window") if f.flag("use_sliding_window") else None  # Qwen2Config.__post_init__
+    if window is not None:
+        window = f.int("sliding_window")
+    types = f.get("layer_types")
+    if types is None:  # Qwen2 / Qwen3: the layers from max_window_layers on slide (when the window is on)
+        first = f.int("max_window_layers", minimum=0) if window is not None else n_layers
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise f.error(f"layer_types must list one type per layer ({n_layers}), not {_show(types)}")
+    bad = sorted({str(t) for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise f.error(f"unknown layer type(s) {', '.join(map(repr, bad))} in layer_types (known: full_attention, sliding_attention)")
+    if "sliding_attention" in types and window is None:
+        raise f.error("layer_types has sliding_attention layers but the window is off (use_sliding_window false or sliding_window null)")
+    return tuple(window if t == "sliding_attention" else 0 for t in types) if "sliding_attention" in types else ()
 
 
 def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | None = None):
-    """HF config.json dict -> (our config, a name for messages)."""
+    """HF config.json dict -> (our config, a name for messages); every function-changing field implemented or refused."""
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: config.json is not a JSON object")
     cfg = _text_config(cfg)
-    mtype = cfg.get("model_type", "")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: activation '{cfg['hidden_act']}' is not supported (only silu)")
-    ctx = min(int(cfg.get("max_position_embeddings", MAX_CONTEXT)), max_seq_len or MAX_CONTEXT)
-    theta, factor = _rope(cfg, path)
+    mtype = cfg.get("model_type")
+    supported = ", ".join(HYBRID_TYPES + DENSE_TYPES)
+    if not mtype:
+        raise ModelLoadError(f"{path}: config.json has no model_type (supported: {supported})")
+    if mtype not in HYBRID_TYPES + DENSE_TYPES:
+        raise ModelLoadError(f"{path}: model type '{mtype}' is not supported (supported: {supported})")
+    if mtype == "qwen3_5":
+        mtype = "qwen3_5_text"
+    f = _Fields(cfg, mtype, path)
+    _check_fields(f)
+    dense = mtype in DENSE_TYPES
+    act = f.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise f.error(f"hidden_act '{act}' is not supported (only silu)")
+    theta, factor, scaling = _rope(f, dense)
+    n_layers, n_heads = f.int("num_hidden_layers"), f.int("num_attention_heads")
+    n_kv = f.int("num_key_value_heads", n_heads) if f.get("num_key_value_heads") is not None else n_heads
+    if n_heads % n_kv:
+        raise f.error(f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
+    hidden = f.int("hidden_size")
+    head_dim = f.int("head_dim") if f.get("head_dim") is not None else hidden // n_heads
+    rot_dim = int(head_dim * factor)
+    if rot_dim % 2 or rot_dim == 0:
+        raise f.error(f"the rotary dimension (head_dim {head_dim} x partial_rotary_factor {factor}) must be even and positive")
+    ctx = min(f.int("max_position_embeddings", MAX_CONTEXT), max_seq_len or MAX_CONTEXT)
     common = dict(
-        vocab_size=_need(cfg, "vocab_size", path), hidden_size=_need(cfg, "hidden_size", path),
-        num_heads=_need(cfg, "num_attention_heads", path),
-        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        intermediate_size=_need(cfg, "intermediate_size", path), max_seq_len=ctx,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=bool(cfg.get("attention_bias", False)),
+        vocab_size=f.int("vocab_size"), hidden_size=hidden, num_heads=n_heads, num_kv_heads=n_kv,
+        intermediate_size=f.int("intermediate_size"), max_seq_len=ctx,
+        norm_eps=f.float("rms_norm_eps", 1e-6), rope_theta=theta,
+        tie_embeddings=f.flag("tie_word_embeddings"), attention_bias=f.flag("attention_bias"),
     )
-    n_layers = _need(cfg, "num_hidden_layers", path)
-    if mtype in HYBRID_TYPES:
-        layer_types = cfg.get("layer_types")
-        if layer_types is None:
-            every = int(cfg.get("full_attention_interval", 4))
-            layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
-        bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
-        if bad:
-            raise ModelLoadError(f"{path}: unknown layer type(s) {', '.join(map(repr, bad))} in layer_types (known: {', '.join(LAYER_TYPES)})")
-        if len(layer_types) != n_layers:
-            raise ModelLoadError(f"{path}: layer_types has {len(layer_types)} entries but num_hidden_layers is {n_layers}")
-        hc = HybridConfig(
-            num_layers=n_layers, layer_types=tuple(layer_types),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            partial_rotary_factor=factor,
-            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
-            linear_value_head_dim=cfg.get("linear_value_head_dim", 128), linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
-            linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
-            num_experts=cfg.get("num_experts", 0) if mtype == "qwen3_next" else 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0), moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
-            norm_topk_prob=cfg.get("norm_topk_prob", True), decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()), mtp_num_layers=mtp_layers, **common,
+    if not dense:
+        return _hybrid_config(f, n_layers, head_dim, factor, mtp_layers, common)
+    common["attention_bias"] = True if mtype == "qwen2" else (mtype != "mistral" and common["attention_bias"])
+    dc = DenseConfig(
+        num_layers=n_layers, head_dim=head_dim, qk_norm=mtype == "qwen3",
+        o_proj_bias=mtype in ("llama", "qwen3") and common["attention_bias"],
+        mlp_bias=mtype == "llama" and f.flag("mlp_bias"), rope_scaling=scaling, layer_windows=_windows(f, n_layers),
+        **common,
+    )
+    return dc, mtype.capitalize()
+
+
+def _hybrid_config(f: _Fields, n_layers: int, head_dim: int, factor: float, mtp_layers: int, common: dict):
+    cfg, path, mtype = f.cfg, f.path, f.mtype
+    if f.get("attn_output_gate") is not None and not f.flag("attn_output_gate"):
+        raise f.error("attn_output_gate false is not supported (Qwen3.5 / Qwen3-Next attention is gated)")
+    if f.flag("mtp_use_dedicated_embeddings"):
+        raise f.error("mtp_use_dedicated_embeddings is not supported (the MTP module shares the model's embedding)")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        every = f.int("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list):
+        raise f.error(f"layer_types must be a list, not {_show(layer_types)}")
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise ModelLoadError(f"{path}: unknown layer type(s) {', '.join(map(repr, bad))} in layer_types (known: {', '.join(LAYER_TYPES)})")
+    if len(layer_types) != n_layers:
+        raise ModelLoadError(f"{path}: layer_types has {len(layer_types)} entries but num_hidden_layers is {n_layers}")
+    moe = {}
+    if mtype == "qwen3_next":
+        only = f.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise f.error(f"mlp_only_layers must be a list of layer indices, not {_show(only)}")
+        moe = dict(
+            num_experts=f.int("num_experts", minimum=0), num_experts_per_tok=f.int("num_experts_per_tok"),
+            moe_intermediate_size=f.int("moe_intermediate_size"),
+            shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", minimum=0),
+            norm_topk_prob=f.flag("norm_topk_prob", True), decoder_sparse_step=f.int("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(only),
         )
-        return hc, {"qwen3_next": "Qwen3-Next"}.get(mtype, "Qwen3.5")
-    if mtype in DENSE_TYPES:
-        if cfg.get("mlp_bias"):
-            raise ModelLoadError(f"{path}: mlp_bias is not supported")
-        if mtype in ("llama", "mistral") and cfg.get("attention_bias"):
-            raise ModelLoadError(f"{path}: Llama attention_bias (with an o_proj bias) is not supported")
-        if mtype == "qwen2":
-            common["attention_bias"] = True
-        if factor != 1.0:
-            raise ModelLoadError(f"{path}: partial rotary is not supported for {mtype}")
-        dc = DenseConfig(num_layers=n_layers, head_dim=cfg.get("head_dim") or 0, qk_norm=mtype == "qwen3", **common)
-        return dc, mtype.capitalize()
-    raise ModelLoadError(
-        f"{path}: model type '{mtype or '?'}' is not supported (supported: {', '.join(HYBRID_TYPES + DENSE_TYPES)})"
+        if moe["num_experts"] and moe["num_experts_per_tok"] > moe["num_experts"]:
+            raise f.error(f"num_experts_per_tok ({moe['num_experts_per_tok']}) exceeds num_experts ({moe['num_experts']})")
+    hc = HybridConfig(
+        num_layers=n_layers, layer_types=tuple(layer_types), head_dim=head_dim, partial_rotary_factor=factor,
+        linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", 4), linear_key_head_dim=f.int("linear_key_head_dim", 128),
+        linear_value_head_dim=f.int("linear_value_head_dim", 128), linear_num_key_heads=f.int("linear_num_key_heads", 16),
+        linear_num_value_heads=f.int("linear_num_value_heads", 32), mtp_num_layers=mtp_layers, **moe, **common,
     )
+    if hc.linear_num_value_heads % hc.linear_num_key_heads:
+        raise f.error(f"linear_num_value_heads ({hc.linear_num_value_heads}) is not a multiple of linear_num_key_heads ({hc.linear_num_key_heads})")
+    return hc, {"qwen3_next": "Qwen3-Next"}.get(mtype, "Qwen3.5")
 
 
 # -- tensors ---------------------------------------------------------------------------------
@@ -127,12 +344,17 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
 def safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index}: no weight_map of tensor names to shard files")
+        names = sorted(set(weight_map.values()))
         files = [path / n for n in names]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path}: no .safetensors files (only safetensors checkpoints are supported)")
+        other = " (its pytorch_model*.bin pickles are not supported)" if any(path.glob("pytorch_model*.bin")) else ""
+        raise ModelLoadError(f"{path}: no .safetensors files (only safetensors checkpoints are supported){other}")
     for f in files:
         if not f.exists():
             raise ModelLoadError(f"{path}: shard {f.name} named in the index is missing")
@@ -204,7 +426,7 @@ def build_empty(cfg, dtype: torch.dtype):
         model = cls(cfg).to(dtype)
     model = model.to_empty(device="cpu")
     rot_dim = cfg.rot_dim if isinstance(cfg, HybridConfig) else cfg.hd
-    fresh = Rotary(rot_dim, cfg.max_seq_len, cfg.rope_theta)
+    fresh = Rotary(rot_dim, cfg.max_seq_len, cfg.rope_theta, getattr(cfg, "rope_scaling", None))
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -244,6 +466,7 @@ def load_state_strict(model, items, path: Path, arch: str) -> None:
 
 def load_hf_model(path: Path, dtype: torch.dtype, max_seq_len: int | None = None):
     raw = read_json(path / "config.json")
+    config_from_hf(raw, path, 0, max_seq_len)  # an unsupported model type or field: say so before reading tensors
     text = _text_config(raw)
     files = safetensor_files(path)
     listing = list(iter_tensors(files))

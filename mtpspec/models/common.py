@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -61,10 +63,11 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding in the half-split layout (rotate_half), on the first `rot_dim` dims."""
 
-    def __init__(self, rot_dim: int, max_len: int, theta: float) -> None:
+    def __init__(self, rot_dim: int, max_len: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.rot_dim = rot_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+        inv_freq = scale_inv_freq(inv_freq, scaling)  # (rot/2,): rope scaling (linear / llama3)
         freqs = torch.outer(torch.arange(max_len).float(), inv_freq)  # (max_len, rot/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, rot)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -81,25 +84,60 @@ class Rotary(nn.Module):
         return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, exact: bool = False) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, exact: bool = False, window: int = 0) -> Tensor:
     """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
 
-    Query i sees keys 0..start+i. GQA heads are shared by SDPA's enable_gqa.
+    Query i sees keys 0..start+i; with a sliding window (window > 0) only the last `window` of them,
+    start+i-window+1..start+i (transformers' sliding_window). GQA heads are shared by SDPA's enable_gqa.
     exact=True computes each query row exactly as a one-token step would (same kernel, same key
     length, no mask), so a position's output does not depend on how many rows share the pass.
     """
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+
+    def first(pos: int) -> int:  # the oldest key position a query at `pos` sees
+        return max(0, pos - window + 1) if window > 0 else 0
+
     if exact and t > 1:
         rows = [
-            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : start + i + 1], v[:, :, : start + i + 1], enable_gqa=gqa)
+            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, first(start + i) : start + i + 1],
+                                           v[:, :, first(start + i) : start + i + 1], enable_gqa=gqa)
             for i in range(t)
         ]
         return torch.cat(rows, dim=2)
+    lo = first(start)  # keys older than the first query's window are seen by no query
+    if lo:
+        k, v = k[:, :, lo:], v[:, :, lo:]  # (B, n_kv, S - lo, hd)
     mask = None
     if t > 1:
-        mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=start)  # (T, S)
+        mask = torch.ones(t, s - lo, dtype=torch.bool).tril(diagonal=start - lo)  # (T, S - lo): causal
+        if window > 0:
+            mask &= torch.ones(t, s - lo, dtype=torch.bool).triu(diagonal=start - lo - window + 1)  # the window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
+    """Rotary inverse frequencies (rot/2,) rescaled for long context, as config.json's rope_parameters say.
+
+    linear: every frequency divided by `factor`. llama3 (Llama 3.1+): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, shorter than
+    original / high_freq_factor kept, and those between interpolated linearly in original / wavelength.
+    """
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"rope type {kind!r} is not implemented")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    between = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(between, blended, stretched)
 
 
 class SwiGLU(nn.Module):

@@ -31,6 +31,10 @@ class DenseConfig:
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k before RoPE
     attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    o_proj_bias: bool = False  # Llama / Qwen3 attention_bias: o_proj has a bias too
+    mlp_bias: bool = False  # Llama mlp_bias: biases on the SwiGLU projections
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ...}: see common.scale_inv_freq
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding-window size (0 = full attention); () = none
 
     @property
     def hd(self) -> int:
@@ -48,7 +52,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0  # 0 = all earlier positions
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
@@ -66,7 +71,7 @@ class Attention(nn.Module):
         q = rope(q.transpose(1, 2), start)  # (B, nh, T, hd)
         k = rope(k.transpose(1, 2), start)  # (B, nkv, T, hd)
         k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, cache.exact)  # (B, nh, T, hd)
+        y = causal_attention(q, k_all, v_all, start, cache.exact, self.window)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
@@ -76,7 +81,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache, start)
@@ -98,7 +103,7 @@ class DenseLM(CausalLM):
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta)
+        self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.model = DenseBody(cfg, self.rotary)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
