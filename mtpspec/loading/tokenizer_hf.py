@@ -17,6 +17,7 @@ class HFTokenizer:
     def __init__(self, tok, stop_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tok  # tokenizers.Tokenizer
         self.stop_ids = tuple(stop_ids)
+        self.chat_template: str | None = None  # from the source folder's tokenizer_config.json, if any
         self.bos_id = None
         probe = tok.encode("", add_special_tokens=True).ids
         if probe:
@@ -33,7 +34,9 @@ class HFTokenizer:
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         if not stop_ids:
             stop_ids = _tokenizer_eos(path.parent, tok)
-        return cls(tok, stop_ids)
+        out = cls(tok, stop_ids)
+        out.chat_template = _chat_template(path.parent)
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +44,22 @@ class HFTokenizer:
 
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
+
+    def to_hf(self):
+        """The `tokenizers.Tokenizer` itself (already Hugging Face's format)."""
+        return self.tokenizer
+
+    def hf_tokenizer_config(self) -> dict:
+        """tokenizer_config.json fields: the special tokens by name, BOS added as `encode` adds it."""
+        name = lambda i: None if i is None else self.tokenizer.id_to_token(i)  # noqa: E731
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        eos = name(self.stop_ids[0]) if self.stop_ids else None
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_id), "eos_token": eos,
+               "unk_token": unk if unk and self.tokenizer.token_to_id(unk) is not None else None, "pad_token": eos,
+               "add_bos_token": self.bos_id is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        return cfg
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=True).ids
@@ -124,6 +143,19 @@ def _tokenizer_eos(directory: Path, tok) -> tuple[int, ...]:
         except (OSError, json.JSONDecodeError):
             pass
     return ()
+
+
+def _chat_template(directory: Path) -> str | None:
+    """The chat template of a Hugging Face folder: chat_template.jinja, else tokenizer_config.json's."""
+    try:
+        if (directory / "chat_template.jinja").is_file():
+            return (directory / "chat_template.jinja").read_text()
+        if (directory / "tokenizer_config.json").is_file():
+            value = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
+            return value if isinstance(value, str) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return None
 
 
 def load_hf_tokenizer(directory: Path, explicit: str | Path | None = None) -> HFTokenizer:

@@ -15,7 +15,7 @@ import re
 import struct
 from pathlib import Path
 
-from ..errors import ModelLoadError
+from ..errors import ConfigError, ModelLoadError
 
 BOS, EOS = 1, 2
 _BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
@@ -130,6 +130,72 @@ class Llama2cTokenizer:
 
     def stream(self, prev: int = BOS) -> "TextStream":
         return TextStream(self, prev)
+
+    # Names of the special ids in a Hugging Face tokenizer (the .bin file stores "\n<s>\n" for BOS).
+    HF_SPECIALS = {0: "<unk>", BOS: "<s>", EOS: "</s>"}
+
+    def to_hf(self):
+        """A `tokenizers.Tokenizer` (byte-fallback BPE, Llama's layout) that encodes as `encode`.
+
+        Vocabulary: the pieces with " " written as U+2581, ids unchanged. Merges: every split of a
+        piece into two pieces, ranked by the merged piece's score (highest first) - the pair run.c
+        merges first is the lowest-ranked merge, and a rank's leftmost pair goes first in both.
+        Normalizer: prepend U+2581 to non-empty text (the dummy prefix) and map " " to it. Decoding
+        drops the first leading space, as after BOS.
+        """
+        from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+        from tokenizers.models import BPE
+
+        names = self._hf_names()
+        vocab = {name: i for i, name in enumerate(names)}
+        merges = self._hf_merges(names, vocab)
+        tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=names[0], fuse_unk=True, byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        tok.add_special_tokens([AddedToken(names[i], special=True, normalized=False) for i in sorted(self.HF_SPECIALS)])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{names[BOS]} $A", pair=f"{names[BOS]} $A {names[BOS]} $B", special_tokens=[(names[BOS], BOS)]
+        )
+        return tok
+
+    def hf_tokenizer_config(self) -> dict:
+        """tokenizer_config.json fields for `to_hf`'s tokenizer (BOS added, as `encode` does)."""
+        n = self.HF_SPECIALS
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": n[BOS], "eos_token": n[EOS], "unk_token": n[0],
+                "pad_token": n[0], "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+
+    def _hf_names(self) -> list[str]:
+        """Token strings: specials renamed, " " -> U+2581; refuses pieces that are not UTF-8 or collide."""
+        names = []
+        for i, p in enumerate(self.pieces):
+            if i in self.HF_SPECIALS:
+                names.append(self.HF_SPECIALS[i])
+                continue
+            try:
+                text = p.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"tokenizer piece {i} ({p!r}) is not UTF-8: it has no Hugging Face form") from None
+            if "\u2581" in text:
+                raise ConfigError(f"tokenizer piece {i} ({text!r}) contains U+2581, the Hugging Face space marker")
+            names.append(text.replace(" ", "\u2581"))
+        if len(set(names)) != len(names):
+            raise ConfigError("tokenizer pieces repeat: a Hugging Face vocabulary needs distinct tokens")
+        return names
+
+    def _hf_merges(self, names: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+        """(left, right) for every split of a non-special piece into two pieces, best merged score first."""
+        ranked = []
+        for i, name in enumerate(names):
+            if i in self.HF_SPECIALS:
+                continue
+            for cut in range(1, len(name)):
+                left, right = name[:cut], name[cut:]
+                if left in vocab and right in vocab:
+                    ranked.append((-self.scores[i], i, vocab[left], (left, right)))
+        ranked.sort()
+        return [m for *_, m in ranked]
 
 
 class TextStream:
