@@ -419,6 +419,13 @@ def split_qwen3_next(name: str, t: Tensor, cfg: HybridConfig) -> list[tuple[str,
     return [(f"{base}.in_proj_b.weight", b.reshape(nv, h)), (f"{base}.in_proj_a.weight", a.reshape(nv, h))]
 
 
+def build_meta(cfg):
+    """The model for `cfg` on the meta device (shapes only, no memory)."""
+    cls = HybridLM if isinstance(cfg, HybridConfig) else DenseLM
+    with torch.device("meta"):
+        return cls(cfg)
+
+
 def build_empty(cfg, dtype: torch.dtype):
     """The model for `cfg` with uninitialised weights (no random init: weights come from the checkpoint)."""
     cls = HybridLM if isinstance(cfg, HybridConfig) else DenseLM
@@ -472,6 +479,9 @@ def load_hf_model(path: Path, dtype: torch.dtype, max_seq_len: int | None = None
     listing = list(iter_tensors(files))
     n_layers = int(text.get("num_hidden_layers", 0))
     names = [n.replace("model.language_model.", "model.", 1) for n, _, _ in listing]
+    present = {m.group(1) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if n_layers > len(present):  # before building anything: a config far bigger than its checkpoint
+        raise ModelLoadError(f"{path}: config.json has num_hidden_layers {n_layers} but the checkpoint holds tensors for {len(present)} layers")
     mtp_layers = count_mtp_layers(names, n_layers) if text.get("model_type") in HYBRID_TYPES else 0
     cfg, arch = config_from_hf(raw, path, mtp_layers, max_seq_len)
     items = []
@@ -488,6 +498,8 @@ def load_hf_model(path: Path, dtype: torch.dtype, max_seq_len: int | None = None
             items += [(n, (lambda t=t: t), tuple(t.shape)) for n, t in parts]
             continue
         items.append((new, load, shape))
+    # names and shapes checked on the meta device first: a config that does not match allocates nothing
+    load_state_strict(build_meta(cfg), [(n, (lambda s=s: torch.empty(s, device="meta")), s) for n, _, s in items], path, arch)
     model = build_empty(cfg, dtype)
     load_state_strict(model, items, path, arch)
     return model
