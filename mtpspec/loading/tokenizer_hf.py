@@ -18,6 +18,7 @@ class HFTokenizer:
         self.tokenizer = tok  # tokenizers.Tokenizer
         self.stop_ids = tuple(stop_ids)
         self.chat_template: str | None = None  # from the source folder's tokenizer_config.json, if any
+        self._special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.bos_id = None
         probe = tok.encode("", add_special_tokens=True).ids
         if probe:
@@ -72,7 +73,7 @@ class HFTokenizer:
 
     def decode(self, tokens: list[int], prev: int | None = None) -> str:
         """Text of `tokens` as a continuation of `prev` (so leading spaces / merged bytes come out right)."""
-        if prev is None:
+        if prev is None or prev in self._special_ids:  # after BOS: as transformers decodes prompt + continuation
             return self._decode(list(tokens))
         head = self._decode([prev])
         full = self._decode([prev, *tokens])
