@@ -446,3 +446,10 @@ def test_a_config_far_bigger_than_its_checkpoint_allocates_nothing(llama_dir, tm
     edit_config(d, num_hidden_layers=2, vocab_size=10**12, intermediate_size=10**11)
     msg = _load_error(d, capsys)
     assert "wrong shapes: " in msg and "model.embed_tokens.weight (checkpoint [96, 32], model [1000000000000, 32])" in msg
+
+
+def test_multimodal_wrapper_ties_by_its_outer_flag():
+    """Qwen3_5ForConditionalGeneration holds the head: transformers ties it by the outer config's flag."""
+    inner = {**QWEN35, "tie_word_embeddings": True}
+    assert not config_from_hf({"model_type": "qwen3_5", "text_config": inner}, "ckpt", 0)[0].tie_embeddings
+    assert config_from_hf({"model_type": "qwen3_5", "text_config": QWEN35, "tie_word_embeddings": True}, "ckpt", 0)[0].tie_embeddings

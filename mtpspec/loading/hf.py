@@ -123,9 +123,11 @@ def _text_config(cfg: dict) -> dict:
         text = cfg.get("text_config") or {}
         text = dict(text) if isinstance(text, dict) else {}
         text.setdefault("model_type", "qwen3_5_text")
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        for key in ("eos_token_id", "bos_token_id"):
             if key in cfg and key not in text:
                 text[key] = cfg[key]
+        # the head belongs to the outer model: transformers ties it by the outer flag (Qwen3_5Config: default false)
+        text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)
         return text
     return cfg
 
