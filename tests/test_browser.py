@@ -1,7 +1,8 @@
 """End to end in a real browser: `mtpspec serve`'s page in headless Debian chromium, driven by Playwright.
 
-The server runs in a thread on 127.0.0.1 (a free port); the test loads stories260K on the page, types a
-prefix and a draft, and checks the accept/reject cells and the top-K list against the JSON API's answer.
+The server runs in a thread on 127.0.0.1 (a free port) and serves two models by name (stories260K and its
+8-bit copy, which also drafts for it); the test picks a model on the page, types a prefix and a draft, and
+checks the accept/reject cells and the top-K list against the JSON API's answer.
 Chromium is Debian's (/usr/bin/chromium, installed by `make test`); no browser is ever downloaded. Without
 it the test skips, unless MTPSPEC_REQUIRE_BROWSER=1 (as CI sets), where it fails.
 """
@@ -42,12 +43,15 @@ def server(assets):
     import uvicorn
 
     from mtpspec.server import create_app
+    from mtpspec.server.registry import load_served
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = str(assets / "models" / "stories260K.bin")
-    srv = uvicorn.Server(uvicorn.Config(create_app(model), host="127.0.0.1", port=port, log_level="warning"))
+    m = assets / "models"
+    served = load_served([f"stories={m / 'stories260K.bin'}", f"q80={m / 'stories260K_q80.bin'}"])
+    model = "stories"
+    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -91,6 +95,7 @@ def page(server):
 def _open(page, url: str) -> None:
     page.goto(url + "/")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+    assert page.input_value("#model") == "stories"  # the server's default
 
 
 def test_verify_page_cells_and_top_k_match_the_api(server, page, tmp_path):
@@ -127,24 +132,41 @@ def test_errors_are_visible_and_the_server_keeps_running(server, page):
     page.fill("#prefix", "")
     page.click("#verify")
     page.wait_for_selector("#error", state="visible")
-    assert "prefix is empty" in page.inner_text("#error")
-    page.fill("#model", "/no/such/model.bin")
-    page.click("#load")
-    page.wait_for_function("document.getElementById('error').textContent.includes('model not found')")
-    page.fill("#model", server[1])
-    page.click("#load")
-    page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+    assert "prefix: empty" in page.inner_text("#error")
     page.fill("#prefix", PREFIX)
+    page.select_option("#drafter", "ngram")
+    page.fill("#k", "0")
+    page.click("#verify")
+    page.wait_for_function("document.getElementById('error').textContent.includes('k: ')")
+    page.fill("#k", "3")
+    page.fill("#draft", " play")
     page.click("#verify")
     page.wait_for_selector("#cells .cell")
     assert not page.is_visible("#error")
+
+
+def test_the_page_chooses_among_the_served_models(server, page):
+    url, _ = server
+    _open(page, url)
+    assert [o.get_attribute("value") for o in page.query_selector_all("#model option")] == ["stories", "q80"]
+    page.select_option("#drafter", "draft")
+    assert [o.get_attribute("value") for o in page.query_selector_all("#draft-model option")] == ["q80"]
+    page.evaluate("document.getElementById('status').textContent = ''")
+    page.select_option("#model", "q80")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('loaded')")
+    page.fill("#prefix", PREFIX)
+    page.fill("#draft", DRAFT)
+    page.click("#verify")
+    page.wait_for_selector("#cells .cell")
+    api = httpx.post(url + "/api/verify", json={"model": "q80", "prefix": PREFIX, "draft": DRAFT}, timeout=30).json()
+    assert [c.get_attribute("data-status") for c in page.query_selector_all("#cells .cell")] == [p["status"] for p in api["positions"]]
 
 
 def test_step_through_a_real_run(server, page, assets):
     _open(page, server[0])
     page.fill("#prefix", PREFIX)
     page.select_option("#drafter", "draft")
-    page.fill("#draft-model", str(assets / "models" / "stories260K_q80.bin"))
+    page.select_option("#draft-model", "q80")
     page.fill("#k", "4")
     page.fill("#steps-n", "24")
     page.click("#run")

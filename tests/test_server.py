@@ -1,40 +1,60 @@
-"""The live verify page's JSON API (FastAPI TestClient, no sockets): verification, step-through, errors."""
+"""The live verify page's JSON API (FastAPI TestClient, no sockets): verification, step-through, errors.
+
+The server serves only the models it was started with, by name; every bad request is a 4xx JSON
+error naming the field, never a 500, and no request makes it open a path.
+"""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from fastapi.testclient import TestClient
 
+from mtpspec.cli import main
 from mtpspec.server import create_app
-from mtpspec.server.verify_page import tokenize_draft
+from mtpspec.server.registry import Served, load_served
+from mtpspec.server.verify_page import MAX_DRAFT, tokenize_draft
 
 PREFIX = "Once upon a time, there was a little girl named Lily. She loved to"
+HEADS = "models/heads/stories260K-"
 
 
 @pytest.fixture(scope="module")
-def client(assets):
-    return TestClient(create_app(str(assets / "models" / "stories260K.bin")))
+def served(assets):
+    m = assets / "models"
+    return load_served([f"stories={m / 'stories260K.bin'}"], None,
+                       [str(m / "stories260K_q80.bin")] + [HEADS + kind for kind in ("mtp", "eagle", "medusa")])
 
 
 @pytest.fixture(scope="module")
-def model_path(assets):
-    return str(assets / "models" / "stories260K.bin")
+def client(served):
+    return TestClient(create_app(served))
 
 
-def test_page_and_load(client, model_path):
+def test_page_models_and_info_name_only_the_served_models(client, assets):
     page = client.get("/")
-    assert page.status_code == 200 and "Greedy verification" in page.text and model_path in page.text
-    info = client.post("/api/load", json={"model": model_path}).json()
-    assert info["vocab_size"] == 512 and info["max_seq_len"] == 512
-    names = {d["name"]: d for d in info["drafters"]}
-    assert names["ngram"]["available"] and names["draft"]["needs"] == "draft_model"
-    assert model_path in client.get("/api/models").json()["suggested"]
+    assert page.status_code == 200 and "Greedy verification" in page.text and '<select id="model">' in page.text
+    r = client.get("/api/models")
+    m = r.json()
+    assert [x["name"] for x in m["models"]] == ["stories"] and m["default"] == "stories"
+    assert {x["name"]: x["kind"] for x in m["draft_models"]} == {
+        "stories260K_q80": "model", "stories260K-mtp": "mtp", "stories260K-eagle": "eagle", "stories260K-medusa": "medusa",
+        "stories": "model"}
+    assert str(assets) not in r.text and "/" not in r.text  # names, never paths
+    info = client.post("/api/load", json={}).json()
+    assert info["model"] == "stories" and info["vocab_size"] == 512 and info["max_seq_len"] == 512
+    menu = {d["name"]: d for d in info["drafters"]}
+    assert menu["ngram"]["available"] and menu["ngram"]["own"]
+    assert menu["draft"]["draft_models"] == ["stories260K_q80"]  # a model never drafts for itself
+    for kind in ("mtp", "eagle", "medusa"):
+        assert menu[kind]["available"] and not menu[kind]["own"] and menu[kind]["draft_models"] == [f"stories260K-{kind}"]
 
 
-def test_verify_typed_draft_matches_plain_greedy(client, model_path, stories):
+def test_verify_typed_draft_matches_plain_greedy(client, stories):
     plain = stories.generate(PREFIX, max_new_tokens=12)
     right = stories.tokenizer.decode(plain.tokens[:4], prev=plain.prompt_tokens[-1])
-    r = client.post("/api/verify", json={"model": model_path, "prefix": PREFIX, "draft": right + " zebra zebra", "top_k": 5}).json()
+    r = client.post("/api/verify", json={"model": "stories", "prefix": PREFIX, "draft": right + " zebra zebra", "top_k": 5}).json()
     assert r["verification"] == "greedy" and r["target_forwards"] == 1
     assert r["draft"]["ids"][:4] == plain.tokens[:4]
     n, d = r["num_accepted"], r["num_drafted"]
@@ -45,6 +65,7 @@ def test_verify_typed_draft_matches_plain_greedy(client, model_path, stories):
     for pos in r["positions"]:
         top = pos["top"]
         assert len(top) == 5 and top[0]["id"] == pos["target"]["id"]
+        # probabilities of one softmax row: each top-5 sum is at most 1 up to fp32 rounding (1e-4 >> 5 * 2^-24)
         assert all(a["p"] >= b["p"] for a, b in zip(top, top[1:])) and 0 < sum(t["p"] for t in top) <= 1.0001
 
 
@@ -53,14 +74,18 @@ def test_verify_full_acceptance_gives_bonus(client, stories):
     r = client.post("/api/verify", json={"prefix": PREFIX, "draft_ids": plain.tokens[:5]}).json()
     assert r["num_accepted"] == 5 and r["bonus"]["id"] == plain.tokens[5] and r["correction"] is None
     assert r["positions"][-1]["status"] == "bonus"
+    r = client.post("/api/verify", json={"prefix": PREFIX, "draft_ids": []}).json()  # D = 0: the target's own token
+    assert r["num_drafted"] == 0 and r["bonus"]["id"] == plain.tokens[0]
 
 
-def test_verify_drafter_proposes(client, assets):
-    r = client.post("/api/verify", json={"prefix": "The cat sat. The cat sat. The cat", "drafter": "ngram", "k": 3}).json()
-    assert r["draft"]["source"] == "ngram" and 1 <= r["num_drafted"] <= 3
-    r = client.post("/api/verify", json={"prefix": PREFIX, "drafter": "draft", "k": 4,
-                                         "draft_model": str(assets / "models" / "stories260K_q80.bin")}).json()
-    assert r["draft"]["source"] == "draft" and r["num_drafted"] == 4 and r["num_accepted"] >= 2
+@pytest.mark.parametrize("drafter, draft_model", [("ngram", None), ("draft", "stories260K_q80"), ("mtp", "stories260K-mtp"),
+                                                  ("eagle", "stories260K-eagle"), ("medusa", "stories260K-medusa")])
+def test_verify_drafter_proposes_with_a_served_draft_model(client, stories, drafter, draft_model):
+    prefix = "The cat sat. The cat sat. The cat" if drafter == "ngram" else PREFIX
+    r = client.post("/api/verify", json={"prefix": prefix, "drafter": drafter, "k": 4, "draft_model": draft_model}).json()
+    assert r["draft"]["source"] == drafter and 1 <= r["num_drafted"] <= 4
+    plain = stories.generate(prefix, max_new_tokens=r["num_accepted"] + 1)
+    assert [t["id"] for t in r["emitted"]] == plain.tokens  # greedy verification emits plain greedy's tokens
 
 
 def test_tokenize_draft_as_continuation(stories):
@@ -72,8 +97,9 @@ def test_tokenize_draft_as_continuation(stories):
     assert stories.tokenizer.decode(d, prev=ids[-1]) == ", there was"
 
 
-def test_step_through(client, stories):
-    r = client.post("/api/step", json={"prefix": PREFIX, "drafter": "ngram", "k": 3, "max_new_tokens": 20}).json()
+@pytest.mark.parametrize("drafter, draft_model", [("ngram", None), ("draft", "stories260K_q80"), ("eagle", "stories260K-eagle")])
+def test_step_through(client, stories, drafter, draft_model):
+    r = client.post("/api/step", json={"prefix": PREFIX, "drafter": drafter, "draft_model": draft_model, "k": 3, "max_new_tokens": 20}).json()
     assert r["identical_to_plain"] and r["stats"]["target_forwards"] == len(r["steps"])
     emitted = [t["id"] for s in r["steps"] for t in s["emitted"]]
     assert emitted == stories.generate(PREFIX, max_new_tokens=20).tokens
@@ -87,36 +113,185 @@ def test_step_through(client, stories):
         assert s["plain_cost_seconds"] == pytest.approx(r["plain_step_seconds"] * len(s["emitted"]))
 
 
-@pytest.mark.parametrize(
-    "path, body, status, words",
-    [
-        ("/api/verify", {"prefix": "", "draft": " hi"}, 400, "prefix is empty"),
-        ("/api/verify", {"prefix": "   ", "draft": " hi"}, 400, "prefix is empty"),
-        ("/api/verify", {"prefix": "Hi", "draft": " a" * 600}, 400, "longer than the model's context"),
-        ("/api/verify", {"prefix": "Hi", "draft_ids": [1] * 70}, 400, "at most 64"),
-        ("/api/verify", {"prefix": "Hi", "draft_ids": [9999]}, 400, "out of range"),
-        ("/api/verify", {"model": "/no/such/model.bin", "prefix": "Hi", "draft": " a"}, 404, "model not found"),
-        ("/api/verify", {"model": "", "prefix": "Hi", "draft": " a"}, 400, "no model given"),
-        ("/api/verify", {"prefix": "Hi"}, 400, "no draft"),
-        ("/api/verify", {"prefix": "Hi", "drafter": "nope"}, 400, "unknown drafter"),
-        ("/api/verify", {"prefix": "Hi", "drafter": "draft"}, 400, "needs a draft model"),
-        ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 0}, 400, "top_k"),
-        ("/api/verify", {"draft": " a"}, 422, "prefix"),
-        ("/api/load", {"model": "/no/such/model.bin"}, 404, "model not found"),
-        ("/api/step", {"prefix": "", "drafter": "ngram"}, 400, "prefix is empty"),
-        ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 400, "D (draft length)"),
-    ],
-)
-def test_bad_input_is_a_clear_4xx_and_the_server_keeps_running(client, path, body, status, words):
-    r = client.post(path, json=body)
-    assert r.status_code == status
-    assert words in r.json()["error"]
-    assert client.post("/api/verify", json={"prefix": "Hi", "draft": " there"}).status_code == 200
+def test_prefix_at_the_context_edge(client, stories):
+    """A prefix one token short of the context still verifies and steps; one that fills it is a `prefix` error."""
+    words = ("Once upon a time, there was a little girl named Lily. " * 60).split(" ")
+    text = lambda i: " ".join(words[:i])  # noqa: E731
+    lo, hi = 1, len(words)  # the fewest words whose tokens fill the context (token count grows with words)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if len(stories.encode(text(mid))) < 512 else (lo, mid)
+    short, full = text(lo - 1), text(lo)
+    assert 500 < len(stories.encode(short)) < 512 <= len(stories.encode(full))
+    assert client.post("/api/verify", json={"prefix": short, "drafter": "draft", "draft_model": "stories260K_q80", "k": 8}).status_code == 200
+    r = client.post("/api/step", json={"prefix": short, "drafter": "ngram", "k": 8, "max_new_tokens": 64})
+    assert r.status_code == 200 and r.json()["identical_to_plain"]
+    for path, body in [("/api/verify", {"prefix": full, "draft": " a"}), ("/api/step", {"prefix": full})]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"].startswith("prefix: ")
 
 
-def test_malformed_json(client):
-    r = client.post("/api/verify", content=b"{not json", headers={"Content-Type": "application/json"})
-    assert r.status_code == 422 and r.json()["error"]
+BIG = 10**30
+BAD = [  # (path, body, status, the field the error names); "raw:" bodies are sent as bytes
+    ("/api/verify", {"prefix": "", "draft": " hi"}, 400, "prefix"),
+    ("/api/verify", {"prefix": "   ", "draft": " hi"}, 400, "prefix"),
+    ("/api/verify", {"prefix": "Once upon a time. " * 200, "draft": " hi"}, 400, "prefix"),
+    ("/api/verify", {"prefix": "a" * 50_001, "draft": " hi"}, 422, "prefix"),
+    ("/api/verify", {"draft": " a"}, 422, "prefix"),
+    ("/api/verify", {"prefix": 5, "draft": " a"}, 422, "prefix"),
+    ("/api/verify", {"prefix": None, "draft": " a"}, 422, "prefix"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a" * 600}, 400, "draft"),
+    ("/api/verify", {"prefix": "Hi", "draft": "a" * 2001}, 422, "draft"),
+    ("/api/verify", {"prefix": "Hi", "draft": ["a"]}, 422, "draft"),
+    ("/api/verify", {"prefix": "Hi"}, 400, "draft"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [1] * (MAX_DRAFT + 1)}, 422, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [9999]}, 400, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [-1]}, 400, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [BIG]}, 400, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": ["a"]}, 422, "draft_ids.0"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [1.5]}, 422, "draft_ids.0"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": 3}, 422, "draft_ids"),
+    ("/api/verify", {"model": "/no/such/model.bin", "prefix": "Hi", "draft": " a"}, 404, "model"),
+    ("/api/verify", {"model": "", "prefix": "Hi", "draft": " a"}, 404, "model"),
+    ("/api/verify", {"model": 3, "prefix": "Hi", "draft": " a"}, 422, "model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "nope"}, 400, "drafter"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "none"}, 400, "drafter"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "mtp"}, 400, "drafter"),  # stories260K has no MTP module of its own
+    ("/api/verify", {"prefix": "Hi", "drafter": 7}, 422, "drafter"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "draft"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "draft", "draft_model": "nope"}, 404, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "draft", "draft_model": "stories260K-medusa"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "mtp", "draft_model": "stories260K-eagle"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "eagle", "draft_model": "stories260K_q80"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "draft_model": "stories260K_q80"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "draft_model": "stories260K_q80"}, 400, "draft_model"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": -3}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": MAX_DRAFT + 1}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 2.5}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": "4"}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": True}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": None}, 422, "k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 0}, 422, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 51}, 422, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 2.5}, 422, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "temperature": 1.0}, 422, "temperature"),  # greedy only: no such field
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "tokenizer": "/etc/passwd"}, 422, "tokenizer"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": NaN}', 422, "top_k"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": Infinity}', 422, "top_k"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "temperature": -Infinity}', 422, "temperature"),
+    ("/api/verify", "raw:" + '{"prefix": "\\ud800", "draft": " a"}', 422, "prefix"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": "x\\udfff"}', 422, "draft"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "drafter": "\\ud83d"}', 422, "drafter"),
+    ("/api/verify", "raw:" + '{"model": "\\udc00", "prefix": "Hi", "draft": " a"}', 422, "model"),
+    ("/api/verify", "raw:" + '{"\\ud800": 1, "prefix": "Hi", "draft": " a"}', 422, "body"),
+    ("/api/verify", "raw:" + "{not json", 422, "body"),
+    ("/api/verify", "raw:" + "", 422, "body"),
+    ("/api/verify", "raw:" + "[1, 2]", 422, "body"),
+    ("/api/verify", "raw:" + '"prefix"', 422, "body"),
+    ("/api/verify", "raw:" + '{"prefix": "' + "a" * (1 << 20) + '"}', 413, "body"),
+    ("/api/load", {"model": "nope"}, 404, "model"),
+    ("/api/load", {"model": "/etc/passwd"}, 404, "model"),
+    ("/api/load", {"model": "stories", "dtype": "bf16"}, 422, "dtype"),
+    ("/api/step", {"prefix": "", "drafter": "ngram"}, 400, "prefix"),
+    ("/api/step", {"prefix": "Once upon a time. " * 200, "drafter": "ngram"}, 400, "prefix"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 422, "k"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 422, "k"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 0}, 422, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": -5}, 422, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 10**12}, 422, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": "32"}, 422, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "none"}, 400, "drafter"),
+    ("/api/step", {"prefix": "Hi", "drafter": "nope"}, 400, "drafter"),
+    ("/api/step", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),
+    ("/api/step", {"prefix": "Hi", "drafter": "draft", "draft_model": "/etc/passwd"}, 404, "draft_model"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "seed": 2**64}, 422, "seed"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, field", BAD, ids=[f"{i}-{c[3]}" for i, c in enumerate(BAD)])
+def test_bad_input_is_a_4xx_json_error_naming_the_field(client, path, body, status, field):
+    if isinstance(body, str):
+        r = client.post(path, content=body[4:].encode(), headers={"Content-Type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"].startswith(f"{field}: "), r.text
+    assert client.post("/api/verify", json={"prefix": "Hi", "draft": " there"}).status_code == 200  # still serving
+
+
+def test_a_named_path_is_never_opened(client, tmp_path):
+    """A readable file named as a model or a draft model: 404 by name, its bytes never read (audit hook on open)."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"TOP-SECRET-BYTES" + bytes(range(256)))
+    opened: list[str] = []
+    watching = [True]
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if watching[0] and event == "open" and args else None)
+    try:
+        answers = [client.post("/api/load", json={"model": str(secret)}),
+                   client.post("/api/verify", json={"model": str(secret), "prefix": "Hi", "draft": " a"}),
+                   client.post("/api/verify", json={"prefix": "Hi", "drafter": "draft", "draft_model": str(secret)}),
+                   client.post("/api/step", json={"prefix": "Hi", "drafter": "eagle", "draft_model": str(tmp_path)})]
+    finally:
+        watching[0] = False
+    assert [r.status_code for r in answers] == [404] * 4
+    assert not [p for p in opened if str(tmp_path) in p]
+    first = int.from_bytes(b"TOP-", "little")  # what a loader reading the header would have echoed
+    for r in answers:
+        assert "TOP-SECRET" not in r.text and str(first) not in r.text
+        assert "stories" in r.json()["error"]  # the error lists the names that are served
+
+
+@pytest.mark.parametrize("method, path, status", [("get", "/nope", 404), ("post", "/api/nope", 404), ("get", "/api/verify", 405),
+                                                  ("delete", "/api/models", 405), ("post", "/api/health", 405)])
+def test_unknown_routes_and_methods_answer_error_json(client, method, path, status):
+    r = client.request(method.upper(), path)
+    assert r.status_code == status and set(r.json()) == {"error"} and path in r.json()["error"]
+
+
+def test_a_failing_request_leaves_the_server_working(served, monkeypatch):
+    """An internal failure mid-forward is a 500 {"error"}; the lock is released and the next answer is unchanged."""
+    client = TestClient(create_app(served), raise_server_exceptions=False)
+    body = {"prefix": PREFIX, "draft": " play in the park", "top_k": 3}
+    before = client.post("/api/verify", json=body).json()
+    module = served.models["stories"].module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(module, "forward_tokens", broken)
+    r = client.post("/api/verify", json=body)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]
+    monkeypatch.undo()
+    assert client.post("/api/verify", json=body).json() == before
+
+
+def test_serve_refuses_a_missing_or_bad_model_before_binding(capsys, tmp_path, assets):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"\x00" * 10)
+    story = str(assets / "models" / "stories260K.bin")
+    cases = [
+        (["--model", "/nonexistent"], "--model nonexistent: model not found: /nonexistent"),
+        (["--model", f"x={bad}"], "--model x: "),
+        (["--model", story, "--draft-model", "/nonexistent/head"], "--draft-model head: model not found"),
+        (["--model", story, "--model", story], "the name 'stories260K' is given twice"),
+        (["--model", story, "--model", "demo", "--tokenizer", "tok512.bin"], "say which: --tokenizer NAME=PATH"),
+        (["--model", story, "--tokenizer", "other=tok512.bin"], "no --model named 'other'"),
+        (["--model", f"a={story}", "--draft-model", f"a={story}"], "the name 'a' is also a --model"),
+        (["--model", story, "--port", "70000"], "--port must be in 0..65535"),
+    ]
+    import socket
+
+    with socket.socket() as taken:  # a port already in use: a one-line error, not uvicorn's exit 1
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases.append((["--model", story, "--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1:"))
+        for args, words in cases:
+            assert main(["serve", *args]) == 2, args
+            err = capsys.readouterr().err
+            assert err.startswith("mtpspec: error: ") and words in err and err.count("\n") == 1, err
 
 
 class CharTokenizer:
@@ -136,7 +311,7 @@ def test_mtp_head_is_offered_and_proposes_when_the_model_has_one():
 
     from mtpspec.api import Model
     from mtpspec.models.qwen35 import HybridConfig, HybridLM
-    from mtpspec.server.verify_page import available_drafters, verify_draft
+    from mtpspec.server.verify_page import verify_draft
 
     cfg = HybridConfig(
         vocab_size=16, hidden_size=32, num_layers=2, layer_types=("linear_attention", "full_attention"), num_heads=4,
@@ -145,17 +320,34 @@ def test_mtp_head_is_offered_and_proposes_when_the_model_has_one():
     )
     torch.manual_seed(0)
     model = Model(module=HybridLM(cfg).eval(), tokenizer=CharTokenizer())
-    assert {d["name"]: d["available"] for d in available_drafters(model)}["mtp"]
+    menu = {d["name"]: d for d in Served({"tiny": model}).menus["tiny"]}
+    assert menu["mtp"]["available"] and menu["mtp"]["own"] and not menu["medusa"]["available"]
     r = verify_draft(model, "abcabcabc", drafter="mtp", k=3, top_k=4)
     assert r["draft"]["source"] == "mtp" and r["num_drafted"] == 3 and len(r["positions"]) == 4
     assert [t["id"] for t in r["emitted"]][: r["num_accepted"]] == r["draft"]["ids"][: r["num_accepted"]]
+
+
+def test_demo_verify_windows_up_to_max_draft():
+    """The demo (a hybrid with an MTP module): D = 17 and MAX_DRAFT in one verify forward give plain greedy's tokens."""
+    served = load_served(["demo"])
+    client = TestClient(create_app(served))
+    prefix = "def parse_args(argv):"
+    plain = served.models["demo"].generate(prefix, max_new_tokens=MAX_DRAFT + 1).tokens
+    for k in (17, MAX_DRAFT):
+        r = client.post("/api/verify", json={"prefix": prefix, "drafter": "mtp", "k": k})
+        assert r.status_code == 200, r.text
+        r = r.json()
+        assert r["num_drafted"] == k and [t["id"] for t in r["emitted"]] == plain[: r["num_accepted"] + 1]
+        r = client.post("/api/verify", json={"prefix": prefix, "draft_ids": plain[:k]}).json()
+        assert r["num_accepted"] == k and r["bonus"]["id"] == plain[k]
+    r = client.post("/api/step", json={"prefix": prefix, "drafter": "mtp", "k": 17, "max_new_tokens": 40})
+    assert r.status_code == 200 and r.json()["identical_to_plain"]
 
 
 def test_mtpspec_serve_command_runs_a_real_server(assets):
     """`mtpspec serve` as a user runs it: a subprocess on 127.0.0.1, bad requests, then a good one; always stopped."""
     import socket
     import subprocess
-    import sys
     import time
 
     import httpx
@@ -163,8 +355,10 @@ def test_mtpspec_serve_command_runs_a_real_server(assets):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = str(assets / "models" / "stories260K.bin")
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from mtpspec.cli import main; sys.exit(main())", "serve", "--model", model, "--port", str(port)],
+    m = assets / "models"
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from mtpspec.cli import main; sys.exit(main())", "serve",
+                             "--model", f"stories={m / 'stories260K.bin'}", "--tokenizer", f"stories={m / 'tok512.bin'}",
+                             "--draft-model", str(m / "stories260K_q80.bin"), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -178,11 +372,15 @@ def test_mtpspec_serve_command_runs_a_real_server(assets):
             assert proc.poll() is None, proc.stdout.read().decode()
             assert time.monotonic() < deadline, "mtpspec serve did not answer within 60 s"
             time.sleep(0.2)
-        assert httpx.post(url + "/api/verify", json={"model": "/no/such.bin", "prefix": "a", "draft": " b"}, timeout=30).status_code == 404
-        assert httpx.post(url + "/api/verify", json={"model": model, "prefix": "", "draft": " b"}, timeout=30).status_code == 400
-        r = httpx.post(url + "/api/verify", json={"model": model, "prefix": "Once upon a time", "draft": ", there was"}, timeout=30)
+        assert [x["name"] for x in httpx.get(url + "/api/models", timeout=10).json()["models"]] == ["stories"]
+        r = httpx.post(url + "/api/verify", json={"model": str(m / "stories260K.bin"), "prefix": "a", "draft": " b"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"].startswith("model: ")
+        assert httpx.post(url + "/api/verify", json={"prefix": "", "draft": " b"}, timeout=30).status_code == 400
+        assert httpx.get(url + "/nope", timeout=10).json()["error"].startswith("no such route")
+        r = httpx.post(url + "/api/verify", json={"model": "stories", "prefix": "Once upon a time", "draft": ", there was"}, timeout=30)
         assert r.status_code == 200 and r.json()["num_accepted"] == 3
-        assert model in httpx.get(url + "/", timeout=10).text
+        r = httpx.post(url + "/api/verify", json={"prefix": PREFIX, "drafter": "draft", "draft_model": "stories260K_q80"}, timeout=30)
+        assert r.status_code == 200 and r.json()["draft"]["source"] == "draft"
     finally:
         proc.terminate()
         try:
@@ -192,15 +390,16 @@ def test_mtpspec_serve_command_runs_a_real_server(assets):
             proc.wait(timeout=10)
 
 
-def test_hf_directory_with_mtp_head_on_the_page(client, tmp_path):
-    """A Hugging Face directory (tiny Qwen3.5 with mtp.* weights, no-BOS tokenizer): loaded by path, mtp offered and used."""
+def test_hf_directory_with_mtp_head_on_the_page(tmp_path):
+    """A Hugging Face directory (tiny Qwen3.5 with mtp.* weights, no-BOS tokenizer), served by name: mtp offered and used."""
     from qwen35_tiny import save_hf
 
-    save_hf("qwen35", tmp_path, mtp=True)
-    info = client.post("/api/load", json={"model": str(tmp_path)}).json()
+    save_hf("qwen35", tmp_path / "tiny", mtp=True)
+    client = TestClient(create_app(load_served([str(tmp_path / "tiny")])))
+    info = client.post("/api/load", json={"model": "tiny"}).json()
     assert {d["name"]: d["available"] for d in info["drafters"]}["mtp"]
-    r = client.post("/api/verify", json={"model": str(tmp_path), "prefix": "w3 w4 w5", "drafter": "mtp", "k": 3}).json()
+    r = client.post("/api/verify", json={"model": "tiny", "prefix": "w3 w4 w5", "drafter": "mtp", "k": 3}).json()
     assert r["draft"]["source"] == "mtp" and r["num_drafted"] == 3 and len(r["positions"]) == 4
     assert [t["id"] for t in r["prefix"]["tokens"]] == r["prefix"]["ids"] == [3, 4, 5]  # no BOS to hide
-    r = client.post("/api/verify", json={"model": str(tmp_path), "prefix": "w3 w4 w5", "draft": " w6 w7"}).json()
+    r = client.post("/api/verify", json={"prefix": "w3 w4 w5", "draft": " w6 w7"}).json()
     assert r["draft"]["ids"] == [6, 7] and r["draft"]["text"] == " w6 w7"

@@ -1,83 +1,91 @@
-"""The HTTP server: the live verify page and its JSON API (FastAPI).
+"""The HTTP server: the live verify page and its JSON API (FastAPI), over the models it was started with.
 
     GET  /                 the verify page (one self-contained HTML file, no network)
     GET  /api/health       {"ok": true}
-    GET  /api/models       {"loaded": [...], "suggested": ["demo", paths...]}
-    POST /api/load         {"model", "tokenizer"?, "dtype"?} -> vocab, context, drafters offered
+    GET  /api/models       the served models and draft models, by name
+    POST /api/load         {"model"?: NAME} -> vocab, context, the drafters offered (nothing is loaded: all was at start-up)
     POST /api/verify       one greedy verification round of a typed or proposed draft
     POST /api/step         a real speculative run, every round laid out (for the step-through)
 
-Bad input answers 4xx with {"error": "..."}; the server keeps running. See docs/visualize.md.
+Requests name models by NAME only; no request makes the server open a path. Every bad input answers
+4xx with {"error": "FIELD: ..."}; the server keeps running. See docs/visualize.md.
 """
 
 from __future__ import annotations
 
-import html
+import threading
 from importlib import resources
+from typing import Annotated
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ConfigError, ModelLoadError, MtpspecError
-from .verify_page import MAX_DRAFT, MAX_TOP_K, ModelStore, available_drafters, step_through, suggested_models, verify_draft
+from ..errors import MtpspecError
+from .registry import Served
+from .verify_page import MAX_DRAFT, MAX_NEW_TOKENS, MAX_TOP_K, FieldError, step_through, verify_draft
+
+MAX_BODY = 1 << 20  # bytes in a request body
+MAX_PREFIX_CHARS = 50_000  # then tokenised and checked against the model's context
+MAX_DRAFT_CHARS = 2_000  # a draft is at most MAX_DRAFT tokens
 
 
-class ModelRef(BaseModel):
-    model: str | None = Field(None, description="llama2.c .bin, model directory, project checkpoint, or 'demo'; default: the server's model")
-    tokenizer: str | None = Field(None, description="tokenizer file when the model does not carry one")
-    dtype: str = "fp32"
+def _unicode(text: str) -> str:
+    """Reject text that is not valid Unicode (a lone surrogate, from a JSON escape like "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode text (a lone surrogate)") from None
+    return text
+
+
+def _text(max_chars: int):
+    return Annotated[str, StringConstraints(max_length=max_chars), AfterValidator(_unicode)]
+
+
+Name = _text(200)
+
+
+class Body(BaseModel):
+    """Strict JSON bodies: wrong types and unknown fields are 422 errors naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelRef(Body):
+    model: Name | None = Field(None, description="a served model's name (GET /api/models); default: the server's first")
 
 
 class VerifyRequest(ModelRef):
-    prefix: str = Field(..., description="text the model continues (BOS is added)")
-    draft: str | None = Field(None, description="typed continuation, tokenised after the prefix")
-    draft_ids: list[int] | None = Field(None, description="draft as token ids (takes precedence over draft)")
-    drafter: str | None = Field(None, description="let a drafter propose when no draft is given: ngram | draft | mtp")
-    k: int = Field(4, description="draft length D for a proposing drafter")
-    draft_model: str | None = Field(None, description="draft model path (drafter 'draft')")
-    top_k: int = Field(10, description=f"entries of each position's distribution returned (1..{MAX_TOP_K})")
+    prefix: _text(MAX_PREFIX_CHARS) = Field(..., description="text the model continues (BOS is added)")
+    draft: _text(MAX_DRAFT_CHARS) | None = Field(None, description="typed continuation, tokenised after the prefix")
+    draft_ids: Annotated[list[int], Field(max_length=MAX_DRAFT)] | None = Field(None, description="draft as token ids (takes precedence over draft)")
+    drafter: Name | None = Field(None, description="let a drafter propose when no draft is given: ngram | draft | mtp | eagle | medusa")
+    k: int = Field(4, ge=1, le=MAX_DRAFT, description="draft length D for a proposing drafter")
+    draft_model: Name | None = Field(None, description="a served draft model's (or head's) name")
+    top_k: int = Field(10, ge=1, le=MAX_TOP_K, description=f"entries of each position's distribution returned (1..{MAX_TOP_K})")
 
 
 class StepRequest(ModelRef):
-    prefix: str
-    drafter: str = "ngram"
-    k: int = 4
-    draft_model: str | None = None
-    max_new_tokens: int = 32
+    prefix: _text(MAX_PREFIX_CHARS)
+    drafter: Name = "ngram"
+    k: int = Field(4, ge=1, le=MAX_DRAFT)
+    draft_model: Name | None = None
+    max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
 
 
-def create_app(default_model: str = "demo", default_tokenizer: str | None = None) -> FastAPI:
-    """The app; models load lazily on first use and stay cached (at most a few at a time)."""
+def create_app(served: Served) -> FastAPI:
+    """The app over `served` (registry.load_served); model work runs one request at a time under one lock."""
     app = FastAPI(title="mtpspec verify page", description="Greedy verification of drafts, one target forward each.")
-    store = ModelStore()
-
-    def _model_of(req) -> tuple[str, str | None]:
-        """The request's model and tokenizer; a request that names none uses the server's own."""
-        if req.model is None:
-            return default_model, req.tokenizer or default_tokenizer
-        return req.model, req.tokenizer
-
-    @app.exception_handler(MtpspecError)
-    async def _bad_input(request: Request, exc: MtpspecError) -> JSONResponse:
-        status = 404 if isinstance(exc, ModelLoadError) and "not found" in str(exc) else 400
-        return JSONResponse({"error": str(exc)}, status_code=status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in exc.errors()]
-        return JSONResponse({"error": "; ".join(msgs) or "invalid request"}, status_code=422)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+    app.add_middleware(BodyLimit, limit=MAX_BODY)
+    lock = threading.Lock()  # released by `with` whatever a request raises; the served models are never replaced
+    _error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> HTMLResponse:
-        text = resources.files("mtpspec.server").joinpath("static/verify.html").read_text(encoding="utf-8")
-        text = text.replace("__DEFAULT_MODEL__", html.escape(default_model)).replace("__DEFAULT_TOKENIZER__", html.escape(default_tokenizer or ""))
-        return HTMLResponse(text)
+        return HTMLResponse(resources.files("mtpspec.server").joinpath("static/verify.html").read_text(encoding="utf-8"))
 
     @app.get("/api/health")
     def health() -> dict:
@@ -85,36 +93,109 @@ def create_app(default_model: str = "demo", default_tokenizer: str | None = None
 
     @app.get("/api/models")
     def models() -> dict:
-        return {"loaded": [{"model": m, "tokenizer": t or None, "dtype": d} for (m, t, d) in store.models],
-                "suggested": suggested_models(), "default": default_model}
+        return {
+            "models": [{"name": n, "vocab_size": m.module.vocab_size, "max_seq_len": m.module.max_seq_len} for n, m in served.models.items()],
+            "draft_models": [{"name": e.name, "kind": e.kind} for e in served.drafts.values()],
+            "default": served.default, "max_draft": MAX_DRAFT, "max_top_k": MAX_TOP_K, "max_new_tokens": MAX_NEW_TOKENS,
+        }
 
     @app.post("/api/load")
-    def load_model(req: ModelRef) -> dict:
-        with store.lock:
-            model = store.get(*_model_of(req), req.dtype)
-            return {"model": _model_of(req)[0], "vocab_size": model.module.vocab_size, "max_seq_len": model.module.max_seq_len,
-                    "drafters": available_drafters(model), "max_draft": MAX_DRAFT}
+    def model_info(req: ModelRef) -> dict:
+        name, model = served.model(req.model)
+        return {"model": name, "vocab_size": model.module.vocab_size, "max_seq_len": model.module.max_seq_len,
+                "drafters": served.menus[name], "max_draft": MAX_DRAFT}
 
     @app.post("/api/verify")
     def verify(req: VerifyRequest) -> dict:
-        with store.lock:
-            model = store.get(*_model_of(req), req.dtype)
-            dm = _draft_model(store, req)
-            return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter,
+        name, model = served.model(req.model)
+        proposing = req.draft_ids is None and not req.draft and req.drafter
+        if req.draft_model is not None and not proposing:
+            raise FieldError("draft_model", "is used only when a drafter proposes the draft (no draft, no draft_ids)")
+        with lock:
+            dm = served.draft_for(name, req.drafter, req.draft_model) if proposing else None
+            return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter or None,
                                 k=req.k, draft_model=dm, top_k=req.top_k)
 
     @app.post("/api/step")
     def step(req: StepRequest) -> dict:
-        with store.lock:
-            model = store.get(*_model_of(req), req.dtype)
-            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=_draft_model(store, req))
+        name, model = served.model(req.model)
+        with lock:
+            dm = served.draft_for(name, req.drafter, req.draft_model)
+            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm)
 
     return app
 
 
-def _draft_model(store: ModelStore, req):
-    if req.drafter != "draft":
-        return None
-    if not req.draft_model:
-        raise ConfigError("the 'draft' drafter needs a draft model path (e.g. stories260K_q80.bin)")
-    return store.get(req.draft_model, req.tokenizer, req.dtype)
+def _one_line(text: str, limit: int = 500) -> str:
+    """An error message safe to put in JSON (no lone surrogates) and short."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": _one_line(message)}, status_code=status, headers=headers)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MtpspecError)
+    async def _bad_input(request: Request, exc: MtpspecError) -> JSONResponse:
+        return _error(str(exc), exc.status if isinstance(exc, FieldError) else 400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error("; ".join(_validation_message(e) for e in exc.errors()) or "invalid request", 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        what = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return _error(f"{what}: {request.method} {request.url.path}", exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:  # a bug, never bad input
+        return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+def _validation_message(e: dict) -> str:
+    """'field: what is wrong' from one pydantic error (loc = ('body', field, ...))."""
+    if e.get("type") == "json_invalid":
+        return f"body: invalid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
+    where = ".".join(str(x) for x in e.get("loc", ())[1:]) or "body"
+    return f"{where}: {e.get('msg')}"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes answers 413 {"error"} before the app reads it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:  # read the whole (small) body, counting, then replay it to the app
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        await _error(f"body: larger than {self.limit} bytes", 413)(scope, receive, send)

@@ -10,65 +10,26 @@ never kept once its prefix is wrong.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from ..api import Model, load
-from ..drafters import REGISTRY, make_drafter
-from ..errors import ConfigError, MtpspecError
-from ..loading import assets_dir
+from ..api import Model
+from ..drafters import make_drafter
+from ..errors import ConfigError
 from ..sampling import Sampler, SamplingParams
 from ..types import GenerationResult
 from ..verify import verify_greedy
 
-MAX_DRAFT = 64  # longest draft the page verifies in one forward
+MAX_DRAFT = 64  # longest draft the page verifies in one forward (D + 1 positions)
 MAX_TOP_K = 50
+MAX_NEW_TOKENS = 512  # longest step-through run
 
 
-class ModelStore:
-    """Models loaded by the page, by (path, tokenizer, dtype); one lock serialises all model work."""
+class FieldError(ConfigError):
+    """Bad input in one request field: answered 4xx with {"error": "FIELD: ..."} (400, or 404 for an unknown name)."""
 
-    def __init__(self, max_models: int = 4) -> None:
-        self.models: dict[tuple[str, str, str], Model] = {}
-        self.max_models = max_models
-        self.lock = threading.Lock()
-
-    def get(self, path: str, tokenizer: str | None = None, dtype: str = "fp32") -> Model:
-        path = (path or "").strip()
-        if not path:
-            raise ConfigError("no model given: type a model path (a llama2.c .bin, a model directory) or 'demo'")
-        key = (path, tokenizer or "", dtype)
-        if key not in self.models:
-            model = load(path, tokenizer or None, dtype)
-            if len(self.models) >= self.max_models:
-                self.models.pop(next(iter(self.models)))
-            self.models[key] = model
-        return self.models[key]
-
-
-def suggested_models() -> list[str]:
-    """'demo' and the llama2.c checkpoints in the assets folder (for the page's model box)."""
-    d = assets_dir() / "models"
-    found = sorted(str(p) for p in d.glob("*.bin") if not p.name.startswith("tok")) if d.is_dir() else []
-    return ["demo"] + found
-
-
-def available_drafters(model: Model) -> list[dict]:
-    """Which drafters can propose for this model (mtp only when the model carries an MTP head)."""
-    out = []
-    for name in ["ngram", "draft"] + sorted(n for n in REGISTRY if n not in ("none", "ngram", "draft")):
-        if name == "draft":
-            out.append({"name": name, "available": True, "needs": "draft_model"})
-            continue
-        try:
-            make_drafter(name, model.module)
-            out.append({"name": name, "available": True})
-        except MtpspecError as e:
-            out.append({"name": name, "available": False, "reason": str(e)})
-        except Exception as e:  # a drafter that cannot be built for this model is simply not offered
-            out.append({"name": name, "available": False, "reason": f"{type(e).__name__}: {e}"})
-    return out
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.status = field, status
 
 
 def token_texts(model: Model, ids: list[int], prev: int | None) -> list[dict]:
@@ -137,45 +98,40 @@ def verify_draft(
     draft_ids: list[int] | None = None,
     drafter: str | None = None,
     k: int = 4,
-    draft_model: Model | None = None,
+    draft_model: object | None = None,
     top_k: int = 10,
 ) -> dict:
-    """One greedy verification round of a draft after `prefix`; see the module docstring."""
-    if not prefix or not prefix.strip():
-        raise ConfigError("the prefix is empty: type some text for the model to continue")
+    """One greedy verification round of a draft after `prefix`; see the module docstring.
+
+    draft_model: what drafter `drafter` drafts with (a draft model's module, or a trained head)."""
     if not 1 <= top_k <= MAX_TOP_K:
-        raise ConfigError(f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
+        raise FieldError("top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
     module, tok = model.module, model.tokenizer
-    ids = tok.encode(prefix)
-    if len(ids) >= module.max_seq_len:
-        raise ConfigError(f"the prefix is {len(ids)} tokens, the model's context is {module.max_seq_len}")
-    context = torch.tensor(ids, dtype=torch.long)  # (L,)
-    cache = module.new_cache()
-    out0 = module.forward_tokens(context[:-1], cache) if len(ids) > 1 else None  # prefill: all but the last
-    source = "typed"
+    ids = prefix_ids(model, prefix)
     if draft_ids is not None:
         dids = [int(t) for t in draft_ids]
         bad = [t for t in dids if not 0 <= t < module.vocab_size]
         if bad:
-            raise ConfigError(f"draft token ids out of range 0..{module.vocab_size - 1}: {bad[:5]}")
+            raise FieldError("draft_ids", f"token ids out of range 0..{module.vocab_size - 1}: {bad[:5]}")
         source = "ids"
     elif draft is not None and draft != "":
-        dids = tokenize_draft(model, ids, prefix, draft)
+        dids, source = tokenize_draft(model, ids, prefix, draft), "typed"
     elif drafter:
         if not 1 <= k <= MAX_DRAFT:
-            raise ConfigError(f"D (draft length) must be in 1..{MAX_DRAFT}, got {k}")
-        d = make_drafter(drafter, module, draft_model=draft_model.module if draft_model is not None else None)
+            raise FieldError("k", f"D (draft length) must be in 1..{MAX_DRAFT}, got {k}")
+        dids, source = None, drafter
+    else:
+        raise FieldError("draft", "no draft: type a continuation, or choose a drafter to propose one")
+    context = torch.tensor(ids, dtype=torch.long)  # (L,)
+    if dids is not None:
+        _check_draft_fits(module, ids, dids, "draft_ids" if source == "ids" else "draft")
+    cache = module.new_cache()
+    out0 = module.forward_tokens(context[:-1], cache) if len(ids) > 1 else None  # prefill: all but the last
+    if dids is None:
+        d = make_drafter(drafter, module, draft_model=draft_model)
         d.prefill(context, out0, Sampler(SamplingParams()))
         dids = d.propose(context, min(k, module.max_seq_len - len(ids))).tokens.tolist()
-        source = drafter
-    else:
-        raise ConfigError("no draft: type a continuation, or choose a drafter to propose one")
-    if len(ids) + len(dids) > module.max_seq_len:
-        raise ConfigError(
-            f"prefix ({len(ids)} tokens) + draft ({len(dids)} tokens) is longer than the model's context of {module.max_seq_len}"
-        )
-    if len(dids) > MAX_DRAFT:
-        raise ConfigError(f"the draft is {len(dids)} tokens; the page verifies at most {MAX_DRAFT} at once")
+        _check_draft_fits(module, ids, dids, "k")
     dt = torch.tensor(dids, dtype=torch.long)  # (D,)
     out = module.forward_tokens(torch.cat([context[-1:], dt]), cache)  # ONE verify pass over D+1 positions
     verdict = verify_greedy(dt, out.logits)
@@ -216,6 +172,25 @@ def verify_draft(
     }
 
 
+def prefix_ids(model: Model, prefix: str) -> list[int]:
+    """The prefix's token ids; an empty prefix, or one that fills the context, is a `prefix` error."""
+    if not prefix or not prefix.strip():
+        raise FieldError("prefix", "empty: type some text for the model to continue")
+    ids = model.tokenizer.encode(prefix)
+    if not ids:
+        raise FieldError("prefix", "tokenises to no tokens")
+    if len(ids) >= model.module.max_seq_len:
+        raise FieldError("prefix", f"{len(ids)} tokens leave no room in the model's context of {model.module.max_seq_len}")
+    return ids
+
+
+def _check_draft_fits(module, ids: list[int], dids: list[int], field: str) -> None:
+    if len(ids) + len(dids) > module.max_seq_len:
+        raise FieldError(field, f"prefix ({len(ids)} tokens) + draft ({len(dids)} tokens) is longer than the model's context of {module.max_seq_len}")
+    if len(dids) > MAX_DRAFT:
+        raise FieldError(field, f"the draft is {len(dids)} tokens; the page verifies at most {MAX_DRAFT} at once")
+
+
 def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
     """The prefix's tokens for display (BOS, when the tokenizer adds one, left out)."""
     if ids and ids[0] == getattr(model.tokenizer, "bos_id", None):
@@ -223,16 +198,15 @@ def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
     return token_texts(model, ids, None)
 
 
-def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: Model | None = None) -> dict:
+def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: object | None = None) -> dict:
     """A real speculative run (and the plain run it must equal), every step laid out for the page."""
-    if not prefix or not prefix.strip():
-        raise ConfigError("the prefix is empty: type some text for the model to continue")
-    if not 1 <= max_new_tokens <= 512:
-        raise ConfigError(f"max_new_tokens must be in 1..512, got {max_new_tokens}")
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise FieldError("max_new_tokens", f"must be in 1..{MAX_NEW_TOKENS}, got {max_new_tokens}")
     if not 1 <= k <= MAX_DRAFT:
-        raise ConfigError(f"D (draft length) must be in 1..{MAX_DRAFT}, got {k}")
+        raise FieldError("k", f"D (draft length) must be in 1..{MAX_DRAFT}, got {k}")
     if drafter in ("none", ""):
-        raise ConfigError("choose a drafter (ngram, draft, ...) to step through speculative rounds")
+        raise FieldError("drafter", "choose a drafter (ngram, draft, ...) to step through speculative rounds")
+    prefix_ids(model, prefix)
     plain = model.generate(prefix, max_new_tokens=max_new_tokens, trace=True)
     spec = model.generate(prefix, drafter=drafter, k=k, draft_model=draft_model, max_new_tokens=max_new_tokens, trace=True)
     plain_step = _mean_step_seconds(plain)
@@ -267,4 +241,4 @@ def _mean_step_seconds(res: GenerationResult) -> float:
     return sum(s.draft_seconds + s.verify_seconds for s in steps) / len(steps) if steps else 0.0
 
 
-__all__ = ["ModelStore", "verify_draft", "step_through", "available_drafters", "suggested_models", "tokenize_draft"]
+__all__ = ["FieldError", "verify_draft", "step_through", "tokenize_draft", "MAX_DRAFT", "MAX_TOP_K", "MAX_NEW_TOKENS"]
