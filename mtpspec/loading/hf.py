@@ -26,6 +26,7 @@ from ..models.dense import DenseConfig, DenseLM
 from ..models.qwen35 import LAYER_TYPES, HybridConfig, HybridLM
 
 MAX_CONTEXT = 8192  # KV caches are preallocated: cap the context of big-context checkpoints
+MAX_LAYERS = 10_000  # more is a corrupt config.json (the biggest models have ~200)
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 IGNORED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
@@ -119,7 +120,8 @@ def _show(value) -> str:
 
 
 def _text_config(cfg: dict) -> dict:
-    if cfg.get("model_type") == "qwen3_5" or "text_config" in cfg:
+    """The text model's fields: Qwen3.5's multimodal wrapper keeps them in text_config (other wrappers: unsupported)."""
+    if cfg.get("model_type") == "qwen3_5" or ("text_config" in cfg and not cfg.get("model_type")):
         text = cfg.get("text_config") or {}
         text = dict(text) if isinstance(text, dict) else {}
         text.setdefault("model_type", "qwen3_5_text")
@@ -147,12 +149,12 @@ class _Fields:
             return self.cfg[key]
         return self.defaults.get(key, None if default is _ABSENT else default)
 
-    def int(self, key: str, default=_ABSENT, minimum: int = 1) -> int:
+    def int(self, key: str, default=_ABSENT, minimum: int = 1, maximum: int = 2**40) -> int:
         value = self.get(key, default)
         if value is None and default is _ABSENT and key not in self.defaults:
             raise self.error(f"lacks '{key}' (a {self.mtype} config needs it)")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(f"'{key}' must be an integer >= {minimum}, not {_show(value)}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.error(f"'{key}' must be an integer from {minimum} to {maximum}, not {_show(value)}")
         return value
 
     def float(self, key: str, default: float, src: dict | None = None, name: str | None = None) -> float:
@@ -271,7 +273,7 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
     if act not in ("silu", "swish"):
         raise f.error(f"hidden_act '{act}' is not supported (only silu)")
     theta, factor, scaling = _rope(f, dense)
-    n_layers, n_heads = f.int("num_hidden_layers"), f.int("num_attention_heads")
+    n_layers, n_heads = f.int("num_hidden_layers", maximum=MAX_LAYERS), f.int("num_attention_heads")
     n_kv = f.int("num_key_value_heads", n_heads) if f.get("num_key_value_heads") is not None else n_heads
     if n_heads % n_kv:
         raise f.error(f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
