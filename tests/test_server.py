@@ -403,3 +403,47 @@ def test_hf_directory_with_mtp_head_on_the_page(tmp_path):
     assert [t["id"] for t in r["prefix"]["tokens"]] == r["prefix"]["ids"] == [3, 4, 5]  # no BOS to hide
     r = client.post("/api/verify", json={"prefix": "w3 w4 w5", "draft": " w6 w7"}).json()
     assert r["draft"]["ids"] == [6, 7] and r["draft"]["text"] == " w6 w7"
+
+
+def test_fuzzed_bodies_never_a_500(client):
+    """Random bodies (right and wrong types, huge and negative numbers, NaN, lone surrogates, unknown fields):
+    every answer is 200 or a 4xx {"error": "FIELD: ..."}; bounded and derandomized, so it runs the same everywhere."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                     st.text(max_size=20), st.lists(st.integers(-5, 600), max_size=5), st.just("\ud800"), st.just({}))
+
+    plausible = {  # values a page or a script would send, right or wrong
+        "prefix": st.one_of(st.sampled_from(["Once upon a time", "The cat sat. The cat", "", " ", "\x00", "é中🙂", "<s></s>"]),
+                            st.text(min_size=1, max_size=40)),
+        "model": st.sampled_from(["stories", "stories", "/etc/passwd", ""]),
+        "draft": st.one_of(st.sampled_from([" there was", " ", "x\ud83d"]), st.text(max_size=20)),
+        "draft_ids": st.lists(st.integers(-3, 520), max_size=8),
+        "drafter": st.sampled_from(["ngram", "draft", "mtp", "eagle", "medusa", "none", "heads"]),
+        "draft_model": st.sampled_from(["stories260K_q80", "stories260K-mtp", "stories260K-eagle", "stories260K-medusa", "stories"]),
+        "k": st.integers(-1, 8), "top_k": st.integers(-1, 12), "max_new_tokens": st.integers(-1, 8),
+    }
+    fields = dict(plausible, temperature=junk, seed=junk)
+    own = {"/api/verify": ["model", "draft", "draft_ids", "drafter", "draft_model", "k", "top_k"],
+           "/api/step": ["model", "drafter", "draft_model", "k", "max_new_tokens"], "/api/load": ["model"]}
+
+    def bodies(path):
+        first = {} if path == "/api/load" else {"prefix": plausible["prefix"]}
+        good = st.fixed_dictionaries(first, optional={k: plausible[k] for k in own[path]})  # the endpoint's own fields
+        bad = st.fixed_dictionaries({}, optional={k: st.one_of(v, junk) for k, v in fields.items()})
+        return st.tuples(st.just(path), st.integers(0, 4).flatmap(lambda i: bad if i == 0 else good))  # 1 in 5 junk
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=st.sampled_from(sorted(own)).flatmap(bodies))
+    def check(case):
+        path, body = case
+        r = client.post(path, content=json.dumps(body, allow_nan=True).encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code in (200, 400, 404, 413, 422), (body, r.text)
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert error.split(":")[0] in set(fields) | {"body"} or error.split(".")[0] in fields, (body, error)
+
+    check()
