@@ -29,7 +29,14 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in at least fp32: fp32 for fp32 / bf16 models, fp64 for fp64 ones."""
+        logits = self.lm_head(hidden)
+        return logits.to(wide(logits.dtype))
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in: at least fp32 (bf16 / fp16 -> fp32), the input's own when wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def weights_version(tensors) -> tuple:
@@ -49,35 +56,55 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # same arithmetic, no no-op casts
+        if x.dtype == self.weight.dtype == wide(x.dtype):  # fp32 or fp64: same arithmetic, no no-op casts
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (each cast is a dispatched op)
             return y * (1.0 + self.weight) if self.zero_centred else self.weight * y
-        xf = x.float()
+        dt = wide(x.dtype)
+        xf = x.to(dt)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
+        w = self.weight.to(dt)
         if self.zero_centred:
             return (y * (1.0 + w)).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding in the half-split layout (rotate_half), on the first `rot_dim` dims."""
+    """Rotary position embedding in the half-split layout (rotate_half), on the first `rot_dim` dims.
+
+    The `cos` / `sin` buffers are computed in fp32 (as transformers computes them) and cast to the
+    input's dtype; an fp64 input uses tables computed in fp64 (`tables`), built once on first use.
+    """
 
     def __init__(self, rot_dim: int, max_len: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        self.rot_dim = rot_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-        inv_freq = scale_inv_freq(inv_freq, scaling)  # (rot/2,): rope scaling (linear / llama3)
-        freqs = torch.outer(torch.arange(max_len).float(), inv_freq)  # (max_len, rot/2)
+        self.rot_dim, self.max_len, self.theta = rot_dim, max_len, theta
+        self.scaling = scaling  # rope scaling (linear / llama3), see scale_inv_freq
+        cos, sin = self.compute(torch.float32)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def compute(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (max_len, rot) computed in `dtype` (fp32 or fp64)."""
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.int64).to(dtype) / self.rot_dim))
+        inv_freq = scale_inv_freq(inv_freq, self.scaling)  # (rot/2,)
+        freqs = torch.outer(torch.arange(self.max_len).to(dtype), inv_freq)  # (max_len, rot/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, rot)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
+
+    def tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (max_len, rot) for inputs of `dtype`: the buffers, or fp64 tables computed in fp64."""
+        if dtype != torch.float64:
+            return self.cos, self.sin
+        if self.__dict__.get("_fp64") is None:  # not a buffer: module.to() / to_empty() leave it alone
+            self.__dict__["_fp64"] = self.compute(torch.float64)
+        return self.__dict__["_fp64"]
 
     def forward(self, x: Tensor, start: int) -> Tensor:
         """x (B, nh, T, hd) at positions start..start+T-1 -> same shape, rotated."""
         t = x.shape[2]
-        cos = self.cos[start : start + t].to(x.dtype)  # (T, rot)
-        sin = self.sin[start : start + t].to(x.dtype)
+        cos, sin = self.tables(x.dtype)
+        cos = cos[start : start + t].to(x.dtype)  # (T, rot)
+        sin = sin[start : start + t].to(x.dtype)
         xr, xp = x[..., : self.rot_dim], x[..., self.rot_dim :]
         half = self.rot_dim // 2
         rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)

@@ -18,7 +18,7 @@ therefore runs a folded copy of the module's weights:
 Outputs equal the module's up to float rounding (a folded product rounds differently), which can
 change a draft but never the generated text: verification always runs the target itself. A folded copy is built once per module and
 rebuilt when any of its parameters changes (training). Other layouts (MoE layers, biases, bf16)
-run the module itself.
+run the module itself. An fp64 module folds in fp64.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
-from .common import RMSNorm, SwiGLU, weights_version
+from .common import RMSNorm, SwiGLU, weights_version, wide
 
 SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through SDPA
 
@@ -40,21 +40,22 @@ def _unit(x: Tensor, c: Tensor) -> Tensor:
     return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), c)
 
 
-def _c(norm: RMSNorm, dim: int) -> Tensor:
+def _c(norm: RMSNorm, dim: int, dtype: torch.dtype) -> Tensor:
     """sqrt(D eps): the eps term of `_unit` for this norm."""
-    return torch.tensor(math.sqrt(dim * norm.eps))
+    return torch.tensor(math.sqrt(dim * norm.eps), dtype=dtype)
 
 
 def _scale(norm: RMSNorm, dim: int) -> Tensor:
-    """(D,) what multiplies x / |x| in a zero-centred RMSNorm: sqrt(D) (1 + w)."""
-    return math.sqrt(dim) * (1.0 + norm.weight.detach().float())
+    """(D,) what multiplies x / |x| in a zero-centred RMSNorm: sqrt(D) (1 + w), in at least fp32."""
+    w = norm.weight.detach()
+    return math.sqrt(dim) * (1.0 + w.to(wide(w.dtype)))
 
 
 def _fold(weights: list[Tensor], scale: Tensor | None, dtype: torch.dtype) -> Tensor:
     """Stack nn.Linear weights (N_i, K), scale their input columns, store transposed: (K, sum N_i).
 
     x @ W^T with W^T stored contiguous is the faster single-row product on CPU."""
-    w = torch.cat([x.detach().float() for x in weights])
+    w = torch.cat([x.detach().to(wide(x.dtype)) for x in weights])
     if scale is not None:
         w = w * scale
     return w.t().contiguous().to(dtype)
@@ -68,8 +69,8 @@ class FusedAttentionBlock:
         dtype, h = att.q_proj.weight.dtype, att.q_proj.weight.shape[1]
         nh, nkv, hd = self.nh, self.nkv, self.hd = att.nh, att.nkv, att.hd
         self.kv_index = att.kv_index
-        self.c_in, self.c_post = _c(block.input_layernorm, h), _c(block.post_attention_layernorm, h)
-        self.c_qk = torch.cat([_c(att.q_norm, hd).expand(nh), _c(att.k_norm, hd).expand(nkv)])[:, None]  # (nh + nkv, 1)
+        self.c_in, self.c_post = _c(block.input_layernorm, h, dtype), _c(block.post_attention_layernorm, h, dtype)
+        self.c_qk = torch.cat([_c(att.q_norm, hd, dtype).expand(nh), _c(att.k_norm, hd, dtype).expand(nkv)])[:, None]  # (nh + nkv, 1)
         qg = att.q_proj.weight.detach().view(nh, 2, hd, h)  # per head [q | gate]
         rows = [qg[:, 0].reshape(nh * hd, h), att.k_proj.weight, qg[:, 1].reshape(nh * hd, h), att.v_proj.weight]
         self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # (H, (nh + nkv) hd + nh hd + nkv hd)
@@ -80,9 +81,10 @@ class FusedAttentionBlock:
         self.gate_up = _fold([mlp.gate_proj.weight, mlp.up_proj.weight], _scale(block.post_attention_layernorm, h), dtype)
         self.down = _fold([mlp.down_proj.weight], None, dtype)  # (I, H)
         rope = att.rotary[0]
-        n, rot = rope.cos.shape[0], rope.rot_dim
-        self.cos = torch.cat([rope.cos, rope.cos.new_ones(n, hd - rot)], -1).to(dtype)[:, None]  # (max_len, 1, hd)
-        self.sin = torch.cat([rope.sin, rope.sin.new_zeros(n, hd - rot)], -1).to(dtype)[:, None]
+        cos, sin = rope.tables(dtype)  # (max_len, rot)
+        n, rot = cos.shape[0], rope.rot_dim
+        self.cos = torch.cat([cos, cos.new_ones(n, hd - rot)], -1).to(dtype)[:, None]  # (max_len, 1, hd)
+        self.sin = torch.cat([sin, sin.new_zeros(n, hd - rot)], -1).to(dtype)[:, None]
         half, idx = rot // 2, torch.arange(rot // 2)
         self.p = torch.zeros(hd, hd, dtype=dtype)  # x @ p = [rotate_half(x[:rot]), 0]
         self.p[idx + half, idx] = -1.0
@@ -130,8 +132,8 @@ class FusedMTP:
             scale = torch.cat([_scale(module.pre_fc_norm_embedding, h), _scale(module.pre_fc_norm_hidden, h)])
             self.fc = _fold([fc], scale, fc.dtype)  # (2H, H)
             self.norm_w = _scale(module.norm, h).to(fc.dtype)
-            self.c_pre = torch.stack([_c(module.pre_fc_norm_embedding, h), _c(module.pre_fc_norm_hidden, h)])[:, None]  # (2, 1)
-            self.c_norm = _c(module.norm, h)
+            self.c_pre = torch.stack([_c(module.pre_fc_norm_embedding, h, fc.dtype), _c(module.pre_fc_norm_hidden, h, fc.dtype)])[:, None]  # (2, 1)
+            self.c_norm = _c(module.norm, h, fc.dtype)
         self.layers = [FusedAttentionBlock(b) for b in module.layers]
 
     def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
@@ -145,9 +147,9 @@ class FusedMTP:
 
 
 def _foldable(module: nn.Module) -> bool:
-    """fp32 full-attention layers with a dense, bias-free SwiGLU and bias-free projections (what folding
-    assumes; in bf16 the module's norms compute in fp32, which folded weights would not keep)."""
-    if module.fc.weight.dtype != torch.float32:
+    """fp32 (or fp64) full-attention layers with a dense, bias-free SwiGLU and bias-free projections (what
+    folding assumes; in bf16 the module's norms compute in fp32, which folded weights would not keep)."""
+    if module.fc.weight.dtype not in (torch.float32, torch.float64):
         return False
     for block in module.layers:
         att, mlp = getattr(block, "self_attn", None), block.mlp

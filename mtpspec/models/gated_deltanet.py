@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .common import wide
 from .hybrid_cache import Window
 
 SHORT_MAX_T = 16  # windows up to this long are one exact chunk whose every slot can be selected
@@ -58,7 +59,7 @@ def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A short window (decode / verify) as one exact chunk, without padding and without writing states.
 
-    q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32.
+    q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32 (fp64 for an fp64 model).
     Returns o (B, nv, T, dv), gc (B, nv, T) the cumulative log decay and u (B, nv, T, dv) the
     corrections written: the state after j positions is
     S_j = S_0 exp(gc_{j-1}) + sum_{i<j} exp(gc_{j-1} - gc_i) k_i u_i^T (see hybrid_cache.py).
@@ -79,15 +80,16 @@ def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 
 
 def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
-    """Depthwise causal conv: hist (B, C, K-1+T) inputs, weight (C, 1, K) -> (B, C, T), accumulated in fp32.
+    """Depthwise causal conv: hist (B, C, K-1+T) inputs, weight (C, 1, K) -> (B, C, T), accumulated in at least fp32.
 
     A sum of K shifted products: for the short windows of decode / verify this is far cheaper on CPU
     than a grouped F.conv1d call.
     """
     kern = weight.shape[-1]
     t_len = hist.shape[-1] - kern + 1
-    w = weight[:, 0].float()  # (C, K)
-    h = hist.float()
+    dt = wide(hist.dtype)
+    w = weight[:, 0].to(dt)  # (C, K)
+    h = hist.to(dt)
     out = h[..., :t_len] * w[:, 0, None]
     for j in range(1, kern):
         out += h[..., j : j + t_len] * w[:, j, None]
@@ -139,9 +141,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        xf = x.float()
+        dt = wide(x.dtype)
+        xf = x.to(dt)
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * y * F.silu(z.float())).to(x.dtype)
+        return (self.weight * y * F.silu(z.to(dt))).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -172,13 +175,14 @@ class GatedDeltaNet(nn.Module):
         conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk  # value heads per key head
-        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).float()  # (B, nv, T, dk)
-        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).float()
-        v = v.reshape(b, t, self.nv, self.dv).transpose(1, 2).float()  # (B, nv, T, dv)
+        dt = wide(x.dtype)  # the recurrence runs in at least fp32
+        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, T, dk)
+        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
+        v = v.reshape(b, t, self.nv, self.dv).transpose(1, 2).to(dt)  # (B, nv, T, dv)
         q = _l2norm(q) * self.dk**-0.5
         k = _l2norm(k)
-        beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # (B, nv, T)
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
+        beta = self.in_proj_b(x).to(dt).sigmoid().transpose(1, 2)  # (B, nv, T)
+        g = (-self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias.to(dt))).transpose(1, 2)
         s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
         if t <= SHORT_MAX_T and cache.exact:  # exact mode: position by position, every state kept
             o, states = recurrent_delta_rule(q, k, v, g, beta, s0)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..cache import KVCache
 from ..errors import ConfigError
+from .common import wide
 
 
 @dataclass
@@ -63,7 +64,7 @@ class HybridCache:
         self.fwd_start = 0  # start of the last forward
         self.fwd_end = 0  # end of the last forward
         self.hist: list[Tensor | None] = [None] * n_linear  # (B, C, K-1+T) conv inputs of the last forward
-        self.base: list[Tensor | None] = [None] * n_linear  # (B, nv, dk, dv) fp32: state before the last forward
+        self.base: list[Tensor | None] = [None] * n_linear  # (B, nv, dk, dv) >= fp32: state before the last forward
         self.window: list[Window | None] = [None] * n_linear  # slots of the last short forward
         self.final: list[Tensor | None] = [None] * n_linear  # final state of the last long (chunked) forward
 
@@ -77,10 +78,10 @@ class HybridCache:
         return hist[:, :, j : j + self.conv_kernel - 1]
 
     def state(self, i: int, batch: int = 1, in_place: bool = False) -> Tensor:
-        """The recurrent state at `self.length`: (B, nv, dk, dv) fp32 (slot j of the last forward)."""
+        """The recurrent state at `self.length`: (B, nv, dk, dv) in at least fp32 (slot j of the last forward)."""
         base = self.base[i]
         if base is None:
-            base = self.base[i] = torch.zeros(batch, *self.state_shape, dtype=torch.float32)
+            base = self.base[i] = torch.zeros(batch, *self.state_shape, dtype=wide(self.dtype))
         j = self.length - self.fwd_start
         if j == 0:
             return base

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention, wide
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
 
@@ -119,7 +119,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, H)
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (N, E)
+        logits = self.gate(x)  # (N, E)
+        probs = torch.softmax(logits.to(wide(logits.dtype)), dim=-1)  # (N, E) in at least fp32
         w, idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         if self.norm_topk:
             w = w / w.sum(-1, keepdim=True)
@@ -232,7 +233,7 @@ class HybridLM(CausalLM):
 
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: HybridCache) -> TargetOutput:
-        """tokens (T,) appended at cache.length.. -> logits (T, V) fp32, hidden (T, H) post final norm."""
+        """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm."""
         t = tokens.shape[0]
         start = cache.begin(t)
         x = self.embed(tokens[None])  # (1, T, H)
