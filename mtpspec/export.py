@@ -2,21 +2,31 @@
 
 - a dense Llama model (DenseLM, e.g. a llama2.c checkpoint) -> `LlamaForCausalLM`;
 - a Qwen3.5-style hybrid (HybridLM with dense MLPs, e.g. the shipped demo model) -> transformers'
-  Qwen3.5 text model `Qwen3_5ForCausalLM` (model_type qwen3_5_text).
+  Qwen3.5 text model `Qwen3_5ForCausalLM` (model_type qwen3_5_text);
+- a hybrid with a mixture of experts -> `Qwen3NextForCausalLM` (model_type qwen3_next).
+
+The directory is complete for transformers (AutoModelForCausalLM + AutoTokenizer) and the serving
+engines: config.json, model.safetensors (fp32), generation_config.json (BOS, EOS / stop ids, greedy
+by default), tokenizer.json, tokenizer_config.json (special tokens, add_bos_token as our encoding,
+chat template when the source has one, model_max_length) and special_tokens_map.json. A llama2.c
+tokenizer becomes a byte-fallback BPE that encodes exactly as ours (Llama2cTokenizer.to_hf).
 
 Our parameter names and layouts already are Hugging Face's (the llama2.c loader permutes wq / wk
-into the half-split rotary layout; loading/hf.py maps HF names 1:1 onto HybridLM), so export is the
-state_dict plus a config.json, the reverse of loading/hf.py. A hybrid's `mtp.*` tensors are kept:
-transformers ignores them, our own loader reads the exported folder back with its MTP module.
-The export is verified by running transformers on the written directory and comparing logits with
-ours (fp32; max |diff| <= 1e-5 for Llama, 1e-4 for the hybrid, whose chunked delta rule sums in
-another order; per unit of the logits' scale when that exceeds 1), so peer benchmarks compare the
-same function.
+into the half-split rotary layout; loading/hf.py maps HF names 1:1 onto HybridLM), so the weights
+are the state_dict (Qwen3-Next: in_proj_qkvz / in_proj_ba fused back), the reverse of
+loading/hf.py. A hybrid's MTP module is kept as `mtp.*` (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`) with `mtp_num_hidden_layers` in
+config.json, the names vLLM's Qwen3.5 / Qwen3-Next MTP loads; transformers
+ignores them, our own loader reads the folder back with its MTP module. The export is verified by
+running transformers on the written directory and comparing fp32 logits with ours (tolerance: see
+FP32_FLOOR), and AutoTokenizer's encoding with ours, so peer benchmarks compare the same function.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +39,39 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class ExportCheck:
-    """How closely transformers' logits on the exported directory match ours."""
+    """How closely transformers' logits on the exported directory match ours: fp32, and fp64."""
 
-    max_abs_diff: float  # max |logits_ours - logits_hf| over the checked positions
+    max_abs_diff: float  # fp32: max |logits_ours - logits_hf| over the checked positions
     positions: int  # tokens compared
-    ok: bool  # max_abs_diff <= tolerance x max(1, max |logits_ours|)
-    max_abs_logit: float = 0.0  # the logits' scale: fp32 summation-order differences grow with it
+    ok: bool  # fp32 within tolerance at every position, and fp64 within FP64_TOL (when it ran)
+    max_abs_logit: float = 0.0  # the logits' scale, max |logits_ours|
+    fp32_error: float = 0.0  # max |ours fp32 - ours fp64|: our own rounding error on these tokens
+    sensitivity: float = 0.0  # max s_t: how far eps32-sized weight changes move the exact logits
+    worst_ratio: float = 0.0  # fp32: max over positions of |diff| / tolerance (ok: <= 1)
+    fp64_rel_diff: float | None = None  # max |ours - hf| / max |logits|, both in fp64 (None: not run)
+
+
+# fp64: our model and transformers' (its internal fp32 casts made fp64, see load_hf_fp64) agree to
+# FP64_TOL of the logits' scale. Measured on an AMD EPYC: <= 1.6e-15 (a few fp64 ulps) for
+# stories260K, the demo and the tiny random hybrids at 5-130 tokens, <= 4e-14 for tiny random
+# Qwen3-Next (mixture of experts: the routing weights sum in another order); a real difference is far
+# larger (a norm eps of 1e-5 for 1e-6 moves the tiny hybrid's logits by 0.5 of their scale).
+FP64_TOL = 1e-9
+
+# fp32: the tolerance at position t is FP32_FLOOR * eps32 * max|logits| + FP32_SENS * s_t, where
+# s_t is how far the exact (fp64) logits at t move when every weight is scaled by 1 +- eps32 (random
+# signs, the largest of two seeded draws): the function's own sensitivity to fp32 rounding at these
+# tokens (backward stability: a rounded matmul is an exact one on perturbed inputs). It does not
+# depend on either fp32 path, so a slip in ours (a bf16 cast) is not excused by its own error.
+# Conditioning varies a lot: a position where a DeltaNet head's output is near zero and its gated
+# RMSNorm magnifies rounding has s_t of hundreds of eps32 * max|logits|, elsewhere s_t is ~1-5.
+# Measured on an AMD EPYC (1 thread; random tiny hybrids with and without experts, 4 + 2 seeds, the
+# demo, stories260K; 5, 40 and 130 tokens): each fp32 run's own error <= 12.9 s_t, and
+# |hf - ours| <= 6.5 (s_t + eps32 * max|logits|) (stories260K: 0, the same order of operations).
+# FLOOR = SENS = 16 leaves a factor 2.5 over the worst; the weights rounded to bf16 exceed it
+# ~1000x (tests/test_export.py). The same constants as the fp32 parity tests (tests/test_hf_parity.py).
+FP32_FLOOR = 16.0
+FP32_SENS = 16.0
 
 
 def _is_hybrid(module) -> bool:
@@ -54,11 +91,10 @@ def _common(bos_id: int | None, eos_id: int | list[int] | None) -> dict:
 
 
 def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -> dict:
-    """config.json for transformers' Qwen3_5TextConfig (the reverse of loading/hf.py's config_from_hf)."""
+    """config.json for transformers' Qwen3_5TextConfig, or Qwen3NextConfig for a mixture of experts
+    (the reverse of loading/hf.py's config_from_hf)."""
     c = module.config
-    if c.num_experts > 0:
-        raise ConfigError("export supports Qwen3.5-style hybrids with dense MLPs; this model is a Qwen3-Next mixture of experts")
-    return {
+    cfg = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
         "vocab_size": c.vocab_size,
@@ -80,9 +116,43 @@ def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -
         "rope_parameters": {"rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary_factor, "rope_type": "default"},
         "tie_word_embeddings": bool(c.tie_embeddings),
         "attention_bias": bool(c.attention_bias),
-        "mtp_num_hidden_layers": c.mtp_num_layers,
+        "mtp_num_hidden_layers": c.mtp_num_layers,  # vLLM's Qwen3_5MTP reads it; the mtp.* tensors are kept
+        "mtp_use_dedicated_embeddings": False,  # the MTP module shares the target's embedding and head
         **_common(bos_id, eos_id),
     }
+    if c.num_experts > 0:
+        cfg.update(
+            architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
+            shared_expert_intermediate_size=c.shared_expert_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+            decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
+        )
+    return cfg
+
+
+def hf_state_dict(module, cfg: dict) -> dict[str, torch.Tensor]:
+    """The fp32 tensors under transformers' names: ours, except Qwen3-Next's fused per-key-head
+    in_proj_qkvz / in_proj_ba (the reverse of loading/hf.py's split_qwen3_next) and no tied head."""
+    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in module.state_dict().items()}
+    if cfg["tie_word_embeddings"]:
+        sd.pop("lm_head.weight", None)  # tied: transformers re-ties it to model.embed_tokens
+    if cfg["model_type"] == "qwen3_next":
+        for name in [k for k in sd if k.endswith("linear_attn.in_proj_qkv.weight")]:
+            base = name.rsplit(".", 2)[0]
+            qkv, z, b, a = (sd.pop(f"{base}.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a"))
+            sd[f"{base}.in_proj_qkvz.weight"], sd[f"{base}.in_proj_ba.weight"] = _fuse_qwen3_next(module.config, qkv, z, b, a)
+    return sd
+
+
+def _fuse_qwen3_next(c, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5's in_proj_qkv / z / b / a -> Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head."""
+    nk, dk, dv, h = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, qkv.shape[-1]
+    r = c.linear_num_value_heads // nk  # value heads per key head
+    q, k, v = qkv.split([nk * dk, nk * dk, nk * r * dv])  # (nk*dk, H), (nk*dk, H), (nv*dv, H)
+    parts = [q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, r * dv, h), z.reshape(nk, r * dv, h)]
+    qkvz = torch.cat(parts, dim=1).reshape(-1, h)  # (nk * (2dk + 2r dv), H)
+    ba = torch.cat([b.reshape(nk, r, h), a.reshape(nk, r, h)], dim=1).reshape(-1, h)  # (nk * 2r, H)
+    return qkvz.contiguous(), ba.contiguous()
 
 
 def _llama_config(module, bos_id: int | None, eos_id: int | list[int] | None) -> dict:
@@ -125,47 +195,163 @@ def special_ids(tokenizer) -> tuple[int | None, int | list[int] | None]:
     return bos, eos
 
 
-def export_hf(module, out: str | Path, bos_id: int | None = 1, eos_id: int | list[int] | None = 2) -> Path:
-    """Write config.json + model.safetensors (fp32) for `module` (a DenseLM or a HybridLM) into directory `out`."""
+def export_hf(module, out: str | Path, bos_id: int | None = 1, eos_id: int | list[int] | None = 2, tokenizer=None) -> Path:
+    """Write `module` (a DenseLM or a HybridLM) as a Hugging Face directory `out`: config.json,
+    model.safetensors (fp32), generation_config.json and, given our `tokenizer`, tokenizer.json,
+    tokenizer_config.json and special_tokens_map.json."""
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(module, bos_id, eos_id)
-    sd = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in module.state_dict().items()}
-    if cfg["tie_word_embeddings"]:
-        sd.pop("lm_head.weight", None)  # tied: transformers re-ties it to model.embed_tokens
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the export directory {out}: {e.strerror or e}") from None
+    sd = hf_state_dict(module, cfg)
+    _write_json(out / "config.json", cfg)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    stops = list(getattr(tokenizer, "stop_ids", ()) or ())
+    tok_cfg = write_tokenizer(tokenizer, out, module.max_seq_len) if tokenizer is not None else {}
+    pad = tok_cfg.get("pad_token")
+    if stops and eos_id in stops:  # EOS first, then the other stop ids (llama2.c stops at BOS too)
+        stops = [eos_id] + [i for i in stops if i != eos_id]
+    gen = {"bos_token_id": bos_id, "eos_token_id": _one_or_list(stops) if stops else eos_id, "do_sample": False}
+    if pad is not None:
+        gen["pad_token_id"] = tokenizer.to_hf().token_to_id(pad)
+    _write_json(out / "generation_config.json", gen)
     return out
+
+
+def write_tokenizer(tokenizer, out: Path, max_len: int) -> dict:
+    """tokenizer.json (our tokenizer as a `tokenizers.Tokenizer`), tokenizer_config.json and
+    special_tokens_map.json; returns the tokenizer_config written."""
+    if not hasattr(tokenizer, "to_hf"):
+        raise ConfigError(f"export cannot write a {type(tokenizer).__name__} as a Hugging Face tokenizer")
+    tokenizer.to_hf().save(str(out / "tokenizer.json"))
+    cfg = {**tokenizer.hf_tokenizer_config(), "model_max_length": max_len}
+    _write_json(out / "tokenizer_config.json", cfg)
+    names = ("bos_token", "eos_token", "unk_token", "pad_token")
+    _write_json(out / "special_tokens_map.json", {n: cfg[n] for n in names if cfg.get(n) is not None})
+    return cfg
+
+
+def _one_or_list(ids: list[int]) -> int | list[int]:
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_hf(directory: str | Path):
     """transformers' causal LM for a directory (the class its config.json names), fp32, eval mode."""
     from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def load_hf_fp64(directory: str | Path):
+    """transformers' causal LM for a directory in fp64, its internal fp32 casts (RMSNorm, rotary
+    tables, softmax, the delta rule) made fp64: the same source with `torch.float32` / `torch.float` /
+    `.float()` read as fp64, loaded as a separate module. None when that source does not load."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    _quiet_transformers()
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(directory)))]
+    try:
+        cls64 = getattr(_fp64_module(cls.__module__), cls.__name__)
+    except Exception:  # noqa: BLE001 - another transformers version's source: no fp64 reference
+        return None
+    model = cls64.from_pretrained(str(directory), dtype=torch.float64).eval()
+    if getattr(model.config, "num_experts", 0):
+        model.set_experts_implementation("eager")  # the grouped-mm experts kernel has no fp64
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _fp64_module(name: str):
+    """transformers' modeling module `name` re-executed with its fp32 casts read as fp64."""
+    import importlib
+    import re
+    import sys
+    import types
+
+    src_mod = importlib.import_module(name)
+    src = Path(src_mod.__file__).read_text()
+    src = re.sub(r"torch\.float32\b|torch\.float\b(?!\d)", "torch.float64", src).replace(".float()", ".double()")
+    mod = types.ModuleType(name + "_fp64")
+    mod.__package__, mod.__file__ = src_mod.__package__, src_mod.__file__
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, src_mod.__file__, "exec", dont_inherit=True), mod.__dict__)  # noqa: S102 - transformers' source
+    return mod
+
+
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()  # the hybrid's kept mtp.* tensors are "unused weights" to transformers
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
-def check_export(module, directory: str | Path, tokens: list[int], tol: float | None = None, hf_model=None) -> ExportCheck:
-    """Compare our logits over `tokens` with transformers' on the exported checkpoint.
-
-    tol: max |diff| allowed per unit of logit scale, max(1, max |logits|) (default 1e-5 for Llama,
-    1e-4 for a hybrid)."""
-    tol = tol if tol is not None else (1e-4 if _is_hybrid(module) else 1e-5)
+def check_export(module, directory: str | Path, tokens: list[int], hf_model=None, fp64: bool = True) -> ExportCheck:
+    """Compare our logits over `tokens` with transformers' on the exported checkpoint: fp32, each
+    position within FP32_FLOOR eps32 of the logits' scale plus FP32_SENS times the function's
+    sensitivity there; and (fp64=True) both in fp64, within FP64_TOL."""
+    if module.dtype != torch.float32:
+        raise ConfigError("export check runs in fp32; load the model with --dtype fp32")
     hf = hf_model if hf_model is not None else load_hf(directory)
     ids = torch.tensor(tokens, dtype=torch.long)
-    ours = module.to(torch.float32).forward_tokens(ids, module.new_cache()).logits if module.dtype == torch.float32 else None
-    if ours is None:
-        raise ConfigError("export check runs in fp32; load the model with --dtype fp32")
+    ours = module.forward_tokens(ids, module.new_cache()).logits  # (T, V) fp32
+    m64 = _fp64_copy(module)
+    exact = m64.forward_tokens(ids, m64.new_cache()).logits  # (T, V) fp64
+    sens = _sensitivity(m64, ids, exact)  # (T,)
     theirs = hf(ids[None]).logits[0].float()  # (T, V)
-    diff, scale = float((ours - theirs).abs().max()), float(ours.abs().max())
-    return ExportCheck(max_abs_diff=diff, positions=len(tokens), ok=diff <= tol * max(1.0, scale), max_abs_logit=scale)
+    diff = (ours - theirs).abs().amax(-1).double()  # (T,)
+    scale = float(ours.abs().max())
+    tol = FP32_FLOOR * torch.finfo(torch.float32).eps * scale + FP32_SENS * sens  # (T,)
+    ratio = float((diff / tol).max()) if scale > 0 else float(diff.max() > 0)
+    rel64 = None
+    hf64 = load_hf_fp64(directory) if fp64 else None
+    if hf64 is not None:
+        rel64 = float((hf64(ids[None]).logits[0] - exact).abs().max()) / max(float(exact.abs().max()), 1e-300)
+    ok = ratio <= 1.0 and (rel64 is None or rel64 <= FP64_TOL)
+    return ExportCheck(max_abs_diff=float(diff.max()), positions=len(tokens), ok=ok, max_abs_logit=scale,
+                       fp32_error=float((ours.double() - exact).abs().max()), sensitivity=float(sens.max()),
+                       worst_ratio=ratio, fp64_rel_diff=rel64)
+
+
+def _fp64_copy(module):
+    """An fp64 copy of `module`; refuses one that still computes its logits in another dtype."""
+    m64 = copy.deepcopy(module).to(torch.float64)
+    probe = m64.forward_tokens(torch.zeros(1, dtype=torch.long), m64.new_cache()).logits
+    if probe.dtype != torch.float64:
+        raise ConfigError(f"export check: our model computed {probe.dtype} logits in fp64 (it has an fp32 cast left)")
+    return m64
+
+
+def _sensitivity(m64, ids: torch.Tensor, exact: torch.Tensor, draws: int = 2) -> torch.Tensor:
+    """max |logits change| per position (T,) when every weight of the fp64 model is scaled by
+    1 +- eps32 (random signs; the largest of `draws` seeded draws)."""
+    eps = torch.finfo(torch.float32).eps
+    gen = torch.Generator().manual_seed(0)
+    out = torch.zeros(len(ids), dtype=torch.float64)
+    for _ in range(draws):
+        p = copy.deepcopy(m64)
+        for w in p.parameters():
+            w.mul_(1 + eps * (2 * torch.randint(0, 2, w.shape, generator=gen) - 1).to(torch.float64))
+        out = torch.maximum(out, (p.forward_tokens(ids, p.new_cache()).logits - exact).abs().amax(-1))
+    return out
+
+
+def check_tokenizer(tokenizer, directory: str | Path, texts: list[str]) -> bool:
+    """Whether transformers' AutoTokenizer on the exported directory encodes `texts` as we do."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    return all(hf(t)["input_ids"] == tokenizer.encode(t) for t in texts)
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -175,8 +361,12 @@ def _args(p: argparse.ArgumentParser) -> None:
     for a in p._actions:  # --model is optional here: the positional path works too
         if a.dest == "model":
             a.required = False
-    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
-    p.add_argument("--no-check", action="store_true", help="skip the logits check against transformers")
+    p.add_argument("--out", required=True, help="output directory (a Hugging Face checkpoint with its tokenizer)")
+    p.add_argument("--no-check", action="store_true", help="skip the logits and tokenizer checks against transformers")
+
+
+CHECK_TEXTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
+               "def parse_args(argv):\n    \"\"\"Parse the command line.\"\"\"\n    return argv[1:]  # caf\u00e9 \u2713"]
 
 
 @command("export")(_args)
@@ -187,12 +377,20 @@ def run_export(args: argparse.Namespace) -> int:
     if not path:
         raise ConfigError("export needs a model: mtpspec export MODEL --out DIR")
     model = load(path, args.tokenizer, "fp32")
-    out = export_hf(model.module, args.out, *special_ids(model.tokenizer))
-    print(f"wrote {out}/config.json and {out}/model.safetensors")
-    if not args.no_check:
-        ids = model.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
-        chk = check_export(model.module, out, ids)
-        print(f"logits check vs transformers over {chk.positions} positions: max |diff| = {chk.max_abs_diff:.2e} ({'ok' if chk.ok else 'FAILED'})")
-        if not chk.ok:
-            return 1
-    return 0
+    out = export_hf(model.module, args.out, *special_ids(model.tokenizer), tokenizer=model.tokenizer)
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir() if p.is_file())))
+    if args.no_check:
+        return 0
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("checks skipped: transformers is not installed (pip install 'mtpspec[hf]')")
+        return 0
+    ids = model.encode(CHECK_TEXTS[0])
+    chk = check_export(model.module, out, ids)
+    fp64 = "not run (transformers' source did not load in fp64)" if chk.fp64_rel_diff is None else f"{chk.fp64_rel_diff:.1e} of the logits' scale"
+    print(f"logits check vs transformers over {chk.positions} positions: fp32 max |diff| = {chk.max_abs_diff:.2e} "
+          f"(logits up to {chk.max_abs_logit:.1f}; {chk.worst_ratio:.2f} of the tolerance), fp64 {fp64}: {'ok' if chk.ok else 'FAILED'}")
+    same = check_tokenizer(model.tokenizer, out, CHECK_TEXTS)
+    print(f"tokenizer check: AutoTokenizer encodes as we do: {'ok' if same else 'FAILED'}")
+    return 0 if chk.ok and same else 1
