@@ -120,6 +120,7 @@ def generate_tokens(
     new: list[int] = []
     steps: list[StepRecord] = []
     finish = "length"
+    cache.prefill = len(prompt) > 1  # nothing is cropped inside the prefill: a hybrid's cache keeps its final state only
     out = target.forward_tokens(context[:-1], cache) if len(prompt) > 1 else None  # prefill, all but last
     drafter.prefill(context, out, sampler)
     metrics.prefill_done()

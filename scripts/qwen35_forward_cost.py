@@ -63,6 +63,7 @@ def main() -> None:
     ks = list(range(1, args.kmax + 1))
     with torch.inference_mode():
         our_cache = ours.new_cache()
+        our_cache.prefill = True  # as the engine's prefill: final state only
         ours.forward_tokens(prompt, our_cache)
         our_cache.exact = args.exact
         hf_cache = DynamicCache(config=hf_cfg)

@@ -14,7 +14,14 @@ g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurre
   keys and corrections, from which the cache rebuilds the state after ANY position of the window
   (the slot that rollback selects) with one pass over the state. A position-by-position loop would
   pass over every layer's (dk x dv) state ~5 times per position instead.
-- `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for prefill.
+- `piece_delta_rule`, for longer windows that may be cropped (verify windows of D >= 16): the
+  window split into pieces of at most 64 positions, each run as above from its own incoming state,
+  so every slot of every piece can still be selected (hybrid_cache.py).
+- `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for a prompt
+  prefill (`cache.prefill`), which is never cropped inside and keeps only its final state.
+
+In exact mode every forward but a long prefill runs position by position (`recurrent_delta_rule`),
+whatever its length, so a verified position is bitwise the same as in a plain step.
 
 Parameter names follow the Hugging Face Qwen3.5 layout (in_proj_qkv / in_proj_z / in_proj_b /
 in_proj_a, conv1d, A_log, dt_bias, norm, out_proj). Qwen3-Next's fused in_proj_qkvz / in_proj_ba
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import wide
-from .hybrid_cache import Window
+from .hybrid_cache import Window, slot_state
 
 SHORT_MAX_T = 16  # windows up to this long are one exact chunk whose every slot can be selected
 CHUNK = 64
@@ -77,6 +84,24 @@ def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     u = u0 - read[:, :, :t_len]  # corrections given the incoming state
     o = read[:, :, t_len:] + ((q @ k.transpose(-1, -2)) * gamma) @ u
     return o, gc, u
+
+
+def piece_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, piece: int = CHUNK) -> tuple[Tensor, list[Window]]:
+    """A window of any length as pieces of at most `piece` positions, each one `window_delta_rule` chunk.
+
+    Same inputs as `window_delta_rule`; returns o (B, nv, T, dv) and one Window per piece. A piece's
+    incoming state (the slot after the previous piece, one pass over the state) is kept in its Window;
+    the last piece's final state is left to the cache to materialise, as for a short window.
+    """
+    outs, pieces, s = [], [], state
+    for a in range(0, q.shape[2], piece):
+        if pieces:
+            s = slot_state(s, pieces[-1], pieces[-1].length)  # (B, nv, dk, dv) the state after the previous piece
+        part = slice(a, a + piece)
+        o, gc, u = window_delta_rule(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], s)
+        outs.append(o)
+        pieces.append(Window(gc, k[:, :, part], u, start=a, s0=s if a else None))
+    return torch.cat(outs, dim=2), pieces
 
 
 def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
@@ -184,12 +209,16 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).to(dt).sigmoid().transpose(1, 2)  # (B, nv, T)
         g = (-self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias.to(dt))).transpose(1, 2)
         s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
-        if t <= SHORT_MAX_T and cache.exact:  # exact mode: position by position, every state kept
+        prefill = t > SHORT_MAX_T and cache.prefill  # a long prompt prefill: never cropped inside
+        if cache.exact and not prefill:  # exact mode: position by position, every state kept
             o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, Window(states=states), None)
+            cache.record_window(self.slot, hist, [Window(states=states)], None)
         elif t <= SHORT_MAX_T:  # decode / verify: keep what rebuilds the state after every position
             o, gc, u = window_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, Window(gc, k, u), None)
+            cache.record_window(self.slot, hist, [Window(gc, k, u)], None)
+        elif not prefill:  # a long verify window: the same, piece by piece
+            o, pieces = piece_delta_rule(q, k, v, g, beta, s0)
+            cache.record_window(self.slot, hist, pieces, None)
         else:  # prefill: chunked, final state only
             o, final = chunked_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, None, final)

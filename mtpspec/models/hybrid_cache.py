@@ -9,16 +9,26 @@ Rollback without re-running anything, for both kinds of layer:
   `crop(length)` for any length in [start of the last forward, its end] selects slot
   j = length - start. Nothing is inverted, nothing is re-run.
 
-The slots of a short window (T <= SHORT_MAX_T: decode and verify) are kept in factored form: the
-incoming state S_0 plus, per position i, the cumulative log decay gc_i, the key k_i and the
-delta-rule correction u_i that was written, so that
+The slots are kept in factored form, per piece of at most 64 positions (a decode / verify window
+of T <= 16 is one piece): the piece's incoming state S_0 plus, per position i, the cumulative log
+decay gc_i from the piece start, the key k_i and the delta-rule correction u_i that was written, so
 
-    S_j = S_0 * exp(gc_{j-1}) + sum_{i < j} exp(gc_{j-1} - gc_i) k_i u_i^T        (j = 1..T)
+    S_j = S_0 * exp(gc_{j-1}) + sum_{i < j} exp(gc_{j-1} - gc_i) k_i u_i^T        (j = 1..piece length)
 
-The selected slot is materialised (in place over S_0, one pass over the state) when the next
-forward starts. Writing all D+1 full states would cost D+1 passes over every layer's state per
-verify; this costs one. Forwards longer than SHORT_MAX_T (prefill) keep only their final state:
-cropping inside such a forward raises.
+`crop` picks the piece and the slot; the selected slot is materialised (in place over S_0, one pass
+over the state) when the next forward starts. Writing all D+1 full states would cost D+1 passes
+over every layer's state per verify; this costs one. A window longer than one piece also keeps the
+incoming state of each later piece (materialised anyway to run it), so a verify window of any
+length rolls back exactly and the decays stay piece-local (no cumulative sum over hundreds of
+positions, whose differences would lose precision). In exact mode a window keeps its T states
+(the recurrent form, bitwise those of plain steps).
+
+A prompt prefill is told apart explicitly: the caller sets `cache.prefill = True` before it (the
+engine does). Nothing is cropped inside a prefill, so it keeps only its final state and the two
+ends of its conv window: per-piece slots of a 16k-token prefill would cost more than the KV cache.
+Any other forward keeps its slots, whatever its length, so forgetting the flag costs memory (and
+in exact mode time: the prompt runs position by position), never a wrong or failed rollback.
+Cropping inside a prefill raises. No limit on the draft length remains but the context.
 """
 
 from __future__ import annotations
@@ -35,12 +45,30 @@ from .common import wide
 
 @dataclass
 class Window:
-    """What a short forward left behind for one linear layer: enough to rebuild the state at any slot."""
+    """One piece of a forward, for one linear layer: enough to rebuild the state at any of its slots."""
 
-    gc: Tensor | None = None  # (B, nv, T) cumulative log decay from the window start (inclusive)
+    gc: Tensor | None = None  # (B, nv, T) cumulative log decay from the piece start (inclusive)
     k: Tensor | None = None  # (B, nv, T, dk) L2-normalised keys
     u: Tensor | None = None  # (B, nv, T, dv) the corrections written (v_new of the chunk form)
     states: list[Tensor] | None = None  # or, in exact mode, the T states themselves (recurrent form)
+    start: int = 0  # the piece's first position, counted from the start of the forward
+    s0: Tensor | None = None  # (B, nv, dk, dv) its incoming state; None for the first piece (the cache's base)
+
+    @property
+    def length(self) -> int:
+        return len(self.states) if self.states is not None else self.gc.shape[-1]
+
+
+def slot_state(s0: Tensor, w: Window, j: int, in_place: bool = False) -> Tensor:
+    """The state after the first j (>= 1) positions of piece w, from its incoming state s0: one pass over it."""
+    if w.states is not None:
+        return w.states[j - 1]
+    g_end = w.gc[:, :, j - 1]  # (B, nv)
+    kd = w.k[:, :, :j] * (g_end[..., None] - w.gc[:, :, :j]).exp()[..., None]  # (B, nv, j, dk)
+    b, h, dk, dv = s0.shape
+    s = s0.mul_(g_end.exp()[..., None, None]) if in_place else s0 * g_end.exp()[..., None, None]
+    s.view(b * h, dk, dv).baddbmm_(kd.reshape(b * h, j, dk).transpose(1, 2), w.u[:, :, :j].reshape(b * h, j, dv))
+    return s
 
 
 class HybridCache:
@@ -65,8 +93,9 @@ class HybridCache:
         self.fwd_end = 0  # end of the last forward
         self.hist: list[Tensor | None] = [None] * n_linear  # (B, C, K-1+T) conv inputs of the last forward
         self.base: list[Tensor | None] = [None] * n_linear  # (B, nv, dk, dv) >= fp32: state before the last forward
-        self.window: list[Window | None] = [None] * n_linear  # slots of the last short forward
-        self.final: list[Tensor | None] = [None] * n_linear  # final state of the last long (chunked) forward
+        self.window: list[list[Window] | None] = [None] * n_linear  # pieces of the last forward (not a prefill)
+        self.final: list[Tensor | None] = [None] * n_linear  # final state of the last forward if it was a prefill
+        self.prefill = False  # set by the caller before a prompt prefill (final state only); reset by advance()
 
     # -- the interface the layers use -------------------------------------------------------
     def conv_window(self, i: int, batch: int = 1) -> Tensor:
@@ -75,6 +104,8 @@ class HybridCache:
         if hist is None:
             return torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=self.dtype)
         j = self.length - self.fwd_start
+        if j and self.final[i] is not None:  # a prefill kept only the two ends of its conv window
+            j = self.conv_kernel - 1
         return hist[:, :, j : j + self.conv_kernel - 1]
 
     def state(self, i: int, batch: int = 1, in_place: bool = False) -> Tensor:
@@ -85,19 +116,14 @@ class HybridCache:
         j = self.length - self.fwd_start
         if j == 0:
             return base
-        if self.final[i] is not None:  # after a chunked forward only j == T exists (crop checks it)
+        if self.final[i] is not None:  # after a prefill only j == T exists (crop checks it)
             return self.final[i]
-        w = self.window[i]
-        if w is None:
+        pieces = self.window[i]
+        if pieces is None:
             return base
-        if w.states is not None:
-            return w.states[j - 1]
-        g_end = w.gc[:, :, j - 1]  # (B, nv)
-        kd = w.k[:, :, :j] * (g_end[..., None] - w.gc[:, :, :j]).exp()[..., None]  # (B, nv, j, dk)
-        b, h, dk, dv = base.shape
-        s = base.mul_(g_end.exp()[..., None, None]) if in_place else base * g_end.exp()[..., None, None]
-        s.view(b * h, dk, dv).baddbmm_(kd.reshape(b * h, j, dk).transpose(1, 2), w.u[:, :, :j].reshape(b * h, j, dv))
-        return s
+        w = next(w for w in pieces if j <= w.start + w.length)  # the piece holding slot j
+        s0 = base if w.s0 is None else w.s0
+        return s0 if j == w.start else slot_state(s0, w, j - w.start, in_place)
 
     @property
     def exact(self) -> bool:
@@ -117,8 +143,11 @@ class HybridCache:
         self.base[i], self.window[i], self.final[i] = s, None, None
         return s
 
-    def record_window(self, i: int, hist: Tensor, window: Window | None, final: Tensor | None) -> None:
-        """After layer i's forward: its widened conv window and its slots (short) or final state (long)."""
+    def record_window(self, i: int, hist: Tensor, window: list[Window] | None, final: Tensor | None) -> None:
+        """After layer i's forward: its widened conv window and its pieces' slots, or a prefill's final state."""
+        if final is not None:  # crop can only select the prefill's start or end: keep the conv window's ends
+            k1 = self.conv_kernel - 1
+            hist = torch.cat([hist[..., :k1], hist[..., hist.shape[-1] - k1 :]], dim=-1)  # (B, C, 2(K-1))
         self.hist[i], self.window[i], self.final[i] = hist, window, final
 
     def begin(self, t: int) -> int:
@@ -130,6 +159,7 @@ class HybridCache:
     def advance(self, t: int) -> None:
         self.fwd_start, self.fwd_end = self.length, self.length + t
         self.length += t
+        self.prefill = False
         self.kv.length = self.length
 
     # -- rollback ---------------------------------------------------------------------------
@@ -143,11 +173,11 @@ class HybridCache:
                     f"cannot crop recurrent state to {length}: only positions {self.fwd_start}..{self.fwd_end} "
                     "of the last forward have saved states"
                 )
-            chunked = any(f is not None for f in self.final)
-            if chunked and length not in (self.fwd_start, self.fwd_end):
+            prefilled = any(f is not None for f in self.final)
+            if prefilled and length not in (self.fwd_start, self.fwd_end):
                 raise ValueError(
                     f"cannot crop recurrent state to {length}: the last forward ({self.fwd_end - self.fwd_start} "
-                    "positions, chunked) kept only its final state"
+                    "positions) was a prefill and kept only its final state"
                 )
         self.length = length
         self.kv.length = length
