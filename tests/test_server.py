@@ -192,6 +192,7 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/verify", "raw:" + "[1, 2]", 422, "body"),
     ("/api/verify", "raw:" + '"prefix"', 422, "body"),
     ("/api/verify", "raw:" + '{"prefix": "' + "a" * (1 << 20) + '"}', 413, "body"),
+    ("/api/verify", '{"prefix": "caf\xe9", "draft": " a"}'.encode("latin-1"), 400, "body"),  # not UTF-8
     ("/api/load", {"model": "nope"}, 404, "model"),
     ("/api/load", {"model": "/etc/passwd"}, 404, "model"),
     ("/api/load", {"model": "stories", "dtype": "bf16"}, 422, "dtype"),
@@ -213,13 +214,21 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
 
 @pytest.mark.parametrize("path, body, status, field", BAD, ids=[f"{i}-{c[3]}" for i, c in enumerate(BAD)])
 def test_bad_input_is_a_4xx_json_error_naming_the_field(client, path, body, status, field):
-    if isinstance(body, str):
-        r = client.post(path, content=body[4:].encode(), headers={"Content-Type": "application/json"})
+    if isinstance(body, (str, bytes)):
+        raw = body if isinstance(body, bytes) else body[4:].encode()
+        r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
     else:
         r = client.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"].startswith(f"{field}: "), r.text
     assert client.post("/api/verify", json={"prefix": "Hi", "draft": " there"}).status_code == 200  # still serving
+
+
+def test_an_oversized_body_without_a_length_is_413(client):
+    """A chunked body (no Content-Length) is counted as it arrives: over 1 MiB is a 413 before the app parses it."""
+    chunks = (b"x" * 100_000 for _ in range(12))
+    r = client.post("/api/verify", content=chunks, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"].startswith("body: ")
 
 
 def test_a_named_path_is_never_opened(client, tmp_path):
@@ -281,6 +290,8 @@ def test_serve_refuses_a_missing_or_bad_model_before_binding(capsys, tmp_path, a
         (["--model", story, "--tokenizer", "other=tok512.bin"], "no --model named 'other'"),
         (["--model", f"a={story}", "--draft-model", f"a={story}"], "the name 'a' is also a --model"),
         (["--model", story, "--port", "70000"], "--port must be in 0..65535"),
+        (["--model", story, "--dtype", "fp16"], "unknown dtype 'fp16'"),
+        (["--model", story, "--threads", "0"], "--threads must be >= 1"),
     ]
     import socket
 

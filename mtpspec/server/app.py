@@ -83,11 +83,11 @@ def create_app(served: Served) -> FastAPI:
     lock = threading.Lock()  # released by `with` whatever a request raises; the served models are never replaced
     _error_handlers(app)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     def page() -> HTMLResponse:
         return HTMLResponse(resources.files("mtpspec.server").joinpath("static/verify.html").read_text(encoding="utf-8"))
 
-    @app.get("/api/health")
+    @app.api_route("/api/health", methods=["GET", "HEAD"])
     def health() -> dict:
         return {"ok": True}
 
@@ -147,7 +147,9 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        what = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code not in (404, 405):  # FastAPI could not read the body (e.g. not UTF-8)
+            return _error(f"body: {exc.detail}", exc.status_code)
+        what = "no such route" if exc.status_code == 404 else "method not allowed"
         return _error(f"{what}: {request.method} {request.url.path}", exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -36,6 +36,9 @@ def run_serve(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    from ..loading import parse_dtype
+
+    parse_dtype(args.dtype)  # an unknown dtype is named before any model loads
     served = load_served(args.model, args.tokenizer, args.draft_model, args.dtype)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
