@@ -30,6 +30,8 @@ class KVCache:
         self.length = 0  # committed positions
         self.exact = False  # attention computes every row as a one-token step would (see engine exact mode)
 
+    crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
+
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""
         end = start + k.shape[2]
@@ -47,3 +49,10 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
+
+    def snapshot(self) -> int:
+        """What restore() needs to come back to the current length: the length itself."""
+        return self.length
+
+    def restore(self, snapshot: int) -> None:
+        self.crop(snapshot)

@@ -4,6 +4,9 @@ It keeps its own KV cache over the committed context plus the drafts it fed itse
 autoregressively (sampled from q with the same sampling transform as the target, or argmax when
 greedy) and returns q, so rejection sampling stays exact and acceptance stays high at T > 0.
 After verification it crops its cache to the context plus the accepted drafts (a pointer move).
+A draft model with recurrent state (a hybrid) can only crop inside its last forward, and drafting
+runs one forward per token: it snapshots its state after reading the context and, at commit,
+restores it; the accepted drafts are then read again with the next context (one forward).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class DraftModelDrafter:
         self.cache = None
         self.fed = 0  # context tokens in the draft cache
         self.pending = 0  # drafts fed into the cache by the last propose (beyond the context)
+        self.snap = None  # the cache right after the context, when crop cannot reach back that far
         self.sampler: Sampler | None = None
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
@@ -44,8 +48,11 @@ class DraftModelDrafter:
         sampler = self.sampler
         if self.cache is None:
             self.cache = self.model.new_cache()
+            self.cache.prefill = True  # the prompt: never cropped into (a hybrid keeps its final state only)
         logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
         self.fed = len(context)
+        if k > 1 and not self.cache.crops_across_forwards:
+            self.snap = self.cache.snapshot()
         tokens, qs = [], []
         for i in range(k):
             if sampler.params.greedy:
@@ -63,6 +70,10 @@ class DraftModelDrafter:
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         if self.cache is None:  # nothing drafted yet
+            return
+        if self.snap is not None:  # back to the context; the accepted drafts are read with the next one
+            self.cache.restore(self.snap)
+            self.snap, self.pending = None, 0
             return
         keep = min(verdict.num_accepted, self.pending)  # accepted drafts already in the cache
         self.cache.crop(self.fed + keep)

@@ -71,6 +71,15 @@ def slot_state(s0: Tensor, w: Window, j: int, in_place: bool = False) -> Tensor:
     return s
 
 
+@dataclass(frozen=True)
+class HybridSnapshot:
+    """The cache at one length, copied: restore() returns to it after any number of forwards."""
+
+    length: int
+    conv: list[Tensor]  # per linear layer (B, C, K-1): the conv inputs before `length`
+    state: list[Tensor]  # per linear layer (B, nv, dk, dv): the recurrent state at `length`
+
+
 class HybridCache:
     def __init__(
         self,
@@ -163,6 +172,28 @@ class HybridCache:
         self.kv.length = self.length
 
     # -- rollback ---------------------------------------------------------------------------
+    @property
+    def crops_across_forwards(self) -> bool:
+        """crop() reaches only into the last forward when there is recurrent state: a caller that
+        runs several forwards before rolling back (a draft model drafting token by token) takes a
+        snapshot() first and restore()s it."""
+        return self.n_linear == 0
+
+    def snapshot(self) -> HybridSnapshot:
+        """A copy of the recurrent state at the current length (KV entries stay in place: positions are
+        overwritten after a restore)."""
+        n = range(self.n_linear)
+        return HybridSnapshot(self.length, [self.conv_window(i).clone() for i in n], [self.state(i).clone() for i in n])
+
+    def restore(self, snap: HybridSnapshot) -> None:
+        """Back to the snapshot's length and state, whatever ran since (nothing is re-run here)."""
+        if snap.length > self.length:
+            raise ValueError(f"cannot restore a snapshot at {snap.length} in a cache of length {self.length}")
+        self.length = self.kv.length = self.fwd_start = self.fwd_end = snap.length
+        for i in range(self.n_linear):  # copies again: the next forward materialises slots in place over base
+            self.hist[i], self.base[i] = snap.conv[i].clone(), snap.state[i].clone()
+            self.window[i], self.final[i] = None, None
+
     def crop(self, length: int) -> None:
         """Roll back to the first `length` positions: pointer move (KV) + slot choice (recurrent)."""
         if not 0 <= length <= self.length:
