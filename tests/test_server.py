@@ -156,7 +156,7 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/verify", {"model": 3, "prefix": "Hi", "draft": " a"}, 422, "model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "nope"}, 400, "drafter"),
     ("/api/verify", {"prefix": "Hi", "drafter": "none"}, 400, "drafter"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "mtp"}, 400, "drafter"),  # stories260K has no MTP module of its own
+    ("/api/verify", {"prefix": "Hi", "drafter": "mtp"}, 400, "draft_model"),  # stories260K has no MTP module of its own
     ("/api/verify", {"prefix": "Hi", "drafter": 7}, 422, "drafter"),
     ("/api/verify", {"prefix": "Hi", "drafter": "draft"}, 400, "draft_model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),

@@ -17,7 +17,7 @@ from ..errors import ConfigError, ModelLoadError, MtpspecError
 from .verify_page import FieldError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-HEAD_KINDS = ("mtp", "eagle", "medusa")  # drafters that run a trained head (--draft-model HEAD_FOLDER)
+DRAFTERS = [n for n in KNOWN if n != "none"]  # the drafters a request may name
 
 
 @dataclass
@@ -43,8 +43,7 @@ class Served:
             raise ConfigError("serve needs at least one model")
         self.default = self.default or next(iter(self.models))
         for name, model in self.models.items():  # each model may also draft for another (drafter 'draft')
-            if name not in self.drafts:
-                self.drafts.setdefault(name, DraftEntry(name, "model", model.module))
+            self.drafts.setdefault(name, DraftEntry(name, "model", model.module))
         self.menus = {name: self._menu(name) for name in self.models}
 
     def model(self, name: str | None) -> tuple[str, Model]:
@@ -57,7 +56,7 @@ class Served:
     def draft_for(self, model_name: str, drafter: str, draft_name: str | None):
         """The draft object for `drafter` on model `model_name`, checked by building the drafter once."""
         if drafter not in KNOWN:
-            raise FieldError("drafter", f"unknown drafter {drafter!r} (choose from: {', '.join(KNOWN[1:])})")
+            raise FieldError("drafter", f"unknown drafter {drafter!r} (choose from: {', '.join(DRAFTERS)})")
         if drafter == "none":
             raise FieldError("drafter", "'none' proposes no draft: choose a drafter (ngram, draft, mtp, ...)")
         obj = None
@@ -69,12 +68,12 @@ class Served:
                 raise FieldError("draft_model", f"no served draft model named {draft_name!r} (served: {', '.join(self.drafts)})", status=404)
             want = "model" if drafter == "draft" else drafter
             if entry.kind != want:
-                what = "a draft model" if want == "model" else f"a {want} head"
+                what = "a draft model" if want == "model" else f"a trained {want} head"
                 raise FieldError("draft_model", f"{draft_name!r} is {_kind_text(entry.kind)}; drafter {drafter!r} needs {what}")
             obj = entry.obj
-        elif drafter in ("draft", "eagle", "medusa"):
-            names = next(d["draft_models"] for d in self.menus[model_name] if d["name"] == drafter)
-            need = "a draft model" if drafter == "draft" else f"a {drafter} head"
+        elif not (item := next(d for d in self.menus[model_name] if d["name"] == drafter))["own"]:
+            names = item["draft_models"]
+            need = "a draft model" if drafter == "draft" else f"a trained {drafter} head"
             raise FieldError("draft_model", f"drafter {drafter!r} needs {need} (served for this model: {', '.join(names) or 'none'})")
         try:
             make_drafter(drafter, self.models[model_name].module, draft_model=obj)
@@ -86,7 +85,7 @@ class Served:
         """Every drafter for this model: available or not (with the reason), and the draft models that fit it."""
         module = self.models[name].module
         menu = []
-        for drafter in KNOWN[1:]:
+        for drafter in DRAFTERS:
             fits = [e.name for e in self.drafts.values() if e.name != name and _fits(module, drafter, e)]
             own = drafter == "ngram" or (drafter == "mtp" and _builds(module, "mtp", None) is None)
             item = {"name": drafter, "available": own or bool(fits), "own": own, "draft_models": fits}
@@ -98,7 +97,7 @@ class Served:
 
 
 def _kind_text(kind: str) -> str:
-    return "a draft model" if kind == "model" else f"a {kind} head"
+    return "a draft model" if kind == "model" else f"a trained {kind} head"
 
 
 def _fits(module, drafter: str, entry: DraftEntry) -> bool:
