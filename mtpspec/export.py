@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +50,10 @@ class ExportCheck:
     fp64_rel_diff: float | None = None  # max |ours - hf| / max |logits|, both in fp64 (None: not run)
 
 
-# fp64: our model and transformers' (its internal fp32 casts made fp64, see load_hf_fp64) agree to
+# fp64: our model and transformers' (its fp64 twin, see mtpspec.hf_reference) agree to
 # FP64_TOL of the logits' scale. Measured on an AMD EPYC: <= 1.6e-15 (a few fp64 ulps) for
-# stories260K, the demo and the tiny random hybrids at 5-130 tokens, <= 4e-14 for tiny random
+# stories260K, the demo, the tiny random hybrids at 5-130 tokens and rope-scaled (llama3, linear)
+# Llamas (7e-16; their scaled rotary tables in fp64 too: left in fp32 they gave 1.6e-9), <= 4e-14 for tiny random
 # Qwen3-Next (mixture of experts: the routing weights sum in another order); a real difference is far
 # larger (a norm eps of 1e-5 for 1e-6 moves the tiny hybrid's logits by 0.5 of their scale).
 FP64_TOL = 1e-9
@@ -251,41 +251,17 @@ def load_hf(directory: str | Path):
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
-def load_hf_fp64(directory: str | Path):
-    """transformers' causal LM for a directory in fp64, its internal fp32 casts (RMSNorm, rotary
-    tables, softmax, the delta rule) made fp64: the same source with `torch.float32` / `torch.float` /
-    `.float()` read as fp64, loaded as a separate module. None when that source does not load."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def _hf_fp64_or_none(directory: str | Path):
+    """transformers' causal LM for a directory as its fp64 twin (mtpspec.hf_reference: its fixed fp32
+    casts made fp64, the maths untouched). None when this transformers' source cannot be twinned."""
+    from .errors import ModelLoadError
+    from .hf_reference import load_hf_fp64 as twin
 
     _quiet_transformers()
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(directory)))]
     try:
-        cls64 = getattr(_fp64_module(cls.__module__), cls.__name__)
-    except Exception:  # noqa: BLE001 - another transformers version's source: no fp64 reference
+        return twin(directory)
+    except ModelLoadError:  # another transformers version's source: no fp64 reference
         return None
-    model = cls64.from_pretrained(str(directory), dtype=torch.float64).eval()
-    if getattr(model.config, "num_experts", 0):
-        model.set_experts_implementation("eager")  # the grouped-mm experts kernel has no fp64
-    return model
-
-
-@functools.lru_cache(maxsize=None)
-def _fp64_module(name: str):
-    """transformers' modeling module `name` re-executed with its fp32 casts read as fp64."""
-    import importlib
-    import re
-    import sys
-    import types
-
-    src_mod = importlib.import_module(name)
-    src = Path(src_mod.__file__).read_text()
-    src = re.sub(r"torch\.float32\b|torch\.float\b(?!\d)", "torch.float64", src).replace(".float()", ".double()")
-    mod = types.ModuleType(name + "_fp64")
-    mod.__package__, mod.__file__ = src_mod.__package__, src_mod.__file__
-    sys.modules[mod.__name__] = mod
-    exec(compile(src, src_mod.__file__, "exec", dont_inherit=True), mod.__dict__)  # noqa: S102 - transformers' source
-    return mod
 
 
 def _quiet_transformers() -> None:
@@ -314,7 +290,7 @@ def check_export(module, directory: str | Path, tokens: list[int], hf_model=None
     tol = FP32_FLOOR * torch.finfo(torch.float32).eps * scale + FP32_SENS * sens  # (T,)
     ratio = float((diff / tol).max()) if scale > 0 else float(diff.max() > 0)
     rel64 = None
-    hf64 = load_hf_fp64(directory) if fp64 else None
+    hf64 = _hf_fp64_or_none(directory) if fp64 else None
     if hf64 is not None:
         rel64 = float((hf64(ids[None]).logits[0] - exact).abs().max()) / max(float(exact.abs().max()), 1e-300)
     ok = ratio <= 1.0 and (rel64 is None or rel64 <= FP64_TOL)

@@ -297,3 +297,36 @@ def test_export_mixture_of_experts_as_qwen3_next(tmp_path):
     assert back.mtp is not None
     sd = back.state_dict()
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+
+
+def test_export_check_fp64_reference_is_fp64_throughout(tmp_path):
+    """check_export's fp64 reference (transformers' twin from the written directory, mtpspec.hf_reference)
+    takes no float32 step: not in its forward, not in its rotary tables (which transformers' weight
+    initialisation would otherwise recompute in fp32 after loading)."""
+    from mtpspec.hf_reference import float32_ops, load_hf_fp64
+
+    d = export_hf(_tiny_hybrid(False), tmp_path / "hf", bos_id=None, eos_id=0)
+    hf64 = load_hf_fp64(d)
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert hf64(ids).logits.dtype == torch.float64 and float32_ops(hf64, ids) == []
+        assert float32_ops(load_hf(d), ids) != []  # transformers' own fp32 model in the same process: still fp32
+    rotary = [m for m in hf64.modules() if hasattr(m, "original_inv_freq")]
+    assert rotary and all(torch.equal(m.inv_freq, type(m)(config=m.config).inv_freq) for m in rotary)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "llama-linear"])
+def test_export_rope_scaled_llama_checks_in_fp64(tmp_path, kind):
+    """A Llama with scaled rope (Llama 3.x, linear) exports and passes the check in fp64: the twin's
+    scaled rotary tables are computed in fp64 too. Measured 7e-16 / 5e-16 of the logits' scale; with
+    the tables left in fp32 (transformers' rope-scaling functions) it was 7e-10 / 1.6e-9 (linear failed)."""
+    from mtpspec.loading import load_checkpoint
+    from qwen35_tiny import save_hf
+
+    save_hf(kind, tmp_path / "src", mtp=False)
+    ours, tok = load_checkpoint(tmp_path / "src", dtype="fp32")
+    d = export_hf(ours, tmp_path / "hf", tokenizer=tok)
+    assert json.loads((d / "config.json").read_text())["rope_parameters"]["rope_type"] != "default"
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    chk = check_export(ours, d, ids)
+    assert chk.ok and chk.fp64_rel_diff is not None and chk.fp64_rel_diff <= FP64_TOL, chk

@@ -5,9 +5,6 @@ name. Plus the loader's errors for the near misses a user makes (a GPT-2 directo
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import importlib
 import json
 import math
 import shutil
@@ -18,6 +15,7 @@ import torch.nn.functional as F
 
 from mtpspec.cli import main
 from mtpspec.errors import ModelLoadError
+from mtpspec.hf_reference import float32_ops, hf_fp64_copy
 from mtpspec.loading import load_checkpoint
 from mtpspec.loading.hf import config_from_hf
 from mtpspec.models.common import causal_attention, scale_inv_freq
@@ -147,55 +145,19 @@ def test_logits_match_transformers(ckpt):
     assert off > 1e-2 * scale, f"{kind}: without the feature only {off:.3g} off"
 
 
-class _Float64Names:
-    """Stands in for `torch` inside transformers' dense modeling files and rope utils: float32 / float name float64."""
-
-    float32 = float = torch.float64
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def hf_fp64():
-    """transformers' dense models in float64 throughout: their fixed float32 casts (RMSNorm, the rotary
-    tables, the rope-scaling functions) name float64 instead, and `.float()` leaves float64 alone."""
-    mods = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in ("llama", "mistral", "qwen2", "qwen3")]
-    mods.append(importlib.import_module("transformers.modeling_rope_utils"))
-    saved, orig_float = [m.torch for m in mods], torch.Tensor.float
-
-    def no_downcast(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else orig_float(self, *args, **kwargs)
-
-    try:
-        for m in mods:
-            m.torch = _Float64Names()
-        torch.Tensor.float = no_downcast
-        yield
-    finally:
-        torch.Tensor.float = orig_float
-        for m, t in zip(mods, saved):
-            m.torch = t
-
-
 def test_logits_match_transformers_in_float64(ckpt):
-    """The proof: in float64 (transformers' rotary frequencies, scaled ones included, recomputed by its own
-    functions in float64) the two agree to 1e-9 of the logits' scale. Measured <= 8e-16 for every kind, so
-    summation order cannot decide it; the same checkpoint without its feature is > 1e-2 off (asserted above)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+    """The proof: in float64 (transformers' fp64 twin, mtpspec.hf_reference: its rotary frequencies, scaled
+    ones included, computed by its own functions in float64) the two agree to 1e-9 of the logits' scale.
+    Measured <= 8e-16 for every kind, so summation order cannot decide it; the same checkpoint without its
+    feature is > 1e-2 off (asserted above). The twin's rope tables take no float32 step (asserted here)."""
     kind, d, ref, _, _ = ckpt
-    ref = copy.deepcopy(ref).double()
-    with hf_fp64():
-        for m in ref.modules():
-            if hasattr(m, "inv_freq"):
-                fn = ROPE_INIT_FUNCTIONS.get(m.rope_type)
-                inv_freq, _ = fn(m.config, "cpu") if fn else m.compute_default_rope_parameters(m.config)
-                assert inv_freq.dtype == torch.float64
-                m.inv_freq, m.original_inv_freq = inv_freq, inv_freq.clone()
+    ref = hf_fp64_copy(ref)
+    for m in ref.modules():
+        if hasattr(m, "original_inv_freq"):
+            assert float32_ops(type(m), config=m.config) == [], kind
+            assert torch.equal(m.inv_freq, type(m)(config=m.config).inv_freq) and m.inv_freq.dtype == torch.float64
     ours, _ = load_checkpoint(d, dtype=torch.float64, with_tokenizer=False)
-    with hf_fp64():
-        want = _steps(_theirs(ref), torch.Generator().manual_seed(0))
+    want = _steps(_theirs(ref), torch.Generator().manual_seed(0))
     got = _steps(_ours(ours), torch.Generator().manual_seed(0))
     assert got.dtype == want.dtype == torch.float64
     err, scale = (got - want).abs().max().item(), want.abs().max().item()

@@ -1,0 +1,171 @@
+"""transformers' models as a float64 reference: the one way mtpspec runs them in fp64.
+
+Why: transformers' modeling files cast to float32 in fixed places whatever the model's dtype, so a
+`.double()`d model still rounds to fp32 there: `x.to(torch.float32)` (RMSNorm, the gated RMSNorm,
+the causal conv and gated-delta-rule fallbacks), `dtype=torch.float` (rotary tables, the MoE router
+softmax, the rope-scaling functions of modeling_rope_utils), `softmax(..., dtype=torch.float32)`
+(eager attention) and `Tensor.float()` (zero-centred RMSNorm, A_log / softplus in the DeltaNet,
+the rotary positions). Parity "in fp64" would then measure their fp32 rounding, not the function.
+
+How: an fp64 twin of a modeling module is the module's own source, compiled again from its syntax
+tree with exactly three rewrites and executed as a separate module (`<name>_fp64`):
+
+- the attribute `torch.float32` or `torch.float` reads `torch.float64`;
+- a method call `<expr>.float(...)` reads `<expr>.double(...)`;
+- `from ...modeling_rope_utils import ...` imports the twin of modeling_rope_utils (same rewrites),
+  so scaled rotary frequencies (llama3, linear, dynamic, ...) are computed in fp64 too. The
+  rotary buffers a twin model ends up with are its rotary modules' own (their twinned __init__):
+  transformers' weight initialisation would overwrite them with fp32 ones (_rotary_in_fp64).
+
+Only the dtype of those casts changes: every operation, its order, every eps and constant is
+transformers' code as written. A source that names float32 in any other way (an alias, a string
+dtype) is refused (ModelLoadError) rather than twinned with an fp32 cast left in; the tests also
+watch every op of a twin's forward for a float32 result (float32_ops). Nothing is patched: transformers'
+own modules, `torch` and `torch.Tensor` are untouched, so fp32 models in the same process compute
+exactly as before.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import importlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+# helper modules of transformers whose fp32 casts the modeling files call into: twinned as well
+_TWINNED_HELPERS = ("transformers.modeling_rope_utils",)
+_FP32_NAMES = ("float32", "float")
+
+
+def fp64_class(cls: type) -> type:
+    """The fp64 twin of a transformers model class (same name, in `<its module>_fp64`)."""
+    return getattr(_fp64_module(cls.__module__), cls.__name__)
+
+
+def load_hf_fp64(directory: str | Path):
+    """transformers' causal LM for a directory (the class its config.json names), as an fp64 twin, eval mode."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(directory)))]
+    return _ready(fp64_class(cls).from_pretrained(str(directory), dtype=torch.float64))
+
+
+def hf_fp64_copy(model):
+    """The fp64 twin of a loaded transformers model: same config, its weights in fp64, eval mode.
+    Non-persistent buffers (rotary inverse frequencies) are recomputed by the twin, in fp64."""
+    twin = fp64_class(type(model))._from_config(copy.deepcopy(model.config), dtype=torch.float64)
+    twin.load_state_dict({k: v.to(torch.float64) for k, v in model.state_dict().items()})
+    return _ready(twin)
+
+
+def float32_ops(fn, *args, **kwargs) -> list[str]:
+    """The aten ops that produced a float32 tensor while `fn(*args, **kwargs)` ran (a twin: none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen: list[str] = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tree_leaves(out)):
+                seen.append(str(func))
+            return out
+
+    with _Watch():
+        fn(*args, **kwargs)
+    return seen
+
+
+def _ready(model):
+    for m in model.modules():
+        if hasattr(m, "original_inv_freq"):
+            _rotary_in_fp64(m)
+    if getattr(model.config, "num_experts", 0):
+        model.set_experts_implementation("eager")  # the grouped-mm experts kernel has no fp64
+    return model.eval()
+
+
+def _rotary_in_fp64(rotary) -> None:
+    """Give a twin's rotary module the inverse frequencies its own (twinned) __init__ computes, in fp64.
+
+    transformers' PreTrainedModel._init_weights (modeling_utils, not twinned) recomputes them after
+    construction with the original rope-scaling functions, in fp32: that result is replaced."""
+    try:
+        fresh = type(rotary)(config=rotary.config)
+    except Exception as e:  # noqa: BLE001 - another transformers version's rotary module
+        raise ModelLoadError(f"no fp64 reference: {type(rotary).__name__}(config=...) failed ({type(e).__name__}: {e})") from None
+    for name, buf in fresh.named_buffers(recurse=False):
+        if "inv_freq" in name:
+            setattr(rotary, name, buf)
+
+
+class _Fp64Casts(ast.NodeTransformer):
+    """The three rewrites (module docstring); `package` resolves relative imports."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def visit_Attribute(self, node: ast.Attribute):
+        self.generic_visit(node)
+        if isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr in _FP32_NAMES:
+            return ast.copy_location(ast.Attribute(value=node.value, attr="float64", ctx=node.ctx), node)
+        return node
+
+    def visit_Call(self, node: ast.Call):
+        self.generic_visit(node)
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "float":  # Tensor.double takes .float's arguments
+            node.func = ast.copy_location(ast.Attribute(value=f.value, attr="double", ctx=f.ctx), f)
+        return node
+
+    def visit_ImportFrom(self, node: ast.ImportFrom):
+        name = importlib.util.resolve_name("." * node.level + (node.module or ""), self.package)
+        if name in _TWINNED_HELPERS:
+            return ast.copy_location(ast.ImportFrom(module=_fp64_module(name).__name__, names=node.names, level=0), node)
+        return node
+
+
+def _fp32_left(tree: ast.AST) -> list[int]:
+    """Lines that still name float32 after the rewrites (`from torch import float32`, `x.float32`, "float32")."""
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module == "torch" and any(a.name in _FP32_NAMES for a in n.names):
+            lines.append(n.lineno)
+        elif isinstance(n, ast.Attribute) and n.attr == "float32":
+            lines.append(n.lineno)
+        elif isinstance(n, ast.Constant) and n.value in ("float32", "fp32"):
+            lines.append(n.lineno)
+    return lines
+
+
+@functools.lru_cache(maxsize=None)
+def _fp64_module(name: str) -> types.ModuleType:
+    """The fp64 twin of module `name`: its source, rewritten (_Fp64Casts), executed as `<name>_fp64`."""
+    src_mod = importlib.import_module(name)
+    path = src_mod.__file__
+    try:
+        tree = _Fp64Casts(src_mod.__package__).visit(ast.parse(Path(path).read_text(), path))
+        left = _fp32_left(tree)
+        if left:
+            raise ModelLoadError(f"{path} names float32 in a way the fp64 reference cannot rewrite (line {left[0]})")
+        code = compile(ast.fix_missing_locations(tree), path, "exec", dont_inherit=True)
+        mod = types.ModuleType(name + "_fp64")
+        mod.__package__, mod.__file__ = src_mod.__package__, path
+        sys.modules[mod.__name__] = mod  # its classes' __module__ must resolve (transformers looks them up)
+        exec(code, mod.__dict__)  # noqa: S102 - transformers' own source, casts rewritten
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - another transformers version's source
+        sys.modules.pop(name + "_fp64", None)
+        raise ModelLoadError(f"no fp64 reference for {name}: its source did not load rewritten ({type(e).__name__}: {e})") from None
+    return mod
