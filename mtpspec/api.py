@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .drafters import make_drafter
-from .engine import generate_tokens
+from .engine import check_count, check_prompt, generate_tokens
 from .errors import ConfigError
 from .loading import load_checkpoint
 from .sampling import Sampler, SamplingParams
@@ -35,6 +35,19 @@ class Model:
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: e.g. bytes a UTF-8 terminal could not decode
+                raise ConfigError(f"the prompt is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}") from None
+            return self.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and not prompt.is_floating_point():
+            return prompt.tolist()
+        raise ConfigError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
 
     def generate(
         self,
@@ -60,26 +73,42 @@ class Model:
         trace=True fills each StepRecord's timing and target probabilities (see engine.generate_tokens).
         on_text gets each step's new text, on_tokens its new token ids.
         """
+        for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
+            if f is not None and not callable(f):
+                raise ConfigError(f"{name} must be a function, got {type(f).__name__}")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        sampler = Sampler(params, seed)
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import AdaptiveDepth
 
             depth_policy, k = AdaptiveDepth(k_max=8), 8
-        if not isinstance(k, int) or k < 1:
-            raise ConfigError(f"k (draft length) must be >= 1, got {k}")
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        dm = draft_model.module if isinstance(draft_model, Model) else draft_model  # a path is loaded by the drafter
-        d = make_drafter(drafter, self.module, draft_model=dm, **drafter_options)
+        check_count("k (draft length)", k, 1)
+        check_count("max-new-tokens", max_new_tokens, 0)
+        ids = self._prompt_ids(prompt)
+        check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
+        d = make_drafter(drafter, self.module, draft_model=_draft_arg(draft_model, drafter), **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
         if on_tokens is not None:
             callback = on_tokens if callback is None else (lambda toks, text=callback: (on_tokens(toks), text(toks)))
-        res = generate_tokens(self.module, ids, d, k, Sampler(params, seed), max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace, exact)
+        res = generate_tokens(self.module, ids, d, k, sampler, max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace, exact)
         if on_text is not None:
             tail = stream.flush()
             if tail:
                 on_text(tail)
         return replace(res, text=self.tokenizer.decode(res.tokens, prev=ids[-1]))
+
+
+def _draft_arg(draft_model, drafter: str):
+    """What make_drafter gets: a loaded Model's module (a draft model), a path, a head, or None."""
+    if isinstance(draft_model, Model):
+        if drafter in ("mtp", "eagle", "medusa"):
+            raise ConfigError(
+                f"--drafter {drafter} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
+                "not a loaded model (a loaded model is a draft model for --drafter draft)"
+            )
+        return draft_model.module
+    return draft_model
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32") -> Model:

@@ -67,17 +67,18 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, an integer in [0, 2**64)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--exact", action="store_true",
                    help="bit-exact mode: every decode forward k+1 rows wide with row-exact attention")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
-    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
-    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest n-gram matched")
+    p.add_argument("--ngram-min", type=int, default=None, help="prompt lookup: shortest n-gram matched (default 1)")
+    p.add_argument("--ngram-max", type=int, default=None, help="prompt lookup: longest n-gram matched (default 3)")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
+    """Model.generate keyword arguments; drafter options left unset are None (make_drafter skips them)."""
     return dict(
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
@@ -93,20 +94,33 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p, default=None)
 
 
+class _Echo:
+    """Streams text to stdout, the prompt first."""
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt: str | None = prompt
+
+    def __call__(self, text: str) -> None:
+        if self.prompt is not None:
+            text, self.prompt = self.prompt + text, None
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
 @command("generate")(_generate_args)
 def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
     use_threads(args.threads)
     model = load(args.model, args.tokenizer, args.dtype)
-    on_text = None
-    if not args.json:
-        on_text = lambda s: (sys.stdout.write(s), sys.stdout.flush())  # noqa: E731
-        sys.stdout.write(args.prompt)
+    on_text, echo = None, _Echo(args.prompt)
+    if not args.json:  # the prompt is echoed with the first text: after every setting has been validated
+        on_text = echo
     res = model.generate(args.prompt, on_text=on_text, **generation_kwargs(args))
     if args.json:
         print(json.dumps(res.to_json()))
     else:
+        echo("")  # the prompt, if no text came
         s = res.stats
         sys.stdout.write("\n")
         print(

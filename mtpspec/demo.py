@@ -32,7 +32,7 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
         for j, p in enumerate(prompts):
             for i in order.sample(range(len(runs)), len(runs)):  # a fresh order each time: no run always follows another
                 _, drafter, k = runs[i]
-                r = target.generate(p, drafter=drafter, k=k, draft_model=draft, max_new_tokens=max_new_tokens)
+                r = target.generate(p, drafter=drafter, k=k, draft_model=draft if drafter == "draft" else None, max_new_tokens=max_new_tokens)
                 results[i, j] = r
                 seconds[i, j] = min(seconds.get((i, j), float("inf")), r.stats.wall_seconds)
     refs = [results[0, j] for j in range(len(prompts))]

@@ -43,11 +43,26 @@ class DepthPolicy(Protocol):
     def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None: ...
 
 
-def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int | None = None) -> None:
     if not prompt:
         raise ConfigError("the prompt must hold at least one token (BOS)")
     if len(prompt) > max_seq_len:
         raise ConfigError(f"prompt of {len(prompt)} tokens is longer than the model's context of {max_seq_len}")
+    bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+    if bad:
+        raise ConfigError(f"prompt token ids must be integers, got {bad[0]!r}")
+    if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        t = min(prompt) if min(prompt) < 0 else max(prompt)
+        raise ConfigError(f"prompt token id {t} is outside the model's vocabulary [0, {vocab_size})")
+
+
+def check_count(name: str, n, minimum: int) -> int:
+    """An integer setting (bools and floats refused, never truncated)."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ConfigError(f"{name} must be an integer, got {n!r}")
+    if n < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {n}")
+    return n
 
 
 def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:
@@ -106,15 +121,15 @@ def generate_tokens(
     exact=True makes every decode forward k+1 rows wide (plain steps included) with row-exact
     attention, so a position's logits are bitwise the same however many drafts shared its pass.
     """
-    if k < 1:
-        raise ConfigError(f"k (draft length) must be >= 1, got {k}")
-    if max_new_tokens < 0:
-        raise ConfigError(f"max-new-tokens must be >= 0, got {max_new_tokens}")
-    check_prompt(prompt, target.max_seq_len)
+    check_count("k (draft length)", k, 1)
+    check_count("max-new-tokens", max_new_tokens, 0)
+    check_prompt(prompt, target.max_seq_len, getattr(target, "vocab_size", None))
+    k = min(k, target.max_seq_len)  # no draft is longer than the context (and Metrics sizes by k)
     metrics = Metrics(k)
     cache = target.new_cache()
     cache.exact = exact
-    buf = torch.empty(len(prompt) + max_new_tokens + 1, dtype=torch.long)  # preallocated token buffer
+    # the context never outgrows the model's: max_seq_len tokens in the cache + the last one emitted
+    buf = torch.empty(min(len(prompt) + max_new_tokens, target.max_seq_len + 1) + 1, dtype=torch.long)  # preallocated token buffer
     buf[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     context = buf[: len(prompt)]  # (L,) a view that grows by the emitted tokens, never copied
     new: list[int] = []

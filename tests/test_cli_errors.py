@@ -2,6 +2,8 @@
 
 import pytest
 
+import mtpspec
+
 from mtpspec.cli import main
 
 
@@ -94,3 +96,157 @@ def test_draft_model_with_other_vocabulary(capsys, model_args, tmp_path, assets)
 def test_threads_below_one(capsys, model_args, cmd):
     rc, err = run(capsys, *cmd, *model_args, "--threads", "0")
     assert rc == 2 and "--threads must be >= 1, got 0" in err and "Traceback" not in err
+
+
+# --- crashes found by the hunt of issue 12 (each was a traceback) -------------------------------------
+
+HEADS = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "heads"
+
+
+def run_out(capsys, *argv):
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize("n", [1, 64, 511])
+def test_draft_vocab_with_a_head_folder_needs_a_ranking(capsys, model_args, n):
+    """A head shares the target's LM head; stories260K has no token ranking, so a subset is a clear error."""
+    rc, out, err = run_out(capsys, "generate", "hi", *model_args, "--drafter", "mtp", "--draft-model",
+                           str(HEADS / "stories260K-mtp"), "--draft-vocab", str(n))
+    assert rc == 2 and "needs the model's token ranking" in err and out == ""
+
+
+@pytest.mark.parametrize("n", [0, 512, 4096])
+def test_draft_vocab_full_with_a_head_folder_runs(stories, n):
+    ref = stories.generate("Once upon a time", max_new_tokens=12).tokens
+    for kind in ("mtp", "eagle"):
+        r = stories.generate("Once upon a time", drafter=kind, draft_model=str(HEADS / f"stories260K-{kind}"), k=3,
+                             draft_vocab=n, max_new_tokens=12)
+        assert r.tokens == ref
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft", "mtp", "eagle", "medusa"])
+@pytest.mark.parametrize("t", [1e-38, 1e-320, 1e39, float("inf")])
+def test_extreme_temperatures_run(stories, stories_q80, drafter, t):
+    dm = {"draft": stories_q80, "mtp": str(HEADS / "stories260K-mtp"), "eagle": str(HEADS / "stories260K-eagle"),
+          "medusa": str(HEADS / "stories260K-medusa")}.get(drafter)
+    r = stories.generate("Once upon a time", drafter=drafter, draft_model=dm, k=3, temperature=t, seed=3, max_new_tokens=12)
+    assert len(r.tokens) == 12 and all(0 <= x < 512 for x in r.tokens)
+    if t < 1e-30:  # the limit T -> 0: stories260K has no exact ties, so this is greedy decoding
+        assert r.tokens == stories.generate("Once upon a time", max_new_tokens=12).tokens
+
+
+def test_temperature_limits_are_distributions():
+    """T -> 0: uniform over the tied argmaxes; T = inf or beyond float32: uniform over the allowed tokens
+    (-inf outside a draft vocabulary, top-k); top-p keeps the most likely tokens by logit order."""
+    import torch
+
+    from mtpspec.sampling import SamplingParams, logits_to_probs
+
+    x = torch.tensor([[1.0, 3.0, 3.0, -2.0, float("-inf")], [-50.0, -40.0, -60.0, -45.0, -70.0]])
+    tiny = logits_to_probs(x, SamplingParams(temperature=1e-38))
+    assert torch.equal(tiny, torch.tensor([[0, 0.5, 0.5, 0, 0], [0, 1.0, 0, 0, 0]]))
+    for t in (1e39, float("inf")):
+        huge = logits_to_probs(x, SamplingParams(temperature=t))
+        assert torch.equal(huge[0], torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0])) and torch.equal(huge[1], torch.full((5,), 0.2))
+        top2 = logits_to_probs(x, SamplingParams(temperature=t, top_k=2))
+        assert torch.equal(top2[1], torch.tensor([0, 0.5, 0, 0.5, 0]))
+        topp = logits_to_probs(x, SamplingParams(temperature=t, top_p=0.3))
+        assert torch.equal(topp[1], torch.tensor([0, 0.5, 0, 0.5, 0]))  # mass 0.2 + 0.2 >= 0.3: the two most likely
+    normal = logits_to_probs(x, SamplingParams(temperature=0.7))  # unchanged where logits / T is representable
+    assert torch.allclose(normal, torch.softmax(x / 0.7, dim=-1), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed, ok", [("0", True), (str(2**64 - 1), True), (str(2**64), False), ("-1", False)])
+def test_seed_range(capsys, model_args, seed, ok):
+    rc, out, err = run_out(capsys, "generate", "hi", *model_args, "--temperature", "1", "--seed", seed, "--max-new-tokens", "3")
+    if ok:
+        assert rc == 0
+    else:
+        assert rc == 2 and "seed must be in [0, 2**64)" in err and out == ""
+
+
+def test_max_new_tokens_beyond_the_context(stories):
+    ids = [1] + [50 + i % 40 for i in range(505)]
+    r = stories.generate(ids, max_new_tokens=10**12)
+    assert r.finish_reason == "context" and len(ids) + len(r.tokens) == 513
+
+
+def test_huge_k_is_capped_by_the_context(stories):
+    ref = stories.generate("Once upon a time", max_new_tokens=16).tokens
+    assert stories.generate("Once upon a time", drafter="ngram", k=10**12, max_new_tokens=16).tokens == ref
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_new_tokens=2.5), "max-new-tokens must be an integer, got 2.5"),
+    (dict(max_new_tokens=None), "max-new-tokens must be an integer, got None"),
+    (dict(temperature="1"), "temperature must be a number, got '1'"),
+    (dict(top_k=2.5), "top-k must be an integer, got 2.5"),
+    (dict(top_p=None), "top-p must be a number"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(k=2.5), "k (draft length) must be an integer"),
+    (dict(drafter="ngram", ngram_mx=3), "unknown drafter option 'ngram_mx' (did you mean 'ngram_max'?)"),
+    (dict(drafter="ngram", ngram_max="3"), "--ngram-max must be an integer"),
+    (dict(drafter="ngram", draft_vocab=64), "--draft-vocab is not used by --drafter ngram"),
+    (dict(drafter="medusa", draft_vocab=64, draft_model=str(HEADS / "stories260K-medusa")), "--draft-vocab is not used by --drafter medusa"),
+    (dict(drafter="ngram", draft_model="/nonexistent"), "--draft-model is not used by --drafter ngram"),
+    (dict(drafter="none", draft_model="/nonexistent"), "--draft-model is not used by --drafter none"),
+    (dict(drafter="draft", draft_model=str(HEADS / "stories260K-mtp")), "is a trained head"),
+    (dict(on_text="print"), "on_text must be a function"),
+])
+def test_api_settings_are_checked(stories, kw, message):
+    with pytest.raises(mtpspec.MtpspecError) as e:
+        stories.generate("hi", **kw)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 512], "prompt token id 512 is outside the model's vocabulary [0, 512)"),
+    ([1, -1], "prompt token id -1 is outside"),
+    ([1, 2.0], "prompt token ids must be integers"),
+    ([], "at least one token"),
+    (3, "prompt must be text or a list of token ids"),
+    ("a\udcffb", "lone surrogate"),
+])
+def test_api_bad_prompts(stories, prompt, message):
+    with pytest.raises(mtpspec.MtpspecError) as e:
+        stories.generate(prompt, max_new_tokens=2)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "eagle", "medusa"])
+def test_loaded_model_is_not_a_head(stories, stories_q80, drafter):
+    with pytest.raises(mtpspec.MtpspecError, match="takes a trained head"):
+        stories.generate("hi", drafter=drafter, draft_model=stories_q80, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--drafter", "ngram", "--draft-model", "/nonexistent"], "--draft-model is not used by --drafter ngram"),
+    (["--drafter", "eagle", "--draft-model", str(HEADS / "stories260K-eagle"), "--draft-vocab", "64"], "token ranking"),
+    (["--drafter", "mtp", "--ngram-max", "4"], "--ngram-max is not used by --drafter mtp"),
+    (["--drafter", "ngram", "--temperature", "1", "--seed", "18446744073709551616"], "seed must be in [0, 2**64)"),
+])
+def test_cli_refuses_before_echoing_the_prompt(capsys, model_args, flags, message):
+    rc, out, err = run_out(capsys, "generate", "Once upon a time", *model_args, *flags)
+    assert rc == 2 and message in err and out == ""  # nothing printed: validated before the prompt is echoed
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle", "medusa"])
+def test_head_for_another_model(capsys, kind):
+    rc, out, err = run_out(capsys, "generate", "def f():", "--model", "demo", "--drafter", kind,
+                           "--draft-model", str(HEADS / f"stories260K-{kind}"), "--max-new-tokens", "4")
+    assert rc == 2 and "head was trained for hidden 64 / vocabulary 512" in err and out == ""
+
+
+def test_demo_as_draft_model_for_stories(capsys, model_args):
+    rc, out, err = run_out(capsys, "generate", "hi", *model_args, "--drafter", "draft", "--draft-model", "demo")
+    assert rc == 2 and "vocabulary (4096) differs from the target's (512)" in err and out == ""
+
+
+def test_prompt_echoed_when_nothing_is_generated(capsys, model_args):
+    rc, out, err = run_out(capsys, "generate", "Once upon a time", *model_args, "--max-new-tokens", "0")
+    assert rc == 0 and out == "Once upon a time\n"

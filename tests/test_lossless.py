@@ -21,7 +21,7 @@ def plain(stories):
 def test_greedy_identical_to_plain(stories, stories_q80, plain, drafter, k):
     accepted = 0
     for prompt, ref in zip(PROMPTS, plain):
-        r = stories.generate(prompt, drafter=drafter, k=k, draft_model=stories_q80, max_new_tokens=N)
+        r = stories.generate(prompt, drafter=drafter, k=k, draft_model=stories_q80 if drafter == "draft" else None, max_new_tokens=N)
         assert r.tokens == ref, f"{drafter} k={k} differs from plain on {prompt!r}"
         assert r.stats.target_forwards < len(ref) or drafter == "ngram"
         accepted += r.stats.accepted_tokens
@@ -35,7 +35,7 @@ def test_ngram_options_stay_lossless(stories, plain):
 
 def test_seeded_sampling_reproduces(stories, stories_q80):
     for drafter in ("none", "ngram", "draft"):
-        runs = [stories.generate(PROMPTS[0], drafter=drafter, draft_model=stories_q80, temperature=0.8, top_p=0.9,
+        runs = [stories.generate(PROMPTS[0], drafter=drafter, draft_model=stories_q80 if drafter == "draft" else None, temperature=0.8, top_p=0.9,
                                  seed=7, max_new_tokens=40).tokens for _ in range(2)]
         assert runs[0] == runs[1]
     other = stories.generate(PROMPTS[0], temperature=0.8, seed=8, max_new_tokens=40).tokens
@@ -49,7 +49,7 @@ def test_stop_token_inside_an_accepted_draft(stories, stories_q80, plain):
     cut = ref[: ref.index(stop)]
     ids = stories.encode(PROMPTS[0])
     for drafter in ("none", "draft"):
-        d = make_drafter(drafter, stories.module, draft_model=stories_q80.module)
+        d = make_drafter(drafter, stories.module, draft_model=stories_q80.module if drafter == "draft" else None)
         r = generate_tokens(stories.module, ids, d, 8, Sampler(SamplingParams()), N, stop_ids=(stop,))
         assert r.tokens == cut and r.finish_reason == "stop"
 
@@ -66,5 +66,5 @@ def test_context_end(stories, stories_q80):
     ref = stories.generate(ids, max_new_tokens=50)
     assert ref.finish_reason == "context" and len(ref.tokens) == 512 - 509 + 1
     for drafter in ("ngram", "draft"):
-        r = stories.generate(ids, drafter=drafter, k=8, draft_model=stories_q80, max_new_tokens=50)
+        r = stories.generate(ids, drafter=drafter, k=8, draft_model=stories_q80 if drafter == "draft" else None, max_new_tokens=50)
         assert r.tokens == ref.tokens and r.finish_reason == "context"

@@ -56,7 +56,7 @@ def test_first_two_tokens_follow_the_target_distribution(stories, stories_q80, d
     counts: dict[tuple[int, int], int] = {}
     drafted = 0
     for seed in range(n):
-        r = stories.generate(ids, drafter=drafter, k=k, draft_model=stories_q80, temperature=PARAMS.temperature,
+        r = stories.generate(ids, drafter=drafter, k=k, draft_model=stories_q80 if drafter == "draft" else None, temperature=PARAMS.temperature,
                              top_p=PARAMS.top_p, seed=seed, max_new_tokens=2)
         cell = tuple(r.tokens)
         counts[cell] = counts.get(cell, 0) + 1

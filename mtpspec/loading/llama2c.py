@@ -18,6 +18,7 @@ from ..models.dense import DenseConfig, DenseLM
 
 MAGIC = 0x616B3432  # "ak42"
 HEADER_V1 = 256
+MAX_SEQ_LEN = 1 << 20  # beyond any llama2.c model; a corrupt header must not size RoPE tables and caches by it
 
 
 def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -54,6 +55,8 @@ class _Reader:
 def _config(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len, shared: bool, path: Path) -> DenseConfig:
     if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads or n_heads % n_kv:
         raise ModelLoadError(f"{path}: not a llama2.c checkpoint (implausible header {dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len})")
+    if seq_len > MAX_SEQ_LEN or (dim // n_heads) % 2:
+        raise ModelLoadError(f"{path}: not a llama2.c checkpoint (context {seq_len}, head size {dim // n_heads}: implausible header)")
     return DenseConfig(
         vocab_size=vocab, hidden_size=dim, num_layers=n_layers, num_heads=n_heads, num_kv_heads=n_kv,
         intermediate_size=hidden, max_seq_len=seq_len, norm_eps=1e-5, rope_theta=10000.0,

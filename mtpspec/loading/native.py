@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -33,21 +34,75 @@ NAMES = {"dense": "dense", "qwen35": "Qwen3.5 hybrid"}
 def config_from_dict(d: dict, path: Path):
     d = dict(d)
     arch = d.pop("arch", None)
-    cls = CONFIGS.get(arch)
+    cls = CONFIGS.get(arch) if isinstance(arch, str) else None
     if cls is None:
         raise ModelLoadError(f"{path}: unknown architecture '{arch}' (known: {', '.join(CONFIGS)})")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields)
     if unknown:
         raise ModelLoadError(f"{path}: unknown config field(s) for {arch}: {', '.join(unknown)}")
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for key, value in d.items():
+        t = types[key]
+        ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "bool": lambda v: isinstance(v, bool), "dict | None": lambda v: v is None or isinstance(v, dict),
+              "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
+              "tuple[str, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+              }.get(t, lambda v: True)
+        if not ok(value):
+            raise ModelLoadError(f"{path}: config field {key} must be {'a non-negative integer' if t == 'int' else 'a ' + t}, got {value!r}")
+    windows = d.get("layer_windows")
+    if windows and len(windows) != d.get("num_layers"):
+        raise ModelLoadError(f"{path}: layer_windows has {len(windows)} entries for {d.get('num_layers')} layers")
+    factor = d.get("partial_rotary_factor", 1.0)
+    if not 0 < factor <= 1:
+        raise ModelLoadError(f"{path}: partial_rotary_factor must be in (0, 1], got {factor}")
     if arch == "qwen35":
         bad = sorted({t for t in d.get("layer_types", ()) if t not in LAYER_TYPES})
         if bad:
             raise ModelLoadError(f"{path}: unknown layer type(s) {', '.join(map(repr, bad))} (known: {', '.join(LAYER_TYPES)})")
     try:
         return cls(**d)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: incomplete config for {arch}: {e}") from None
+
+
+MAX_SEQ_LEN = 1 << 22  # RoPE tables and KV caches are sized by the context: a corrupt value must not allocate
+
+
+def _check_sizes(cfg, listing, path: Path) -> None:
+    """The config against the tensors' shapes, before anything is allocated: a corrupt config (a layer
+    count or width no tensor has) is an error, not a hang or an out-of-memory crash."""
+    import re
+
+    from ..models.dense import DenseLM
+    from ..models.qwen35 import HybridLM
+
+    for prefix, n in (("model.layers", cfg.num_layers), ("mtp.layers", getattr(cfg, "mtp_num_layers", 0))):
+        found = {int(m.group(1)) for name, _, _ in listing if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", name))}
+        if len(found) != n or (n and max(found) != n - 1):
+            raise ModelLoadError(f"{path}: the config has {n} {prefix.split('.')[0]} layers, model.safetensors has {len(found)}")
+    experts = {int(m.group(1)) for name, _, _ in listing if (m := re.search(r"\.experts\.(\d+)\.", name))}
+    n_exp = getattr(cfg, "num_experts", 0)
+    if n_exp and (len(experts) != n_exp or max(experts) != n_exp - 1):
+        raise ModelLoadError(f"{path}: the config has {n_exp} experts, model.safetensors has {len(experts)}")
+    if not 0 < cfg.max_seq_len <= MAX_SEQ_LEN:
+        raise ModelLoadError(f"{path}: implausible max_seq_len {cfg.max_seq_len}")
+    shapes = {name: tuple(shape) for name, _, shape in listing}
+    try:
+        with torch.device("meta"):  # shapes only: nothing allocated
+            probe = (HybridLM if isinstance(cfg, HybridConfig) else DenseLM)(cfg)
+    except (ValueError, RuntimeError, TypeError, ZeroDivisionError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:
+        raise ModelLoadError(f"{path}: inconsistent config ({e})") from None
+    for name, p in probe.named_parameters():
+        want = shapes.get(name)
+        if want is not None and want != tuple(p.shape):
+            raise ModelLoadError(f"{path}: {name} is {list(want)} in model.safetensors, {list(p.shape)} by the config")
+    need = sum(p.numel() for p in probe.parameters())  # (missing tensors are named by load_state_strict)
+    have = sum(math.prod(shape) for _, _, shape in listing)
+    if need > 2 * have + (1 << 20):
+        raise ModelLoadError(f"{path}: the config describes {need} parameters, model.safetensors holds {have}")
 
 
 def _write_llama2c_tokenizer(tok: Llama2cTokenizer, path: Path) -> None:
@@ -98,12 +153,19 @@ def load_native(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool 
     weights = path / "model.safetensors"
     if not weights.exists():
         raise ModelLoadError(f"{path}: model.safetensors is missing")
+    listing = list(iter_tensors([weights]))
+    _check_sizes(cfg, listing, path)
     model = build_empty(cfg, dtype)
-    load_state_strict(model, iter_tensors([weights]), path, NAMES[meta["config"]["arch"]])
+    load_state_strict(model, listing, path, NAMES[meta["config"]["arch"]])
     model.token_ranking = read_draft_vocab(path, cfg.vocab_size)  # None without draft_vocab.json
     if not with_tokenizer:
         return model, None
-    stop = tuple(meta.get("stop_ids") or ())
+    stop = meta.get("stop_ids") or ()
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size for t in stop):
+        raise ModelLoadError(f"{path / 'mtpspec.json'}: stop_ids must be token ids below {cfg.vocab_size}, got {meta.get('stop_ids')!r}")
+    stop = tuple(stop)
+    if meta.get("tokenizer") is not None and not isinstance(meta["tokenizer"], str):
+        raise ModelLoadError(f"{path / 'mtpspec.json'}: 'tokenizer' must be a file name, got {meta['tokenizer']!r}")
     tok_path = Path(tokenizer) if tokenizer else (path / meta["tokenizer"] if meta.get("tokenizer") else None)
     if tok_path is None:
         raise ModelLoadError(f"{path}: the checkpoint carries no tokenizer (give one with --tokenizer PATH)")

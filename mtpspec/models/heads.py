@@ -123,6 +123,10 @@ def save_head(head: DraftHead, directory: str | Path) -> Path:
     return d
 
 
+def is_head_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "head.json").exists()
+
+
 def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
     """Strict: every missing or unexpected tensor is named."""
     from safetensors.torch import load_file
@@ -131,21 +135,40 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead
     meta_path = d / "head.json"
     if not meta_path.exists():
         raise ModelLoadError(f"{d}: not a draft head (head.json missing; train one with `mtpspec train head`)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{meta_path}: not a readable head description ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ModelLoadError(f"{meta_path}: not a draft head (format {meta.get('format')!r})")
     try:
         cfg = DraftHeadConfig(**meta["config"])
-    except TypeError as e:
+        _check_config(cfg)
+        head = DraftHead(cfg)
+    except (TypeError, KeyError, ValueError, RuntimeError, ConfigError) as e:
         raise ModelLoadError(f"{meta_path}: bad head config: {e}") from None
-    head = DraftHead(cfg)
-    state = load_file(str(d / "head.safetensors"))
+    try:
+        state = load_file(str(d / "head.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for a corrupt or missing file
+        raise ModelLoadError(f"{d / 'head.safetensors'}: cannot read the head's weights ({e})") from None
     own = head.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ModelLoadError(f"{d}: head tensors missing: {missing or 'none'}; unexpected: {unexpected or 'none'}")
-    head.load_state_dict(state)
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise ModelLoadError(f"{d}: head tensors do not match head.json: {str(e).splitlines()[-1].strip()}") from None
     return head.to(dtype).eval()
+
+
+def _check_config(cfg: DraftHeadConfig) -> None:
+    for name in ("hidden_size", "vocab_size", "max_seq_len", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_medusa"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
+        raise ValueError(f"num_heads {cfg.num_heads} / num_kv_heads {cfg.num_kv_heads} / head_dim {cfg.head_dim} do not fit")
 
 
 def check_fits(head: DraftHead, target) -> None:
@@ -167,6 +190,9 @@ class AttachedHead:
         check_fits(head, target)
         self.target, self.module, self.mtp, self.config = target, head, head.mtp, head.config
         self.max_seq_len = min(target.max_seq_len, head.config.max_seq_len)
+        # what a draft vocabulary (drafters/draft_vocab.py) reads: the target's LM head and token ranking
+        self.vocab_size, self.lm_head = target.vocab_size, target.lm_head
+        self.token_ranking = getattr(target, "token_ranking", None)
 
     def new_mtp_cache(self) -> KVCache:
         c = self.config

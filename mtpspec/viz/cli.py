@@ -32,6 +32,21 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
 
 
+def _check_used(drafters: list[str], kw: dict) -> None:
+    """Every drafter option and --draft-model given must be read by at least one of the drafters
+    (each run gets only its own: drafters.for_drafter)."""
+    from ..drafters import OPTIONS, USES_DRAFT_MODEL
+
+    given = {k: v for k, v in kw.items() if k in ("ngram_min", "ngram_max", "draft_vocab") and v is not None}
+    if kw.get("draft_model") is not None:
+        given["draft_model"] = kw["draft_model"]
+    for opt in given:
+        users = USES_DRAFT_MODEL if opt == "draft_model" else [d for d, o in OPTIONS.items() if opt in o]
+        if not any(d in users for d in drafters):
+            flag = "--" + opt.replace("_", "-")
+            raise ConfigError(f"{flag} is not used by --drafter {', '.join(drafters)}")
+
+
 @command("trace")(_trace_args)
 def run_trace(args: argparse.Namespace) -> int:
     from ..api import load
@@ -50,6 +65,7 @@ def run_trace(args: argparse.Namespace) -> int:
         raise ConfigError("mtpspec trace needs a fixed D: use --k N or --ks 1,2,4")
     kw.pop("k")
     configs = [(d, k) for d in drafters if d != "none" for k in ks]
+    _check_used(drafters, kw)
     if not configs:
         raise ConfigError("nothing to compare: choose a drafter other than 'none' (--drafter ngram, draft, ...)")
     if args.repeat < 1:

@@ -144,6 +144,7 @@ def trace_prompts(
     `gen` are the other Model.generate keyword arguments (temperature, seed, max_new_tokens, ...).
     """
     from ..api import load
+    from ..drafters import for_drafter
 
     if isinstance(draft_model, (str, Path)):
         draft_model = load(draft_model, dtype=getattr(model.module, "dtype", "fp32"))
@@ -151,7 +152,7 @@ def trace_prompts(
     for prompt in prompts:
         group = TraceGroup(prompt)
         runs = [("none", 1)] + list(configs)
-        kws = [dict(gen, drafter=drafter, k=k, draft_model=draft_model) for drafter, k in runs]
+        kws = [for_drafter(dict(gen, drafter=drafter, k=k, draft_model=draft_model)) for drafter, k in runs]  # each its own options
         if warmup:
             for kw in kws:
                 model.generate(prompt, **dict(kw, max_new_tokens=min(8, gen.get("max_new_tokens", 8))))
