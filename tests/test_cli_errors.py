@@ -250,3 +250,24 @@ def test_demo_as_draft_model_for_stories(capsys, model_args):
 def test_prompt_echoed_when_nothing_is_generated(capsys, model_args):
     rc, out, err = run_out(capsys, "generate", "Once upon a time", *model_args, "--max-new-tokens", "0")
     assert rc == 0 and out == "Once upon a time\n"
+
+
+@pytest.mark.parametrize("cmd, message", [
+    (["bench", "--prompts", "tinystories", "--limit", "-1", "--out", "OUT"], "--limit must be >= 1, got -1"),
+    (["bench", "--prompts", "PROMPTS_DIR", "--limit", "1", "--out", "OUT"], "cannot read prompts from it (IsADirectoryError"),
+    (["train", "eval", "--runs", "ngram:2", "--n", "0"], "--n and --repeats must be >= 1, got 0 and 1"),
+    (["train", "eval", "--runs", "ngram:2", "--repeats", "0"], "--n and --repeats must be >= 1, got 8 and 0"),
+    (["train", "eval", "--runs", "mtp:2:vocab=x"], "vocab=N needs an integer N >= 0"),
+    (["train", "eval", "--runs", "ngram:2", "--prompts", "PROMPTS_DIR"], "cannot read prompts from it"),
+    (["trace", "hi", "--drafters", "ngram", "--draft-model", "/nonexistent", "--out", "OUT/t.html"], "--draft-model is not used by --drafter ngram"),
+])
+def test_tools_refuse_bad_settings(capsys, model_args, tmp_path, cmd, message):
+    cmd = [c.replace("PROMPTS_DIR", str(tmp_path)).replace("OUT", str(tmp_path / "out")) for c in cmd]
+    rc, out, err = run_out(capsys, *cmd, *model_args)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_trace_takes_a_head_folder(capsys, model_args, tmp_path):
+    rc, out, err = run_out(capsys, "trace", "Once upon a time", *model_args, "--drafter", "mtp", "--draft-model",
+                           str(HEADS / "stories260K-mtp"), "--ks", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "t.html"))
+    assert rc == 0 and "identical: yes" in err

@@ -72,6 +72,14 @@ def resolve_draft_model(path: str | None, drafters: list[str], tokenizer: str | 
     return dm, {"draft": dm.module}
 
 
+def _read_prompts(load_prompts, source: str, limit: int | None):
+    """load_prompts, with an unreadable file (a folder, not text) a clear error."""
+    try:
+        return load_prompts(source, limit)
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise ConfigError(f"--prompts {source}: cannot read prompts from it ({e.__class__.__name__}: {e})") from None
+
+
 def run_benchmark(
     model_path: str,
     prompts: str,
@@ -115,6 +123,8 @@ def run_benchmark(
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
     if repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {repeat}")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
     if interleave not in ("auto", "step", "run"):
         raise ConfigError(f"--interleave must be auto, step or run, got {interleave!r}")
     phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
@@ -124,7 +134,7 @@ def run_benchmark(
     dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
     for d in drafters:  # bad combinations (a head for another target, no MTP module) fail here, before any timing
         make_drafter(d, model.module, draft_model=draft_models.get(d))
-    plist = load_prompts(prompts, limit)
+    plist = _read_prompts(load_prompts, prompts, limit)
     ids = prepare_ids(model, plist, max_new_tokens)
     phases["load"], t_phase = perf_counter() - t_phase, perf_counter()
 

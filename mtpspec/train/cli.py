@@ -86,6 +86,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     from .evaluate import HEADER, measure_table
 
     use_threads(args.threads)
+    if args.n < 1 or args.repeats < 1:
+        raise ConfigError(f"--n and --repeats must be >= 1, got {args.n} and {args.repeats}")
     model = load(args.model, args.tokenizer)
     if args.prompts == "stdlib":
         from .data import code_prompts, stdlib_files
@@ -98,7 +100,12 @@ def _run_eval(args: argparse.Namespace) -> int:
     else:
         from pathlib import Path
 
-        prompts = [ln for ln in Path(args.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()][: args.n]
+        try:
+            prompts = [ln for ln in Path(args.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()][: args.n]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts {args.prompts}: cannot read prompts from it ({e.__class__.__name__}: {e})") from None
+        if not prompts:
+            raise ConfigError(f"--prompts {args.prompts}: no prompts in it")
     runs = []
     for item in args.runs.split(","):
         parts = item.split(":", 2)
@@ -106,6 +113,8 @@ def _run_eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"--runs items are DRAFTER:D[:HEAD_PATH | :vocab=N] with D >= 1, got {item!r}")
         extra = parts[2] if len(parts) > 2 else None
         if extra is not None and extra.startswith("vocab="):
+            if not extra[6:].isdigit():
+                raise ConfigError(f"--runs: vocab=N needs an integer N >= 0, got {item!r}")
             runs.append((parts[0], int(parts[1]), None, {"draft_vocab": int(extra[6:])}))
         else:
             runs.append((parts[0], int(parts[1]), extra))

@@ -146,7 +146,9 @@ def trace_prompts(
     from ..api import load
     from ..drafters import for_drafter
 
-    if isinstance(draft_model, (str, Path)):
+    from ..models.heads import is_head_dir
+
+    if isinstance(draft_model, (str, Path)) and not is_head_dir(draft_model):  # a head folder goes to its drafter as is
         draft_model = load(draft_model, dtype=getattr(model.module, "dtype", "fp32"))
     groups = []
     for prompt in prompts:
