@@ -34,14 +34,17 @@ class Model:
         return self.module.max_seq_len
 
     def encode(self, prompt: str) -> list[int]:
+        """Text -> token ids (with BOS where the tokenizer adds one); text that is not valid Unicode is a ConfigError."""
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be text, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: e.g. bytes a UTF-8 terminal could not decode
+            raise ConfigError(f"the prompt is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}") from None
         return self.tokenizer.encode(prompt)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate: e.g. bytes a UTF-8 terminal could not decode
-                raise ConfigError(f"the prompt is not valid text: lone surrogate {prompt[e.start]!r} at character {e.start}") from None
             return self.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return list(prompt)

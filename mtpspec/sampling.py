@@ -78,7 +78,8 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         order = torch.sort(raw, dim=-1, descending=True, stable=True).indices
         sorted_p = probs.gather(-1, order)  # (..., V)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= params.top_p  # the top token always survives (mass_before = 0)
+        drop_sorted = mass_before >= params.top_p  # the top token always survives (mass_before = 0) ...
+        drop_sorted[..., 0] = False  # ... even when top_p is below float32's range (compared as 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -380,3 +380,24 @@ def test_hf_config_sizes_beyond_the_weights(tmp_path, hf_dir, field, value):
     cfg[field] = value
     (d / "config.json").write_text(json.dumps(cfg))
     _load_and_run((d,))  # refused, or (a context the KV cache need not fill) loaded and run: never allocated
+
+
+@FUZZ
+@given(
+    logits=st.lists(st.one_of(st.floats(-1e30, 1e30), st.just(float("-inf"))), min_size=2, max_size=12)
+    .filter(lambda xs: any(x > float("-inf") for x in xs)),
+    t=st.one_of(st.floats(min_value=0, exclude_min=True, allow_infinity=True), st.sampled_from([1e-45, 1e-320, 1e39, 5e-324])),
+    top_k=st.integers(0, 12), top_p=st.floats(min_value=0, max_value=1, exclude_min=True),
+)
+def test_sampling_transform_is_a_distribution(logits, t, top_k, top_p):
+    """For any finite logits (-inf = not allowed) and any T > 0: a distribution on the allowed tokens, never NaN."""
+    import torch
+
+    from mtpspec.sampling import SamplingParams, logits_to_probs
+
+    x = torch.tensor(logits)
+    p = logits_to_probs(x, SamplingParams(temperature=t, top_k=top_k, top_p=top_p))
+    assert bool(torch.isfinite(p).all()) and bool((p >= 0).all())
+    assert abs(float(p.double().sum()) - 1.0) < 1e-5  # float32 rounding of a sum of <= 12 terms
+    assert bool((p[x == float("-inf")] == 0).all())
+    assert float(p[x.argmax()]) > 0  # the most likely token always survives
