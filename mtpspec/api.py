@@ -85,10 +85,11 @@ class Model:
             from .adaptive import AdaptiveDepth
 
             depth_policy, k = AdaptiveDepth(k_max=8), 8
-        check_count("k (draft length)", k, 1)
-        check_count("max-new-tokens", max_new_tokens, 0)
+        k = check_count("k (draft length)", k, 1)
+        max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
         ids = self._prompt_ids(prompt)
         check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
+        ids = [int(t) for t in ids]  # (numpy integers too)
         d = make_drafter(drafter, self.module, draft_model=_draft_arg(draft_model, drafter), **drafter_options)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None

@@ -9,6 +9,7 @@ to what was kept (a pointer move for KV, a slot choice for recurrent state).
 from __future__ import annotations
 
 from dataclasses import replace
+from numbers import Integral
 from time import perf_counter
 from typing import Callable, Protocol
 
@@ -45,10 +46,10 @@ class DepthPolicy(Protocol):
 
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int | None = None) -> None:
     if not prompt:
-        raise ConfigError("the prompt must hold at least one token (BOS)")
+        raise ConfigError("the prompt holds no token (give some text, or token ids; this tokenizer may add no BOS)")
     if len(prompt) > max_seq_len:
         raise ConfigError(f"prompt of {len(prompt)} tokens is longer than the model's context of {max_seq_len}")
-    bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+    bad = [t for t in prompt if not isinstance(t, Integral) or isinstance(t, bool)]
     if bad:
         raise ConfigError(f"prompt token ids must be integers, got {bad[0]!r}")
     if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
@@ -58,11 +59,11 @@ def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int | None = N
 
 def check_count(name: str, n, minimum: int) -> int:
     """An integer setting (bools and floats refused, never truncated)."""
-    if not isinstance(n, int) or isinstance(n, bool):
+    if not isinstance(n, Integral) or isinstance(n, bool):
         raise ConfigError(f"{name} must be an integer, got {n!r}")
     if n < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {n}")
-    return n
+    return int(n)
 
 
 def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:
@@ -121,8 +122,8 @@ def generate_tokens(
     exact=True makes every decode forward k+1 rows wide (plain steps included) with row-exact
     attention, so a position's logits are bitwise the same however many drafts shared its pass.
     """
-    check_count("k (draft length)", k, 1)
-    check_count("max-new-tokens", max_new_tokens, 0)
+    k = check_count("k (draft length)", k, 1)
+    max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
     check_prompt(prompt, target.max_seq_len, getattr(target, "vocab_size", None))
     k = min(k, target.max_seq_len)  # no draft is longer than the context (and Metrics sizes by k)
     metrics = Metrics(k)

@@ -7,7 +7,7 @@ so the target (p) and the drafter (q) must go through exactly this transform wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 from torch import Tensor
@@ -20,11 +20,11 @@ SEED_LIMIT = 2**64  # torch generators take a 64-bit seed
 
 def check_seed(seed) -> int:
     """A seed is an integer in [0, 2**64): anything else is a clear error (never reduced silently)."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     if not 0 <= seed < SEED_LIMIT:
         raise ConfigError(f"seed must be in [0, 2**64), got {seed}")
-    return seed
+    return int(seed)
 
 
 def _real(name: str, v) -> None:
@@ -45,7 +45,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _real("temperature", self.temperature)
         _real("top-p", self.top_p)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+        if not isinstance(self.top_k, Integral) or isinstance(self.top_k, bool):
             raise ConfigError(f"top-k must be an integer, got {self.top_k!r}")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
@@ -112,7 +112,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, seed: int = 0) -> None:
         self.params = params
         self.seed = check_seed(seed)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
 
     def probs(self, logits: Tensor) -> Tensor:
         return logits_to_probs(logits, self.params)

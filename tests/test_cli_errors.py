@@ -208,7 +208,7 @@ def test_api_settings_are_checked(stories, kw, message):
     ([1, 512], "prompt token id 512 is outside the model's vocabulary [0, 512)"),
     ([1, -1], "prompt token id -1 is outside"),
     ([1, 2.0], "prompt token ids must be integers"),
-    ([], "at least one token"),
+    ([], "the prompt holds no token"),
     (3, "prompt must be text or a list of token ids"),
     ("a\udcffb", "lone surrogate"),
 ])
