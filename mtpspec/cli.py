@@ -64,7 +64,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", help="none | ngram | draft | mtp | medusa | eagle")
     p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
     p.add_argument("--k", type=parse_k, default=4, help="draft length D per step (>= 1), or 'auto'")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); T -> 0 samples among tied argmaxes, inf uniformly over the allowed tokens")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed, an integer in [0, 2**64)")
