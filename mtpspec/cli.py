@@ -57,7 +57,7 @@ def use_threads(n: int | None) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="llama2.c .bin, HF directory, project checkpoint, or 'demo'")
     p.add_argument("--tokenizer", help="tokenizer file (llama2.c tokenizer.bin) when the model does not carry one")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, or fp64 (slow; every computation in float64, to check results without rounding noise)")
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

@@ -68,3 +68,26 @@ def test_context_end(stories, stories_q80):
     for drafter in ("ngram", "draft"):
         r = stories.generate(ids, drafter=drafter, k=8, draft_model=stories_q80 if drafter == "draft" else None, max_new_tokens=50)
         assert r.tokens == ref.tokens and r.finish_reason == "context"
+
+
+def test_fp64_end_to_end_every_drafter_identical(assets, capsys):
+    """`--dtype fp64` computes in float64 throughout (no float32 cast left in the forward), and the
+    speculative drafters give plain greedy's tokens there too: identity with no rounding to blame."""
+    import json
+
+    import torch
+
+    import mtpspec
+    from mtpspec.cli import main
+
+    m = assets / "models"
+    model = mtpspec.load(m / "stories260K.bin", tokenizer=m / "tok512.bin", dtype="fp64")
+    out = model.module.forward_tokens(torch.tensor([1, 403, 407]), model.module.new_cache())
+    assert out.logits.dtype == torch.float64 and out.hidden.dtype == torch.float64
+    base = ["generate", PROMPTS[0], "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
+            "--dtype", "fp64", "--max-new-tokens", "48", "--json"]
+    runs = {}
+    for extra in ([], ["--drafter", "ngram", "--k", "3"], ["--drafter", "draft", "--draft-model", str(m / "stories260K_q80.bin"), "--k", "4"]):
+        assert main(base + extra) == 0
+        runs[" ".join(extra)] = json.loads(capsys.readouterr().out)["tokens"]
+    assert len(set(map(tuple, runs.values()))) == 1, runs

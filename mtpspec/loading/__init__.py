@@ -11,7 +11,8 @@ from ..errors import ModelLoadError
 from .llama2c import MAGIC, load_llama2c
 from .tokenizer_llama2c import Llama2cTokenizer
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp64": torch.float64, "float64": torch.float64}  # fp64: to prove identities without rounding noise
 
 
 def assets_dir() -> Path:
@@ -23,7 +24,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype '{dtype}' (choose from fp32, bf16)")
+        raise ModelLoadError(f"unknown dtype '{dtype}' (choose from fp32, bf16, fp64)")
     return DTYPES[dtype]
 
 
