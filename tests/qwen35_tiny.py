@@ -8,6 +8,7 @@ drops them), and a small word-level tokenizer.json is written next to them.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -143,3 +144,10 @@ def edit_config(d: Path, **changes) -> None:
     cfg = json.loads(p.read_text())
     cfg.update(changes)
     p.write_text(json.dumps(cfg))
+
+
+def copy_ckpt(src: Path, parent: Path) -> Path:
+    """A writable copy of checkpoint folder `src` at parent/ckpt (tests edit or damage it)."""
+    d = parent / "ckpt"
+    shutil.copytree(src, d)
+    return d

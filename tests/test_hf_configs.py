@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from mtpspec.hf_reference import float32_ops, hf_fp64_copy
 from mtpspec.loading import load_checkpoint
 from mtpspec.loading.hf import config_from_hf
 from mtpspec.models.common import causal_attention, scale_inv_freq
-from qwen35_tiny import EXTRA_KINDS, edit_config, save_hf
+from qwen35_tiny import EXTRA_KINDS, copy_ckpt, edit_config, save_hf
 
 # -- the maths, in float64 / bit for bit ---------------------------------------------------------
 
@@ -335,12 +334,6 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-def _copy(src, tmp_path):
-    d = tmp_path / "ckpt"
-    shutil.copytree(src, d)
-    return d
-
-
 def _load_error(path, capsys) -> str:
     with pytest.raises(ModelLoadError) as e:
         load_checkpoint(path)
@@ -353,7 +346,7 @@ def _load_error(path, capsys) -> str:
 
 
 def test_gpt2_directory_says_the_type_is_unsupported(llama_dir, tmp_path, capsys):
-    d = _copy(llama_dir, tmp_path)
+    d = copy_ckpt(llama_dir, tmp_path)
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 2, "n_head": 4}))
     msg = _load_error(d, capsys)
     assert "model type 'gpt2' is not supported (supported: " in msg and "llama" in msg and "hidden_size" not in msg
@@ -362,7 +355,7 @@ def test_gpt2_directory_says_the_type_is_unsupported(llama_dir, tmp_path, capsys
 
 
 def test_a_safetensors_file_says_to_pass_its_directory(llama_dir, tmp_path, capsys):
-    d = _copy(llama_dir, tmp_path)
+    d = copy_ckpt(llama_dir, tmp_path)
     for f in (d / "model.safetensors", d / "config.json"):
         msg = _load_error(f, capsys)
         assert f"pass the directory ({d})" in msg and "implausible" not in msg
@@ -372,20 +365,20 @@ def test_a_safetensors_file_says_to_pass_its_directory(llama_dir, tmp_path, caps
 
 
 def test_directory_near_misses(llama_dir, tmp_path, capsys):
-    d = _copy(llama_dir, tmp_path)
+    d = copy_ckpt(llama_dir, tmp_path)
     (d / "config.json").unlink()
     assert "no config.json or mtpspec.json" in (msg := _load_error(d, capsys)) and "also needs its config.json" in msg
-    d = _copy(llama_dir, tmp_path / "b")
+    d = copy_ckpt(llama_dir, tmp_path / "b")
     (d / "model.safetensors").unlink()
     assert "no .safetensors files" in _load_error(d, capsys)
-    d = _copy(llama_dir, tmp_path / "c")
+    d = copy_ckpt(llama_dir, tmp_path / "c")
     (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
     assert "shard model-00002-of-00002.safetensors named in the index is missing" in _load_error(d, capsys)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
     assert "no weight_map" in _load_error(d, capsys)
-    d = _copy(llama_dir, tmp_path / "e")
+    d = copy_ckpt(llama_dir, tmp_path / "e")
     (d / "tokenizer.json").unlink()
     assert "no tokenizer.json (give one with --tokenizer PATH)" in _load_error(d, capsys)
     heads = tmp_path / "head"
@@ -404,7 +397,7 @@ def test_foreign_model_files_are_named(tmp_path, capsys):
 
 def test_a_config_far_bigger_than_its_checkpoint_allocates_nothing(llama_dir, tmp_path, capsys):
     """Sizes are checked against the tensors before any memory is allocated (no MemoryError, no hang)."""
-    d = _copy(llama_dir, tmp_path)
+    d = copy_ckpt(llama_dir, tmp_path)
     edit_config(d, num_hidden_layers=5000)
     assert "num_hidden_layers 5000 but the checkpoint holds tensors for 2 layers" in _load_error(d, capsys)
     edit_config(d, num_hidden_layers=2, vocab_size=10**12, intermediate_size=10**11)

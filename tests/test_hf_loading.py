@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -12,19 +11,13 @@ from safetensors.torch import load_file, save_file
 from mtpspec.cli import main
 from mtpspec.errors import ConfigError, ModelLoadError
 from mtpspec.loading import load_checkpoint
-from qwen35_tiny import edit_config, save_hf
+from qwen35_tiny import copy_ckpt, edit_config, save_hf
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("q35")
     save_hf("qwen35", d, mtp=True)
-    return d
-
-
-def _copy(base, tmp_path):
-    d = tmp_path / "ckpt"
-    shutil.copytree(base, d)
     return d
 
 
@@ -49,27 +42,27 @@ def test_mtp_tensors_are_loaded(base):
 
 
 def test_missing_tensor_is_named(base, tmp_path):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     _edit_tensors(d, lambda s: (s.pop("model.layers.2.linear_attn.A_log"), s.pop("mtp.fc.weight")))
     msg = _error(d)
     assert "missing tensors: model.layers.2.linear_attn.A_log, mtp.fc.weight" in msg
 
 
 def test_extra_tensor_is_named(base, tmp_path):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     _edit_tensors(d, lambda s: s.update({"model.layers.0.surprise.weight": torch.zeros(2)}))
     assert "unexpected tensors: model.layers.0.surprise.weight" in _error(d)
 
 
 def test_wrong_shape_is_named(base, tmp_path):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     _edit_tensors(d, lambda s: s.update({"model.norm.weight": torch.zeros(7)}))
     msg = _error(d)
     assert "wrong shapes: model.norm.weight (checkpoint [7], model [32])" in msg and "missing" not in msg
 
 
 def test_unknown_layer_type(base, tmp_path, capsys):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     edit_config(d, layer_types=["linear_attention", "mamba", "linear_attention", "full_attention"])
     assert "unknown layer type(s) 'mamba'" in _error(d)
     assert main(["generate", "w1", "--model", str(d)]) == 2
@@ -78,13 +71,13 @@ def test_unknown_layer_type(base, tmp_path, capsys):
 
 
 def test_unsupported_model_type(base, tmp_path):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     edit_config(d, model_type="gpt2")
     assert "model type 'gpt2' is not supported" in _error(d)
 
 
 def test_no_safetensors_and_no_tokenizer(base, tmp_path):
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     (d / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="no tokenizer.json"):
         load_checkpoint(d)
@@ -97,7 +90,7 @@ def test_multimodal_names_and_deepseek_mtp_names(base, tmp_path):
     """Qwen3_5ForConditionalGeneration layout (model.language_model.*, visual tower ignored) and
     DeepSeek-V3-style MTP names (model.layers.{N}.enorm / hnorm / eh_proj / shared_head.norm) load alike."""
     ref, _ = load_checkpoint(base)
-    d = _copy(base, tmp_path)
+    d = copy_ckpt(base, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
                                                "text_config": cfg, "tie_word_embeddings": False}))
