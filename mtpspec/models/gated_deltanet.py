@@ -9,13 +9,13 @@ Per value head the state S (dk, dv) evolves, for each position t, as
 with q, k L2-normalised (q also scaled by dk^-1/2), beta_t = sigmoid(b_t) and
 g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurrence are implemented:
 
-- `window_delta_rule`, for decode and verify windows (T <= 16): the window is one exact chunk
+- `window_delta_rule`, for decode and verify windows (T <= 64): the window is one exact chunk
   of its own length (no padding to 64). It reads the state once and returns the per-position decays,
   keys and corrections, from which the cache rebuilds the state after ANY position of the window
   (the slot that rollback selects) with one pass over the state. A position-by-position loop would
   pass over every layer's (dk x dv) state ~5 times per position instead.
-- `piece_delta_rule`, for longer windows that may be cropped (verify windows of D >= 16): the
-  window split into pieces of at most 64 positions, each run as above from its own incoming state,
+- `piece_delta_rule`, for every window that may be cropped (decode and verify): one window as above
+  when T <= 64, else pieces of at most 64 positions, each run as above from its own incoming state,
   so every slot of every piece can still be selected (hybrid_cache.py).
 - `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for a prompt
   prefill (`cache.prefill`), which is never cropped inside and keeps only its final state.
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from .common import wide
 from .hybrid_cache import Window, slot_state
 
-SHORT_MAX_T = 16  # windows up to this long are one exact chunk whose every slot can be selected
+SHORT_MAX_T = 16  # a prompt prefill up to this long runs the window form too (it is cheaper than padding to a chunk)
 CHUNK = 64
 
 
@@ -93,6 +93,9 @@ def piece_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     incoming state (the slot after the previous piece, one pass over the state) is kept in its Window;
     the last piece's final state is left to the cache to materialise, as for a short window.
     """
+    if q.shape[2] <= piece:  # one piece: the window itself (decode and short verify windows: no slicing)
+        o, gc, u = window_delta_rule(q, k, v, g, beta, state)
+        return o, [Window(gc, k, u)]
     outs, pieces, s = [], [], state
     for a in range(0, q.shape[2], piece):
         if pieces:
@@ -213,10 +216,7 @@ class GatedDeltaNet(nn.Module):
         if cache.exact and not prefill:  # exact mode: position by position, every state kept
             o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, [Window(states=states)], None)
-        elif t <= SHORT_MAX_T:  # decode / verify: keep what rebuilds the state after every position
-            o, gc, u = window_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, [Window(gc, k, u)], None)
-        elif not prefill:  # a long verify window: the same, piece by piece
+        elif not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
             o, pieces = piece_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, pieces, None)
         else:  # prefill: chunked, final state only

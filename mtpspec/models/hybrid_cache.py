@@ -10,7 +10,7 @@ Rollback without re-running anything, for both kinds of layer:
   j = length - start. Nothing is inverted, nothing is re-run.
 
 The slots are kept in factored form, per piece of at most 64 positions (a decode / verify window
-of T <= 16 is one piece): the piece's incoming state S_0 plus, per position i, the cumulative log
+of T <= 64 is one piece): the piece's incoming state S_0 plus, per position i, the cumulative log
 decay gc_i from the piece start, the key k_i and the delta-rule correction u_i that was written, so
 
     S_j = S_0 * exp(gc_{j-1}) + sum_{i < j} exp(gc_{j-1} - gc_i) k_i u_i^T        (j = 1..piece length)
