@@ -176,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`mtpspec generate ... | head`): stop quietly, as Unix tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush does not raise again
+        return 141
 
 
 if __name__ == "__main__":  # run the package's copy, where the optional subcommands register

@@ -271,3 +271,18 @@ def test_trace_takes_a_head_folder(capsys, model_args, tmp_path):
     rc, out, err = run_out(capsys, "trace", "Once upon a time", *model_args, "--drafter", "mtp", "--draft-model",
                            str(HEADS / "stories260K-mtp"), "--ks", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "t.html"))
     assert rc == 0 and "identical: yes" in err
+
+
+def test_a_reader_that_goes_away_is_no_traceback(assets, monkeypatch, capsys):
+    """`mtpspec generate ... | head -c 10`: a closed pipe ends the run quietly (exit 141), no traceback.
+    Here stdout is a pipe whose reader is already closed, so the first write fails as `head` makes it."""
+    import os
+
+    m = assets / "models"
+    r, w = os.pipe()
+    os.close(r)
+    with open(w, "w") as closed_pipe:
+        monkeypatch.setattr("sys.stdout", closed_pipe)
+        rc = main(["generate", "Once upon a time", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
+                   "--max-new-tokens", "8"])
+    assert rc == 141 and "Traceback" not in capsys.readouterr().err
