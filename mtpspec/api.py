@@ -16,8 +16,10 @@ import torch
 from .drafters import make_drafter
 from .engine import check_count, check_prompt, generate_tokens
 from .errors import ConfigError
-from .loading import load_checkpoint
+from .loading import load_checkpoint, parse_dtype
+from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
+from .threads import apply_threads, check_threads, resolve_threads
 from .types import GenerationResult
 
 
@@ -28,6 +30,7 @@ class Model:
     module: torch.nn.Module  # forward_tokens / new_cache / max_seq_len / vocab_size
     tokenizer: object  # encode(text) -> ids with BOS, decode(ids), stream(), stop_ids
     path: str = ""
+    threads: int | None = None  # torch threads for generate(); None = threads.default_threads(module)
 
     @property
     def max_seq_len(self) -> int:
@@ -69,13 +72,17 @@ class Model:
         depth_policy=None,
         trace: bool = False,
         exact: bool = False,
+        threads: int | None = None,
         **drafter_options,
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
 
         trace=True fills each StepRecord's timing and target probabilities (see engine.generate_tokens).
         on_text gets each step's new text, on_tokens its new token ids.
+        threads: torch threads for this call (None = the model's: load()'s threads, else the size rule of
+        mtpspec.threads); set process-wide at the start of the call (torch.set_num_threads is global).
         """
+        n_threads = resolve_threads(self.threads if threads is None else threads, self.module)
         for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
             if f is not None and not callable(f):
                 raise ConfigError(f"{name} must be a function, got {type(f).__name__}")
@@ -91,6 +98,7 @@ class Model:
         check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
         ids = [int(t) for t in ids]  # (numpy integers too)
         d = make_drafter(drafter, self.module, draft_model=_draft_arg(draft_model, drafter), **drafter_options)
+        apply_threads(n_threads)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
         if on_tokens is not None:
@@ -115,7 +123,19 @@ def _draft_arg(draft_model, drafter: str):
     return draft_model
 
 
-def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32") -> Model:
-    """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'."""
+def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", *,
+         threads: int | None = None, quant: str | None = None, group_size: int = 64) -> Model:
+    """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
+
+    threads: torch threads for this model's generate() calls (None = mtpspec.threads.default_threads: 1 for
+    small models or a busy machine, else the idle cores); applied now too (process-wide).
+    quant: None, "int8" or "int4" (group_size 32 / 64 / 128): weight-only quantization of the linear layers
+    (mtpspec.quant); the quantized model is the target that generation is lossless to.
+    """
+    check_threads(threads)
+    qcfg = check_quant(quant, group_size, parse_dtype(dtype))  # bad settings are named before a slow load
     module, tok = load_checkpoint(path, tokenizer, dtype)
-    return Model(module=module, tokenizer=tok, path=str(path))
+    if qcfg is not None:
+        quantize(module, qcfg.kind, qcfg.group_size)
+    n = apply_threads(resolve_threads(threads, module))
+    return Model(module=module, tokenizer=tok, path=str(path), threads=n)

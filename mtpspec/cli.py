@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Callable
 
-from .errors import ConfigError, MtpspecError
+from .errors import MtpspecError
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -37,27 +37,41 @@ def parse_k(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"k must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
-def add_threads_arg(p: argparse.ArgumentParser, default: int | None = 1, when_unset: str = "torch's choice") -> None:
-    """--threads for every command that runs a model (small models: 1 thread is fastest on few cores)."""
+THREADS_RULE = "chosen per model: 1 under 256 MiB of weights or on a busy machine, else the idle cores (mtpspec.threads)"
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None, when_unset: str = THREADS_RULE) -> None:
+    """--threads for every command that runs a model; unset = mtpspec.threads.default_threads, the one rule."""
     shown = f"default {default}" if default is not None else f"default: {when_unset}"
-    p.add_argument("--threads", type=int, default=default, help=f"torch threads ({shown}; 1 is fastest for small models on few cores)")
+    p.add_argument("--threads", type=int, default=default, help=f"torch threads ({shown})")
 
 
-def use_threads(n: int | None) -> None:
-    """Apply --threads (None leaves torch's choice); n < 1 is a clear error."""
-    if n is None:
-        return
-    if n < 1:
-        raise ConfigError(f"--threads must be >= 1, got {n}")
-    import torch
+def use_threads(n: int | None) -> int | None:
+    """Check --threads and apply a number at once (None: the rule, applied by api.load once the model is known)."""
+    from .threads import apply_threads, check_threads
 
-    torch.set_num_threads(n)
+    n = check_threads(n, "--threads")
+    if n is not None:
+        apply_threads(n)
+    return n
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="llama2.c .bin, HF directory, project checkpoint, or 'demo'")
     p.add_argument("--tokenizer", help="tokenizer file (llama2.c tokenizer.bin) when the model does not carry one")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, or fp64 (slow; every computation in float64, to check results without rounding noise)")
+    add_quant_args(p)
+
+
+def add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default=None, help="weight-only quantization of the linear layers: int8 or int4 (default: none; "
+                   "the quantized model is the target, speculation stays lossless to it; mtpspec.quant)")
+    p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale / zero point, 32, 64 or 128 (default 64)")
+
+
+def load_kwargs(args: argparse.Namespace) -> dict:
+    """api.load keyword arguments from --threads / --quant / --quant-group-size."""
+    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), group_size=getattr(args, "quant_group_size", 64))
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +106,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_generation_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    add_threads_arg(p, default=None)
+    add_threads_arg(p)
 
 
 class _Echo:
@@ -113,7 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
     use_threads(args.threads)
-    model = load(args.model, args.tokenizer, args.dtype)
+    model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
     on_text, echo = None, _Echo(args.prompt)
     if not args.json:  # the prompt is echoed with the first text: after every setting has been validated
         on_text = echo
@@ -135,13 +149,14 @@ def run_generate(args: argparse.Namespace) -> int:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--prompts", type=int, default=5, help="number of TinyStories prompts")
+    add_threads_arg(p)
 
 
 @command("demo")(_demo_args)
 def run_demo(args: argparse.Namespace) -> int:
     from .demo import demo
 
-    demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts)
+    demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts, threads=use_threads(args.threads))
     return 0
 
 

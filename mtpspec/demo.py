@@ -52,21 +52,22 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
     for label, tps, tpf, acc, same in rows:
         a = f"{acc:.0%}" if acc is not None else "-"
         print(f"{label:<28}{tps:>8.0f}{tps / base:>8.2f}x{tpf:>16.2f}{a:>10}  {'yes' if same else 'NO'}")
-    print(f"(best of {rounds} alternating rounds per prompt and method; 1 torch thread)")
+    n = torch.get_num_threads()
+    print(f"(best of {rounds} alternating rounds per prompt and method; {n} torch thread{'s' if n > 1 else ''}, mtpspec.threads' rule)")
 
 
-def demo(max_new_tokens: int = 200, n_prompts: int = 5) -> None:
-    torch.set_num_threads(1)  # small models: one thread is fastest on this 2-core machine
+def demo(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None) -> None:
+    """threads: torch threads (None = mtpspec.threads' rule: 1 for these small models)."""
     if (shipped_demo_dir() / "mtpspec.json").exists():
-        demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3))
+        demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3), threads=threads)
     else:
-        demo_stories(max_new_tokens, n_prompts)
+        demo_stories(max_new_tokens, n_prompts, threads=threads)
 
 
-def demo_code(max_new_tokens: int = 96, n_prompts: int = 3) -> None:
+def demo_code(max_new_tokens: int = 96, n_prompts: int = 3, threads: int | None = None) -> None:
     from .train.data import HELDOUT, code_prompts, stdlib_files
 
-    target = load(shipped_demo_dir())
+    target = load(shipped_demo_dir(), threads=threads)
     prompts = code_prompts(stdlib_files()[1], n_prompts) or FALLBACK_CODE_PROMPTS[:n_prompts]
     print(f"target: models/demo (Qwen3.5-style hybrid with an MTP head, trained on the Python stdlib), {len(prompts)} "
           f"prompts from held-out modules ({', '.join(HELDOUT)}) x {max_new_tokens} new tokens, greedy\n")
@@ -78,9 +79,9 @@ def demo_code(max_new_tokens: int = 96, n_prompts: int = 3) -> None:
           "\npass keeps the output exactly plain greedy.")
 
 
-def demo_stories(max_new_tokens: int = 200, n_prompts: int = 5) -> None:
+def demo_stories(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None) -> None:
     models = assets_dir() / "models"
-    target = load(models / "stories260K.bin", models / "tok512.bin")
+    target = load(models / "stories260K.bin", models / "tok512.bin", threads=threads)
     draft = load(models / "stories260K_q80.bin", models / "tok512.bin")
     prompts = tinystories_prompts(n_prompts)
     print(f"target: stories260K.bin (fp32), {len(prompts)} TinyStories prompts x {max_new_tokens} new tokens, greedy\n")

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from ..cli import add_threads_arg, command, use_threads
+from ..cli import add_quant_args, add_threads_arg, command, load_kwargs, use_threads
 from ..errors import ConfigError
 
 
@@ -53,6 +53,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--repeats", type=int, default=1)
     add_threads_arg(ev)
+    add_quant_args(ev)
 
 
 @command("train")(_train_args)
@@ -88,7 +89,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     if args.n < 1 or args.repeats < 1:
         raise ConfigError(f"--n and --repeats must be >= 1, got {args.n} and {args.repeats}")
-    model = load(args.model, args.tokenizer)
+    model = load(args.model, args.tokenizer, **load_kwargs(args))
     if args.prompts == "stdlib":
         from .data import code_prompts, stdlib_files
 
@@ -119,7 +120,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         else:
             runs.append((parts[0], int(parts[1]), extra))
     rows = measure_table(model, prompts, runs, args.max_new_tokens, args.repeats)
-    print(f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, greedy, {args.threads} thread(s)\n")
+    print(f"{len(prompts)} prompts ({args.prompts}) x {args.max_new_tokens} new tokens, greedy, {model.threads} thread(s)\n")
     print(HEADER)
     for r in rows:
         print(r.markdown())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, use_threads
+from ..cli import add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, load_kwargs, use_threads
 from ..errors import ConfigError
 
 
@@ -70,7 +70,7 @@ def run_trace(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to compare: choose a drafter other than 'none' (--drafter ngram, draft, ...)")
     if args.repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
-    model = load(args.model, args.tokenizer, args.dtype)
+    model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
     draft_model = kw.pop("draft_model")
     prompts = args.prompt or [""]
     groups = trace_prompts(model, prompts, configs, draft_model=draft_model, repeat=args.repeat, **kw)

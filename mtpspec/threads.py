@@ -1,0 +1,110 @@
+"""How many torch threads a model runs with by default: one rule, used by the API, every command and the server.
+
+Decoding at batch 1 is a chain of small matrix-vector products. Splitting one across threads pays a
+fork/join per op (tens of microseconds, far more when another job holds the other core and the
+OpenMP workers spin waiting for it), so a second thread only helps when each op has enough weights
+to stream. Measured here (2-core AMD EPYC VM, T(1) = one plain one-token forward over a 128-token
+cache, median, 1 and 2 threads interleaved; scripts/threads_t1.py):
+
+    model (weights)                           busy machine: T(1) 1 thr / 2 thr   quiet machine: 1 thr / 2 thr
+    stories260K fp32 (1 MB)                   9.6 / 23.7 ms (2 thr 2.5x slower)   see docs/models.md
+    demo hybrid fp32 (32 MB)                  25 / 249 ms  (10x slower)
+    Qwen3.5-0.8B-shaped bf16 (1.5 GB)         341 / 3770 ms (11x slower)          121 / 92 ms (issue 13: 1.3x faster)
+
+(busy = a compiler job on both cores; the quiet 0.8B row is issue 13's measurement.) Hence:
+
+- weights under SMALL_BYTES: 1 thread, always (a second thread never paid off below it, quiet or busy);
+- larger: one thread per idle physical core (cores this process may run on, minus the 1-minute load
+  average rounded), at least 1: on a busy machine extra threads cost 10x, on a quiet one they gain ~1.3x.
+
+torch.set_num_threads is process-wide: apply_threads sets it for the whole process (every model in it).
+Model.generate applies its model's count at the start of each call, so two models in one process each
+run with their own; two generations running at once in Python threads share whichever was set last.
+"""
+
+from __future__ import annotations
+
+import os
+from numbers import Integral
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+SMALL_BYTES = 256 * 2**20  # below 256 MiB of weights one thread is fastest (measurements above)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of the module's weights: its state_dict (parameters, quantized codes; not the rotary tables), each tensor once (a tied head)."""
+    seen, total = set(), 0
+    for t in module.state_dict(keep_vars=True).values():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once; the affinity mask respected)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, (os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(c)))
+    return max(1, len(cores))
+
+
+def machine_load() -> float:
+    """The 1-minute load average (runnable jobs), 0.0 where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None) -> int:
+    """The rule: 1 thread under SMALL_BYTES of weights; above, one per idle core (cores - round(load)), at least 1.
+
+    cores / load default to this machine's (physical_cores, machine_load); pass them to ask about another."""
+    if parameter_bytes(module) < SMALL_BYTES:
+        return 1
+    cores = physical_cores() if cores is None else cores
+    load = machine_load() if load is None else load
+    return max(1, min(cores, cores - int(load + 0.5)))
+
+
+def check_threads(threads, name: str = "threads") -> int | None:
+    """None (the rule) or an integer >= 1; anything else is a ConfigError naming it."""
+    if threads is None:
+        return None
+    if not isinstance(threads, Integral) or isinstance(threads, bool):
+        raise ConfigError(f"{name} must be an integer >= 1 or None (chosen per model), got {threads!r}")
+    if threads < 1:
+        raise ConfigError(f"{name} must be >= 1, got {threads}")
+    return int(threads)
+
+
+def resolve_threads(threads, module: nn.Module) -> int:
+    """threads as given (checked), or default_threads(module) when None."""
+    n = check_threads(threads)
+    return default_threads(module) if n is None else n
+
+
+def apply_threads(n: int) -> int:
+    """Set torch's intra-op thread count for the whole process (torch.set_num_threads is process-wide); returns n."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+__all__ = ["SMALL_BYTES", "parameter_bytes", "physical_cores", "machine_load", "default_threads", "check_threads",
+           "resolve_threads", "apply_threads"]
