@@ -337,8 +337,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     for a in p._actions:  # --model is optional here: the positional path works too
         if a.dest == "model":
             a.required = False
-    p.add_argument("--out", required=True, help="output directory (a Hugging Face checkpoint with its tokenizer)")
-    p.add_argument("--no-check", action="store_true", help="skip the logits and tokenizer checks against transformers")
+    p.add_argument("--out", required=True, help="output: a directory (--format hf) or a file (--format gguf)")
+    p.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                   help="hf: a Hugging Face checkpoint directory (default); gguf: one GGUF file for llama.cpp")
+    p.add_argument("--outtype", default=None, help="GGUF tensor type: f32 (default), f16, bf16 or q8_0 (--format gguf only)")
+    p.add_argument("--no-check", action="store_true", help="skip the logits and tokenizer checks against transformers (hf)")
 
 
 CHECK_TEXTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
@@ -352,6 +355,10 @@ def run_export(args: argparse.Namespace) -> int:
     path = args.model or args.model_path
     if not path:
         raise ConfigError("export needs a model: mtpspec export MODEL --out DIR")
+    if args.format == "gguf":
+        return _run_export_gguf(args, path)
+    if args.outtype is not None:
+        raise ConfigError("--outtype sets the GGUF tensor type: use it with --format gguf")
     model = load(path, args.tokenizer, "fp32")
     out = export_hf(model.module, args.out, *special_ids(model.tokenizer), tokenizer=model.tokenizer)
     print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir() if p.is_file())))
@@ -370,3 +377,18 @@ def run_export(args: argparse.Namespace) -> int:
     same = check_tokenizer(model.tokenizer, out, CHECK_TEXTS)
     print(f"tokenizer check: AutoTokenizer encodes as we do: {'ok' if same else 'FAILED'}")
     return 0 if chk.ok and same else 1
+
+
+def _run_export_gguf(args: argparse.Namespace, path: str) -> int:
+    """`export --format gguf`: one file for llama.cpp, then a one-line summary."""
+    from .api import load
+    from .export_gguf import OUTTYPES, write_gguf
+
+    outtype = args.outtype or "f32"
+    if outtype not in OUTTYPES:
+        raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    model = load(path, args.tokenizer, "fp32")
+    done = write_gguf(model.module, model.tokenizer, args.out, outtype)
+    note = f"; {len(done.fallback_f16)} matrices f16 (rows not a multiple of 32)" if done.fallback_f16 else ""
+    print(f"wrote {done.path}: GGUF {done.arch}, {done.tensors} tensors, {outtype}{note}, {done.bytes / 1e6:.1f} MB")
+    return 0
