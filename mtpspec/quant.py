@@ -11,7 +11,9 @@ lossless with respect to it. How far it is from the unquantized model is measure
 - int4: per group of `group_size` input columns, asymmetric: w ~ (q - 8) s + z, q in [0, 15], s = (max - min) / 15.
   Kernel: torch.ops.aten._weight_int4pack_mm_for_cpu(x (M, K), packed (N, K/2) uint8, group_size, sz (K/g, N, 2)),
   packed by _convert_weight_to_int4pack_for_cpu; it takes N % 16 == 0 and K % group_size == 0 only: other layers
-  (stories260K's 172-wide MLP, the DeltaNet's 4-row gate projections) are quantized int8 instead.
+  (the DeltaNet's 4-row gate projections) are quantized int8 instead.
+- The int8 kernel needs K % 8 == 0: with K = 100 or 172 it returns wrong rows for M = 3 and crashes for M >= 4
+  (measured, torch 2.13); such a layer (stories260K's down projection, K = 172) keeps its fp weights.
 
 Activations go into the kernels in bf16 for fp32 models too: torch 2.13's fp32-activation paths of both kernels
 are 2-7x slower than plain fp32 F.linear at these shapes (measured, docs/models.md), the bf16 paths faster. The
@@ -102,6 +104,18 @@ def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % 16 == 0 and in_features % group_size == 0
 
 
+def int8_fits(in_features: int) -> bool:
+    """What torch._weight_int8pack_mm computes correctly (K % 8 != 0: wrong rows, or a crash, from M = 3 rows)."""
+    return in_features % 8 == 0
+
+
+def layer_kind(out_features: int, in_features: int, config: QuantConfig) -> str | None:
+    """The kind a layer of this shape gets: config.kind, int8 where int4's kernel cannot take it, None (kept) where neither can."""
+    if config.kind == "int4" and int4_fits(out_features, in_features, config.group_size):
+        return "int4"
+    return "int8" if int8_fits(in_features) else None
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b with W stored int8 (per-channel scales) or int4 (per-group scale and zero); x goes to the kernel in bf16.
 
@@ -115,9 +129,9 @@ class QuantLinear(nn.Module):
             raise ConfigError(f"weight-only quantization takes fp32 or bf16 weights, got {w.dtype}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = w.dtype
-        kind = config.kind
-        if kind == "int4" and not int4_fits(self.out_features, self.in_features, config.group_size):
-            kind = "int8"  # the int4 kernel cannot take this shape
+        kind = layer_kind(self.out_features, self.in_features, config)
+        if kind is None:
+            raise ConfigError(f"torch's int8 / int4 kernels cannot take a {self.in_features}-wide input (K % 8 != 0)")
         self.kind, self.group_size = kind, config.group_size if kind == "int4" else 0
         if kind == "int8":
             q, s = quantize_int8(w)
@@ -171,7 +185,7 @@ class QuantReport:
 
     kind: str
     group_size: int
-    layers: dict[str, int] = field(default_factory=dict)  # "int8" / "int4" -> layers quantized so
+    layers: dict[str, int] = field(default_factory=dict)  # "int8" / "int4" -> layers quantized so, "kept" -> left in fp
     bytes_before: int = 0  # bytes of the replaced weights
     bytes_after: int = 0  # bytes of their codes, scales (and int4's unpacked codes)
 
@@ -185,6 +199,9 @@ def quantize(module: nn.Module, kind: str = "int8", group_size: int = 64, head: 
     targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     for name, lin in targets:
         if name == "lm_head" and not head:
+            continue
+        if layer_kind(lin.out_features, lin.in_features, config) is None:
+            report.layers["kept"] = report.layers.get("kept", 0) + 1
             continue
         q = QuantLinear(lin, config)
         parent_name, _, attr = name.rpartition(".")
@@ -236,5 +253,5 @@ def greedy_agreement(reference, quantized, prompts: list[str], max_new_tokens: i
     return Agreement(len(prompts), max_new_tokens, prefixes, hits / max(1, total))
 
 
-__all__ = ["KINDS", "GROUP_SIZES", "QuantConfig", "check_quant", "quantize_int8", "quantize_int4", "QuantLinear",
+__all__ = ["KINDS", "GROUP_SIZES", "QuantConfig", "check_quant", "quantize_int8", "quantize_int4", "layer_kind", "QuantLinear",
            "QuantReport", "quantize", "Agreement", "greedy_agreement"]
