@@ -51,10 +51,21 @@ _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Qwen3.5 applies interleaved multi-axis rotary; llama.cpp's qwen35 loader requires the sections
-# key. For text all axes hold the same position, so the split does not change the result; these are
-# the converter's defaults.
-QWEN35_ROPE_SECTIONS = [11, 11, 10, 0]
+
+
+def rope_sections(rot_dim: int) -> list[int]:
+    """qwen35.rope.dimension_sections for `rot_dim` rotary dims (P = rot_dim / 2 pairs).
+
+    llama.cpp's qwen35 rotates interleaved multi-axis (IMROPE): pair i takes the position of axis
+    t, h or w when i % 3 is 0, 1 or 2 and i < 3 * sections[that axis], else the 4th axis, which
+    holds 0 for text (a text token's positions are [p, p, p, 0]); and ggml asserts sum(sections)
+    <= head_dim. [ceil(P/3), floor((P+1)/3), floor(P/3), 0] sums to P and gives every pair a text
+    axis, so all pairs rotate by p, as ours do. For Qwen3.5's own shape (P = 32) it is the
+    converter's [11, 11, 10, 0]; the converter writes that for every model, which a head_dim below
+    32 fails (GGML_ASSERT(sect_dims <= ne0)).
+    """
+    pairs = rot_dim // 2
+    return [-(-pairs // 3), (pairs + 1) // 3, pairs // 3, 0]
 
 
 @dataclass(frozen=True)
@@ -252,7 +263,7 @@ def _hybrid_metadata(c, arch: str) -> dict:
     if c.mtp_num_layers:
         meta[f"{a}.nextn_predict_layers"] = c.mtp_num_layers
     if arch == "qwen35":
-        meta[f"{a}.rope.dimension_sections"] = list(QWEN35_ROPE_SECTIONS)
+        meta[f"{a}.rope.dimension_sections"] = rope_sections(c.rot_dim)
     else:
         meta[f"{a}.expert_count"] = c.num_experts
         meta[f"{a}.expert_used_count"] = c.num_experts_per_tok

@@ -169,8 +169,27 @@ def test_demo_metadata(demo, demo_gguf):
     assert {k: f[f"qwen35.{k}"] for k in want} == want
     assert f["qwen35.rope.freq_base"] == pytest.approx(c.rope_theta, rel=1e-7)  # stored as fp32
     assert f["qwen35.attention.layer_norm_rms_epsilon"] == pytest.approx(c.norm_eps, rel=1e-7)
-    assert len(f["qwen35.rope.dimension_sections"]) == 4
+    _check_rope_sections(f["qwen35.rope.dimension_sections"], c.rot_dim, c.head_dim)
     assert f["general.file_type"] == 0
+
+
+def _check_rope_sections(sections: list[int], rot_dim: int, head_dim: int) -> None:
+    """Under ggml's interleaved multi-axis rotary, every rotary pair of a text token turns by its
+    position: pair i uses axis i % 3 (t, h, w all hold p) while i < 3 * sections[i % 3], else the
+    4th axis (0 for text); ggml also asserts sum(sections) <= head_dim."""
+    assert len(sections) == 4 and sum(sections) <= head_dim
+    period = sum(sections)
+    for i in range(rot_dim // 2):
+        sector = i % period
+        assert sector < 3 * sections[sector % 3], (i, sections)
+
+
+@pytest.mark.parametrize("rot_dim", [2, 4, 6, 16, 64, 128])
+def test_rope_sections(rot_dim):
+    from mtpspec.export_gguf import rope_sections
+
+    _check_rope_sections(rope_sections(rot_dim), rot_dim, rot_dim)
+    assert rope_sections(64) == [11, 11, 10, 0]  # Qwen3.5's own (head_dim 256, a quarter rotated)
 
 
 def test_demo_tokenizer(demo, demo_gguf):
@@ -321,6 +340,8 @@ def test_tiny_hybrid(demo, tmp_path, moe):
     assert f["general.architecture"] == arch
     assert f[f"{arch}.block_count"] == 5 and f[f"{arch}.nextn_predict_layers"] == 1
     assert f[f"{arch}.attention.recurrent_layers"] == [True, False, True, True, False]
+    if not moe:  # head_dim 16: Qwen3.5's [11, 11, 10, 0] (sum 32) would fail ggml's sections <= head_dim
+        _check_rope_sections(f["qwen35.rope.dimension_sections"], model.config.rot_dim, model.config.head_dim)
     if moe:
         assert (f["qwen3next.expert_count"], f["qwen3next.expert_used_count"]) == (4, 2)
         assert (f["qwen3next.expert_feed_forward_length"], f["qwen3next.expert_shared_feed_forward_length"]) == (16, 24)
