@@ -3,7 +3,8 @@
 T(1) = one plain decode forward (one new token over a `--cache`-token cache), median of `--reps`, the
 thread counts interleaved rep by rep so machine-load drift hits both alike.
 
-    python scripts/threads_t1.py [--reps 30] [--cache 128] [--big]   # --big adds the Qwen3.5-0.8B-shaped hybrid (bf16)
+    python scripts/threads_t1.py [--reps 30] [--cache 128] [--ladder] [--big]
+    # --ladder: random dense models shaped as stories15M / 42M / 110M; --big: the Qwen3.5-0.8B-shaped hybrid (bf16)
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def qwen35_08b(layers: int = 24, dtype: torch.dtype = torch.bfloat16, mtp: int =
     return model
 
 
+def llama2c_shaped(dim: int, layers: int, heads: int, hidden: int, vocab: int = 32000):
+    """A dense Llama with a llama2.c TinyStories model's shape (stories15M: 288/6/6/768, 42M: 512/8/8/1376,
+    110M: 768/12/12/2048), random weights, fp32."""
+    from mtpspec.models.dense import DenseConfig, DenseLM
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=vocab, hidden_size=dim, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                      intermediate_size=hidden, max_seq_len=512)
+    return DenseLM(cfg).eval()
+
+
 def t1_by_threads(module, threads=(1, 2), reps: int = 30, cache: int = 128) -> dict[int, float]:
     """threads -> median seconds of one one-token forward over a `cache`-token cache."""
     vocab = module.vocab_size
@@ -72,10 +84,14 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=128)
     ap.add_argument("--big", action="store_true", help="also the Qwen3.5-0.8B-shaped hybrid (bf16, ~1.6 GB)")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--ladder", action="store_true", help="also random dense models shaped as stories15M / 42M / 110M")
     args = ap.parse_args()
     m = assets_dir() / "models"
     models = [("stories260K fp32", mtpspec.load(m / "stories260K.bin", m / "tok512.bin").module),
               ("demo fp32", mtpspec.load("demo").module), ("demo bf16", mtpspec.load("demo", dtype="bf16").module)]
+    if args.ladder:
+        models += [(f"stories{n}-shaped fp32 (random)", llama2c_shaped(*shape)) for n, shape in
+                   (("15M", (288, 6, 6, 768)), ("42M", (512, 8, 8, 1376)), ("110M", (768, 12, 12, 2048)))]
     if args.big:
         models.append((f"qwen3.5-0.8B-shaped bf16 ({args.layers} layers)", qwen35_08b(args.layers)))
     print(f"| model | parameter MB | T(1) ms, 1 thread | T(1) ms, 2 threads | 2 / 1 |")
