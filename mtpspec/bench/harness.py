@@ -32,13 +32,13 @@ from .lockstep import Lockstep, Turn
 class Method:
     """One way to decode: our engine or a peer, a drafter, a depth."""
 
-    engine: str  # "mtpspec" or "transformers"
-    drafter: str  # "none" | "ngram" | "draft" | "mtp" | ... (peers: none | ngram | draft)
+    engine: str  # "mtpspec", "transformers" or "llamacpp"
+    drafter: str  # "none" | "ngram" | "draft" | "mtp" | ... (peers: none | ngram | draft; llama.cpp also mtp)
     k: int | str | None  # draft depth D, "auto", or None (plain / the peer's own default)
 
     @property
     def label(self) -> str:
-        who = "ours" if self.engine == "mtpspec" else "hf"
+        who = {"mtpspec": "ours", "transformers": "hf"}.get(self.engine, self.engine)
         if self.drafter == "none":
             return f"{who}:plain"
         return f"{who}:{self.drafter}" + (f"@{self.k}" if self.k is not None else "")
@@ -69,6 +69,7 @@ class Run:
     drafts_per_step: list[int] = field(default_factory=list)
     lossless: bool | None = None  # greedy output equal to ours:plain (None when sampling)
     cpu_seconds: float | None = None  # process CPU time of the call: blind to time other jobs took the core
+    decode_tokens: int | None = None  # tokens that wall - prefill paid for, when not all (llama.cpp: its first comes from the prompt pass)
 
     @property
     def new_tokens(self) -> int:

@@ -28,6 +28,8 @@ class Aggregate:
     mean_depth: float | None = None  # drafted tokens per step
     predicted_speedup: float | None = None  # cost model from this run's steps
     efficiency: float | None = None  # speedup / predicted_speedup
+    decode_tokens_per_second: float | None = None  # tokens decoded / (wall - prefill): prefill excluded (None: not timed apart)
+    draft_acceptance: float | None = None  # accepted / drafted tokens, for any engine that counts them
 
 
 def _drafter_of(label: str) -> str:
@@ -50,6 +52,11 @@ def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | N
         cpu_speedup=(plain_cpu / (cpu / toks)) if (plain_cpu and cpu > 0 and toks) else None,
         lossless=f"{sum(flags)}/{len(flags)}" if flags else "-",
     )
+    if rs and all(r.prefill_seconds is not None for r in rs):
+        dec = sum(r.wall_seconds - r.prefill_seconds for r in rs)
+        agg.decode_tokens_per_second = sum(r.new_tokens if r.decode_tokens is None else r.decode_tokens for r in rs) / dec if dec > 0 else None
+    drafted = sum(r.draft_tokens or 0 for r in rs)
+    agg.draft_acceptance = sum(r.accepted_tokens or 0 for r in rs) / drafted if drafted else None
     if rs and rs[0].target_forwards is not None:  # our engine: counters and time split
         fwd = sum(r.target_forwards for r in rs)
         acc = sum(r.accepted_tokens for r in rs)
@@ -110,6 +117,13 @@ def check_targets(summary: dict, elapsed_seconds: float | None = None) -> list[d
     if "hf:draft" in tps:
         best = max((v, k) for k, v in tps.items() if k.startswith("ours:draft"))
         add("best ours:draft / hf:draft (assisted) tokens/s", best[0] / tps["hf:draft"], 1.0, best[1])
+    dec = {k: v.get("decode_tokens_per_second") for k, v in ov.items()}
+    lc = {k: v for k, v in dec.items() if k.startswith("llamacpp:") and v}
+    if lc and dec.get("ours:plain"):
+        add("ours:plain / llamacpp:plain decode tok/s", dec["ours:plain"] / lc["llamacpp:plain"], 0.5)
+        best_ours = max((v, k) for k, v in dec.items() if k.startswith("ours:") and v)
+        best_lc = max((v, k) for k, v in lc.items())
+        add("best ours / best llamacpp decode tok/s", best_ours[0] / best_lc[0], 1.0, f"{best_ours[1]} vs {best_lc[1]}")
     for lab, a in ov.items():
         if a.get("efficiency") is not None and lab != "ours:plain":
             add(f"{lab}: measured / predicted speedup", a["efficiency"], 0.9)
@@ -160,12 +174,13 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
         + f", prompts cut to {meta['max_prompt_tokens']} tokens; "
         f"wall time {meta['elapsed_seconds']:.0f} s. Speedup = tokens/s over ours:plain on the same prompts in the same run.",
         "",
-        "| method | tok/s | speedup | speedup (CPU time) | predicted | measured/predicted | mean accepted length | drafts/step | lossless |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | tok/s | decode tok/s | speedup | speedup (CPU time) | predicted | measured/predicted | mean accepted length | drafts/step | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lab, a in ov.items():
         lines.append(
-            f"| {lab} | {a['tokens_per_second']:.0f} | {a['speedup']:.2f}x | {_f(a['cpu_speedup'], '{:.2f}x')} | {_f(a['predicted_speedup'], '{:.2f}x')} | "
+            f"| {lab} | {a['tokens_per_second']:.0f} | {_f(a.get('decode_tokens_per_second'), '{:.0f}')} | {a['speedup']:.2f}x | "
+            f"{_f(a['cpu_speedup'], '{:.2f}x')} | {_f(a['predicted_speedup'], '{:.2f}x')} | "
             f"{_f(a['efficiency'])} | {_f(a['mean_accepted_length'])} | {_f(a['mean_depth'])} | {a['lossless']} |"
         )
     lines += ["", "Speedup by category (mean accepted length in brackets):", ""]
@@ -211,6 +226,15 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
                 a, b = ov[mine]["tokens_per_second"], ov[lab]["tokens_per_second"]
                 ca, cb = ov[mine].get("cpu_speedup"), ov[lab].get("cpu_speedup")
                 lines.append(f"| {mine} vs {lab} | {a:.0f} | {b:.0f} | {a / b:.2f}x | {_f(ca / cb if ca and cb else None, '{:.2f}x')} |")
+    lcp = [lab for lab in ov if lab.startswith("llamacpp:")]
+    if lcp:
+        base = ov["ours:plain"].get("decode_tokens_per_second")
+        lines += ["", "Ours vs llama.cpp (llama-server) on the same weights, decode-only tokens/s (prefill excluded on both sides):", "",
+                  "| method | decode tok/s | vs ours:plain | draft acceptance | lossless |", "|---|---|---|---|---|"]
+        for lab in [k for k in ov if k.startswith("ours:")] + lcp:
+            d = ov[lab].get("decode_tokens_per_second")
+            lines.append(f"| {lab} | {_f(d, '{:.0f}')} | {_f(d / base if d and base else None, '{:.2f}x')} | "
+                         f"{_f(ov[lab].get('draft_acceptance'))} | {ov[lab]['lossless']} |")
     if cost:
         r = cost["ratio"]
         lines += [
