@@ -3,19 +3,28 @@
 Decoding at batch 1 is a chain of small matrix-vector products. Splitting one across threads pays a
 fork/join per op (tens of microseconds, far more when another job holds the other core and the
 OpenMP workers spin waiting for it), so a second thread only helps when each op has enough weights
-to stream. Measured here (2-core AMD EPYC VM, T(1) = one plain one-token forward over a 128-token
-cache, median, 1 and 2 threads interleaved; scripts/threads_t1.py):
+to stream. Measured here (2-vCPU AMD EPYC VM; T(1) = one plain one-token forward over a 128-token cache,
+median, 1 and 2 threads interleaved rep by rep: scripts/threads_t1.py --ladder --big), on a busy machine
+(load average ~4: a C++ build and other jobs on both cores):
 
-    model (weights)                           busy machine: T(1) 1 thr / 2 thr   quiet machine: 1 thr / 2 thr
-    stories260K fp32 (1 MB)                   9.6 / 23.7 ms (2 thr 2.5x slower)   see docs/models.md
-    demo hybrid fp32 (32 MB)                  25 / 249 ms  (10x slower)
-    Qwen3.5-0.8B-shaped bf16 (1.5 GB)         341 / 3770 ms (11x slower)          121 / 92 ms (issue 13: 1.3x faster)
+    model (weights)                              T(1) 1 thread   T(1) 2 threads   2 threads vs 1
+    stories260K fp32 (1 MB)                       9.0 ms          11.2 ms          1.24x slower
+    demo hybrid fp32 (32 MB)                     39.5 ms          63.5 ms          1.61x slower
+    stories15M-shaped dense fp32 (61 MB)         25.5 ms          31.3 ms          1.23x slower
+    stories42M-shaped dense fp32 (167 MB)        35.7 ms          91.7 ms          2.57x slower
+    stories110M-shaped dense fp32 (438 MB)       70.0 ms         202.3 ms          2.89x slower
+    Qwen3.5-0.8B-shaped hybrid bf16 (1.5 GB)      341 ms          3770 ms          11x slower
 
-(busy = a compiler job on both cores; the quiet 0.8B row is issue 13's measurement.) Hence:
+and on a quiet one (issue 13's measurement, same VM): the 0.8B shape 121 ms at 1 thread, 92 ms at 2
+(1.3x faster). The demo's ~4 ms steps are dispatch-bound (issue 13), so splitting them cannot pay. No quiet
+machine was available for the ladder in between, so the size threshold sits between the largest
+dispatch-bound model here (the demo, 32 MB) and the smallest one measured to gain (1.5 GB). Hence:
 
-- weights under SMALL_BYTES: 1 thread, always (a second thread never paid off below it, quiet or busy);
+- weights under SMALL_BYTES (256 MiB): 1 thread, always;
 - larger: one thread per idle physical core (cores this process may run on, minus the 1-minute load
-  average rounded), at least 1: on a busy machine extra threads cost 10x, on a quiet one they gain ~1.3x.
+  average rounded), at least 1: on a busy machine extra threads cost 3-11x, on a quiet one they gain ~1.3x.
+  The load average counts this process too once it has run for a while: load() applies the rule once, at
+  load time, and generate() reuses that count.
 
 torch.set_num_threads is process-wide: apply_threads sets it for the whole process (every model in it).
 Model.generate applies its model's count at the start of each call, so two models in one process each
