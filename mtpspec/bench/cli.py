@@ -234,6 +234,7 @@ def run_benchmark(
     result = {
         "config": {
             "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
+            "dtype": dtype, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
             "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "keep": keep, "interleave": interleave, "drafters": drafters, "k": ks,
