@@ -17,6 +17,7 @@ from .drafters import make_drafter
 from .engine import check_count, check_prompt, generate_tokens
 from .errors import ConfigError
 from .loading import load_checkpoint, parse_dtype
+from .compiled import check_compilable, compile_model
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
@@ -124,18 +125,28 @@ def _draft_arg(draft_model, drafter: str):
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", *,
-         threads: int | None = None, quant: str | None = None, group_size: int = 64) -> Model:
+         threads: int | None = None, quant: str | None = None, group_size: int = 64, compile: bool = False) -> Model:
     """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
 
     threads: torch threads for this model's generate() calls (None = mtpspec.threads.default_threads: 1 for
     small models or a busy machine, else the idle cores); applied now too (process-wide).
     quant: None, "int8" or "int4" (group_size 32 / 64 / 128): weight-only quantization of the linear layers
     (mtpspec.quant); the quantized model is the target that generation is lossless to.
+    compile: run decode and verify windows (and the MTP module's steps) through torch.compile'd static-shape
+    graphs (mtpspec.compiled): built on first use of each width, kernels cached on disk across runs.
     """
     check_threads(threads)
+    if not isinstance(compile, bool):
+        raise ConfigError(f"compile must be True or False, got {compile!r}")
+    if compile:
+        check_compilable(None, parse_dtype(dtype))
+        if quant is not None:
+            raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
     qcfg = check_quant(quant, group_size, parse_dtype(dtype))  # bad settings are named before a slow load
     module, tok = load_checkpoint(path, tokenizer, dtype)
     if qcfg is not None:
         quantize(module, qcfg.kind, qcfg.group_size)
     n = apply_threads(resolve_threads(threads, module))
+    if compile:
+        compile_model(module)  # after the threads are set: kernels keep the thread count they are built for
     return Model(module=module, tokenizer=tok, path=str(path), threads=n)

@@ -31,6 +31,7 @@ class KVCache:
         self.exact = False  # attention computes every row as a one-token step would (see engine exact mode)
 
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
+    prefill = False  # set by the engine before a prompt prefill (no rollback inside it); reset by advance()
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""
@@ -43,6 +44,7 @@ class KVCache:
 
     def advance(self, t: int) -> None:
         self.length += t
+        self.prefill = False
 
     def crop(self, length: int) -> None:
         """Roll back to the first `length` positions (a pointer move)."""

@@ -61,6 +61,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer file (llama2.c tokenizer.bin) when the model does not carry one")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, or fp64 (slow; every computation in float64, to check results without rounding noise)")
     add_quant_args(p)
+    add_compile_arg(p)
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="decode and verify through torch.compile'd graphs (mtpspec.compiled): faster steps; the first run "
+                   "compiles each width used (minutes on 2 cores), later runs load the kernels from ~/.cache/mtpspec")
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -71,7 +78,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
 
 def load_kwargs(args: argparse.Namespace) -> dict:
     """api.load keyword arguments from --threads / --quant / --quant-group-size."""
-    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), group_size=getattr(args, "quant_group_size", 64))
+    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), group_size=getattr(args, "quant_group_size", 64),
+                compile=getattr(args, "compile", False))
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -150,13 +158,14 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--prompts", type=int, default=5, help="number of TinyStories prompts")
     add_threads_arg(p)
+    add_compile_arg(p)
 
 
 @command("demo")(_demo_args)
 def run_demo(args: argparse.Namespace) -> int:
     from .demo import demo
 
-    demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts, threads=use_threads(args.threads))
+    demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts, threads=use_threads(args.threads), compile=args.compile)
     return 0
 
 

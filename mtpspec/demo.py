@@ -12,6 +12,7 @@ import random
 import torch
 
 from .api import load
+from .compiled import cache_dir
 from .loading import assets_dir, shipped_demo_dir
 from .prompts import tinystories_prompts
 
@@ -24,7 +25,14 @@ FALLBACK_CODE_PROMPTS = [
 def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new_tokens: int, draft=None, rounds: int = 3) -> None:
     """Every run on every prompt, alternating in a shuffled order, `rounds` times (each keeps its fastest
     wall time, so machine noise does not pick the winner); the plain run is the reference every other must equal."""
-    target.generate(prompts[0], max_new_tokens=8)  # warm-up: the first call pays one-off costs
+    for _, drafter, k in runs:  # warm-up: the first call of each run pays one-off costs (compiling its widths, with --compile)
+        target.generate(prompts[0], drafter=drafter, k=k, draft_model=draft if drafter == "draft" else None, max_new_tokens=8)
+    compiled = target.module.__dict__.get("compiled_step")
+    if compiled is not None:
+        drafts = getattr(getattr(target.module, "mtp", None), "__dict__", {}).get("compiled_step")
+        graphs = compiled.stats.graphs + (drafts.stats.graphs if drafts else 0)
+        seconds = compiled.stats.seconds + (drafts.stats.seconds if drafts else 0.0)
+        print(f"compiled {graphs} graphs in {seconds:.0f} s (kernels cached in {cache_dir()}: later runs load them)\n")
     results: dict[tuple[int, int], object] = {}
     seconds: dict[tuple[int, int], float] = {}
     order = random.Random(0)
@@ -56,18 +64,18 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
     print(f"(best of {rounds} alternating rounds per prompt and method; {n} torch thread{'s' if n > 1 else ''}, mtpspec.threads' rule)")
 
 
-def demo(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None) -> None:
-    """threads: torch threads (None = mtpspec.threads' rule: 1 for these small models)."""
+def demo(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None, compile: bool = False) -> None:
+    """threads: torch threads (None = mtpspec.threads' rule: 1 for these small models); compile: mtpspec.compiled."""
     if (shipped_demo_dir() / "mtpspec.json").exists():
-        demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3), threads=threads)
+        demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3), threads=threads, compile=compile)
     else:
-        demo_stories(max_new_tokens, n_prompts, threads=threads)
+        demo_stories(max_new_tokens, n_prompts, threads=threads, compile=compile)
 
 
-def demo_code(max_new_tokens: int = 96, n_prompts: int = 3, threads: int | None = None) -> None:
+def demo_code(max_new_tokens: int = 96, n_prompts: int = 3, threads: int | None = None, compile: bool = False) -> None:
     from .train.data import HELDOUT, code_prompts, stdlib_files
 
-    target = load(shipped_demo_dir(), threads=threads)
+    target = load(shipped_demo_dir(), threads=threads, compile=compile)
     prompts = code_prompts(stdlib_files()[1], n_prompts) or FALLBACK_CODE_PROMPTS[:n_prompts]
     print(f"target: models/demo (Qwen3.5-style hybrid with an MTP head, trained on the Python stdlib), {len(prompts)} "
           f"prompts from held-out modules ({', '.join(HELDOUT)}) x {max_new_tokens} new tokens, greedy\n")
@@ -79,9 +87,9 @@ def demo_code(max_new_tokens: int = 96, n_prompts: int = 3, threads: int | None 
           "\npass keeps the output exactly plain greedy.")
 
 
-def demo_stories(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None) -> None:
+def demo_stories(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None, compile: bool = False) -> None:
     models = assets_dir() / "models"
-    target = load(models / "stories260K.bin", models / "tok512.bin", threads=threads)
+    target = load(models / "stories260K.bin", models / "tok512.bin", threads=threads, compile=compile)
     draft = load(models / "stories260K_q80.bin", models / "tok512.bin")
     prompts = tinystories_prompts(n_prompts)
     print(f"target: stories260K.bin (fp32), {len(prompts)} TinyStories prompts x {max_new_tokens} new tokens, greedy\n")

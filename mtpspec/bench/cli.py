@@ -108,6 +108,7 @@ def run_benchmark(
     gguf: str | None = None,
     quant: str | None = None,
     group_size: int = 64,
+    compile: bool = False,
 ) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from ..api import load
@@ -143,7 +144,7 @@ def run_benchmark(
     phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
     peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
     t_phase = perf_counter()
-    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size)  # threads None: the rule
+    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size, compile=compile)  # threads None: the rule
     threads = model.threads
     dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
     for d in drafters:  # bad combinations (a head for another target, no MTP module) fail here, before any timing
@@ -234,7 +235,7 @@ def run_benchmark(
     result = {
         "config": {
             "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
-            "dtype": dtype, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
+            "dtype": dtype, "compile": compile, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
             "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
             "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "keep": keep, "interleave": interleave, "drafters": drafters, "k": ks,
@@ -265,7 +266,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
         progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
-        quant=args.quant, group_size=args.quant_group_size,
+        quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
@@ -45,6 +46,7 @@ class MTPDrafter:
         if self.n_layers != 1:
             raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
         self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
+        self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
         self.cache = None
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
@@ -92,6 +94,8 @@ class MTPDrafter:
 
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""
+        if self.compiled is not None and self.compiled.handles(tokens.shape[0], self.cache):
+            return self.compiled(hidden, self.target.embed(tokens), self.cache, layer)
         if self.fused is None:
             return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer)
         out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer)

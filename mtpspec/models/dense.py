@@ -116,6 +116,9 @@ class DenseLM(CausalLM):
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: KVCache) -> TargetOutput:
         """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H)."""
+        step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
+        if step is not None and step.handles(tokens.shape[0], cache):
+            return step(tokens, cache)
         start = cache.length
         x = self.embed(tokens[None])  # (1, T, H)
         for layer in self.model.layers:

@@ -234,6 +234,9 @@ class HybridLM(CausalLM):
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: HybridCache) -> TargetOutput:
         """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm."""
+        step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
+        if step is not None and step.handles(tokens.shape[0], cache):
+            return step(tokens, cache)
         t = tokens.shape[0]
         start = cache.begin(t)
         x = self.embed(tokens[None])  # (1, T, H)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from ..cli import add_quant_args, add_threads_arg, command, use_threads
+from ..cli import add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
 from ..errors import ConfigError
 
 
@@ -22,6 +22,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model (drafter 'draft') or a trained head folder (mtp / eagle / medusa) to offer (repeatable)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16, for every model")
     add_quant_args(p)
+    add_compile_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_threads_arg(p)
@@ -39,15 +40,22 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     from ..loading import parse_dtype
 
+    from ..compiled import check_compilable, compile_model
     from ..quant import check_quant, quantize
     from ..threads import resolve_threads
 
     qcfg = check_quant(args.quant, args.quant_group_size, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads
+    if args.compile:
+        check_compilable(None, parse_dtype(args.dtype))
+        if qcfg is not None:
+            raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
     served = load_served(args.model, args.tokenizer, args.draft_model, args.dtype)
     for model in served.models.values():  # each generate() sets its model's threads: --threads, else the rule at load
         if qcfg is not None:
             quantize(model.module, qcfg.kind, qcfg.group_size)
         model.threads = resolve_threads(args.threads, model.module)
+        if args.compile:
+            compile_model(model.module)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"mtpspec: serving {', '.join(served.models)} on http://{args.host}:{port}/  (JSON API under /api, Ctrl-C to stop)",
