@@ -244,6 +244,11 @@ class CompileStats:
 OPTIONS = {"cpp_wrapper": os.environ.get("MTPSPEC_CPP_WRAPPER", "1") == "1"}
 
 
+# Once every graph in use is built, dynamo re-checking all of each graph's guards (one per weight) costs about
+# as much as a small kernel per step; the guards that tell the graphs apart are still checked.
+SKIP_GUARDS = os.environ.get("MTPSPEC_SKIP_GUARDS", "1") == "1"
+
+
 class _Compiled:
     """What both compiled steps share: one graph per (width, threads), built on first use and timed; the
     concatenated projections rebuilt when the weights change; the cache's positions as a tensor."""
@@ -260,21 +265,24 @@ class _Compiled:
         self.params = list(module.parameters())
         self.version = _version(self.params)
         fuse_projections(module)
-        self.built: set[tuple[int, int]] = set()
+        self.built: set[tuple[int, int, int]] = set()  # (width, KV length, threads) run with every guard checked
         self.stats = CompileStats()
 
     def usable(self, t: int, exact: bool, dtype: torch.dtype, batch: int) -> bool:
         return (1 <= t <= self.max_width and not exact and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
-    def run(self, t: int, *args):
+    def run(self, t: int, length: int, *args):
+        """The graph for width t over KV buffers of `length` positions (a new (t, length, threads) is run with
+        every guard checked, compiling when needed; a known one checks only the guards between graphs)."""
         version = _version(self.params)
         if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
             fuse_projections(self.module)
             self.version = version
-        key = (t, torch.get_num_threads())  # compiled kernels keep the thread count they were built for
-        if key in self.built:
-            return self.fn(*args, key[1])
+        key = (t, length, torch.get_num_threads())  # compiled kernels keep the thread count they were built for
+        if key in self.built:  # a built graph: evaluate only the guards that tell the graphs apart
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
+                return self.fn(*args, key[1])
         t0 = perf_counter()
         out = self.fn(*args, key[1])
         self.built.add(key)
@@ -289,7 +297,8 @@ def _version(params: list[Tensor]) -> tuple:
 
 
 def _inference(x: Tensor) -> Tensor:
-    """One kind of input tensor for the graph (an inference tensor): a normal one would fail a guard and recompile."""
+    """One kind of input tensor for the graph (an inference tensor): a normal one would fail a guard and recompile
+    (or, with the guards between built graphs only, be taken for another)."""
     return x if x.is_inference() else x.clone()
 
 
@@ -319,12 +328,12 @@ class CompiledStep(_Compiled):
         if self.hybrid:
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
-            states = [_inference(cache.start_state(i)) for i in n]  # (1, nv, dk, dv)
-            logits, hid, pre, hists, slots = self.run(t, self.module, _inference(tokens), pos, kv.k, kv.v, convs, states)
+            states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
+            logits, hid, pre, hists, slots = self.run(t, kv.max_len, self.module, _inference(tokens), pos, kv.k, kv.v, convs, states)
             for i in n:
                 cache.record_window(i, hists[i], [Window(states=list(slots[i].unbind(0)))], None)
         else:
-            logits, hid, pre = self.run(t, self.module, _inference(tokens), pos, kv.k, kv.v)
+            logits, hid, pre = self.run(t, kv.max_len, self.module, _inference(tokens), pos, kv.k, kv.v)
         cache.advance(t)
         return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)
 
@@ -346,7 +355,7 @@ class CompiledDraftStep(_Compiled):
         if start + t > cache.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
         pos = torch.arange(start, start + t)
-        out = self.run(t, self.module, _inference(hidden), _inference(emb), cache.k, cache.v, pos, layer)
+        out = self.run(t, cache.max_len, self.module, _inference(hidden), _inference(emb), cache.k, cache.v, pos, layer)
         cache.advance(t)
         return out
 

@@ -54,7 +54,7 @@ def _static_step(model, tokens, cache):
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_forward if step.hybrid else dense_forward)
-    step.run = lambda t, *args: step.fn(*args, 1)
+    step.run = lambda t, length, *args: step.fn(*args, 1)
     return step(tokens, cache)
 
 
@@ -110,7 +110,7 @@ def test_compiled_generation_equals_plain_greedy(kind):
     step = compile_model(model, max_width=5, backend="eager")
     for r in runs:
         assert gen(*r) == ref[r], r
-    assert step.built and {t for t, _ in step.built} <= set(range(1, 6))
+    assert step.built and {t for t, _, _ in step.built} <= set(range(1, 6))
     assert step.stats.graphs == len(step.built)
     if kind == "hybrid":
         drafts = model.mtp.__dict__["compiled_step"]
