@@ -167,7 +167,7 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
         f"## {meta['model_name']} on {meta['prompts_name']}",
         "",
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
-        f"torch threads {meta['threads']}, "
+        f"torch threads {meta['threads']}, " + ("our steps compiled (--compile), " if meta.get("compile") else "")
         + (f"{'mean' if meta.get('keep', 'best') == 'mean' else 'best'} of {meta.get('repeat', 1)} alternating rounds"
            if meta.get("repeat", 1) > 1 else "one round")
         + (", our methods of each prompt interleaved every 5 ms" if meta.get("interleave") == "step" else "")
