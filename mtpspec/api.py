@@ -139,9 +139,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     if not isinstance(compile, bool):
         raise ConfigError(f"compile must be True or False, got {compile!r}")
     if compile:
-        check_compilable(None, parse_dtype(dtype))
-        if quant is not None:
-            raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
+        check_compilable(None, parse_dtype(dtype), quant)
     qcfg = check_quant(quant, group_size, parse_dtype(dtype))  # bad settings are named before a slow load
     module, tok = load_checkpoint(path, tokenizer, dtype)
     if qcfg is not None:

@@ -360,19 +360,18 @@ class CompiledDraftStep(_Compiled):
         return out
 
 
-def check_compilable(model, dtype: torch.dtype | None = None) -> None:
-    """A ConfigError naming why `model` (or a model of `dtype`, before loading) cannot take the compiled path."""
-    from torch import nn
+def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
+    """A ConfigError naming why `model` (or, before loading, a model of `dtype` quantized as `quant`) cannot
+    take the compiled path."""
+    from .quant import QuantLinear
 
     dtype = dtype or model.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"--compile needs fp32 or bf16 weights, not {str(dtype).removeprefix('torch.')} (fp64 is the eager reference)")
-    if model is None:
-        return
-    if getattr(model.config, "num_experts", 0) > 0:
-        raise ConfigError("--compile does not cover mixture-of-experts layers (Qwen3-Next) yet: run without --compile")
-    if any(isinstance(m, nn.Linear) is False and type(m).__name__ == "QuantLinear" for m in model.modules()):
+    if quant is not None or (model is not None and any(isinstance(m, QuantLinear) for m in model.modules())):
         raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
+    if model is not None and getattr(model.config, "num_experts", 0) > 0:
+        raise ConfigError("--compile does not cover mixture-of-experts layers (Qwen3-Next) yet: run without --compile")
 
 
 def compile_model(model, max_width: int = 9, backend: str = "inductor") -> CompiledStep:

@@ -94,11 +94,9 @@ def test_compiled_generation_equals_plain_greedy(kind):
 
     torch._dynamo.reset()
     model = tiny_hybrid() if kind == "hybrid" else tiny_dense()
-    m = mtpspec.Model(module=model, tokenizer=None)
     g = torch.Generator().manual_seed(2)
     prompt = [int(t) for t in torch.randint(0, 96, (12,), generator=g)]
     runs = [("none", 1), ("ngram", 3)] + ([("mtp", 1), ("mtp", 3)] if kind == "hybrid" else [])
-    ref = {r: mtpspec.api.generate_tokens for r in runs}
     from mtpspec.drafters import make_drafter
     from mtpspec.engine import generate_tokens
     from mtpspec.sampling import Sampler, SamplingParams
@@ -117,7 +115,6 @@ def test_compiled_generation_equals_plain_greedy(kind):
         assert drafts.built, "the MTP drafter went through its compiled step"
     n = step.stats.graphs
     assert gen("none", 1, exact=True) == ref["none", 1] and step.stats.graphs == n  # exact mode: eager
-    del m
 
 
 def test_compile_refuses_what_it_does_not_cover():
@@ -127,6 +124,18 @@ def test_compile_refuses_what_it_does_not_cover():
         mtpspec.load("demo", compile=True, quant="int8")
     with pytest.raises(ConfigError, match="True or False"):
         mtpspec.load("demo", compile="yes")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "x", "--model", "demo", "--compile", "--dtype", "fp64"], "--compile needs fp32 or bf16"),
+    (["serve", "--model", "demo", "--compile", "--quant", "int8"], "--compile with --quant"),
+])
+def test_compile_cli_errors(capsys, argv, message):
+    """One line on stderr and exit status 2, before anything is compiled (or served)."""
+    from mtpspec.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
