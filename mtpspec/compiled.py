@@ -241,16 +241,16 @@ class CompileStats:
 
 # The kernels are called from a C++ wrapper, not a Python one: per-step overhead is the point. Weights stay graph
 # inputs (not frozen constants): frozen graphs are not cached across runs, and each run would compile again.
-OPTIONS = {"cpp_wrapper": os.environ.get("MTPSPEC_CPP_WRAPPER", "1") == "1"}
+OPTIONS = {"cpp_wrapper": True}
 
 
 # Once every graph in use is built, dynamo re-checking all of each graph's guards (one per weight) costs about
 # as much as a small kernel per step; the guards that tell the graphs apart are still checked.
-SKIP_GUARDS = os.environ.get("MTPSPEC_SKIP_GUARDS", "1") == "1"
+SKIP_GUARDS = True
 
 
 class _Compiled:
-    """What both compiled steps share: one graph per (width, threads), built on first use and timed; the
+    """What both compiled steps share: one graph per (width, KV length, threads), built on first use and timed; the
     concatenated projections rebuilt when the weights change; the cache's positions as a tensor."""
 
     def __init__(self, fn, module, max_width: int, backend: str = "inductor") -> None:
@@ -263,7 +263,7 @@ class _Compiled:
         # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
         self.fn = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, options=OPTIONS if backend == "inductor" else None)
         self.params = list(module.parameters())
-        self.version = _version(self.params)
+        self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
         fuse_projections(module)
         self.built: set[tuple[int, int, int]] = set()  # (width, KV length, threads) run with every guard checked
         self.stats = CompileStats()
@@ -275,7 +275,7 @@ class _Compiled:
     def run(self, t: int, length: int, *args):
         """The graph for width t over KV buffers of `length` positions (a new (t, length, threads) is run with
         every guard checked, compiling when needed; a known one checks only the guards between graphs)."""
-        version = _version(self.params)
+        version = weights_version(self.params)
         if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
             fuse_projections(self.module)
             self.version = version
@@ -289,11 +289,6 @@ class _Compiled:
         self.stats.graphs += 1
         self.stats.seconds += perf_counter() - t0
         return out
-
-
-def _version(params: list[Tensor]) -> tuple:
-    """Changes when a weight is updated in place (an optimizer step) or replaced."""
-    return weights_version(params)
 
 
 def _inference(x: Tensor) -> Tensor:

@@ -189,12 +189,7 @@ def run_benchmark(
             peer_methods += [Method("transformers", "ngram", k) for k in hf_ks + ([10] if 10 not in hf_ks else [])]  # 10: HF's usual
         if "draft" in drafters:
             peer_methods.append(Method("transformers", "draft", None))
-        for m in peer_methods:
-            why = hf.unsupported(m)
-            if why:
-                peers_skipped[m.label] = why
-            else:
-                methods.append(m)
+        _admit(hf, peer_methods, methods, peers_skipped)
         phases["peers_setup"] = perf_counter() - t_phase
     if "llamacpp" in peers:
         from .llamacpp import LlamaCppRunner, llamacpp_methods, peer_gguf
@@ -203,12 +198,7 @@ def run_benchmark(
         tg = Path(gguf) if gguf else peer_gguf(model, out / "gguf", "target")
         dg = peer_gguf(dm, out / "gguf", "draft") if dm is not None and "draft" in drafters else None
         lc = runners["llamacpp"] = LlamaCppRunner(tg, threads, model.max_seq_len, tuple(model.tokenizer.stop_ids), dg)
-        for m in llamacpp_methods(drafters, ks):
-            why = lc.unsupported(m)
-            if why:
-                peers_skipped[m.label] = why
-            else:
-                methods.append(m)
+        _admit(lc, llamacpp_methods(drafters, ks), methods, peers_skipped)
         phases["llamacpp_setup"] = perf_counter() - t_phase
 
     bar = None
@@ -251,6 +241,16 @@ def run_benchmark(
     files = write_all(result, out, plot_prefix)
     result["files"] = {k: str(v) for k, v in files.items()}
     return result
+
+
+def _admit(runner, candidates: list[Method], methods: list[Method], skipped: dict[str, str]) -> None:
+    """A peer's methods join the run, or `skipped` (label -> why) when the peer cannot run them on this model."""
+    for m in candidates:
+        why = runner.unsupported(m)
+        if why:
+            skipped[m.label] = why
+        else:
+            methods.append(m)
 
 
 @command("bench")(_args)
