@@ -1,6 +1,8 @@
 """Drafter registry: one name per drafter, all on the same lossless verify path.
 
-Each drafter declares the options it reads (OPTIONS); make_drafter refuses an unknown option, an
+Each drafter declares its options as a frozen dataclass (a DrafterOptions: NgramOptions, MTPOptions,
+EagleOptions, and empty ones for none / draft / medusa), type-checked on construction. make_drafter
+builds it from keywords (the names of Model.generate's arguments) and refuses an unknown option, an
 option another drafter reads, or a draft model a drafter does not use, naming it, before any
 generation starts. An option set to None counts as not given (callers pass the CLI's unset flags).
 """
@@ -8,34 +10,52 @@ generation starts. An option set to None counts as not given (callers pass the C
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ConfigError
-from .base import Drafter, NoDrafter
+from .base import BatchDrafter, Drafter, DrafterOptions, MTPSource, NoDrafter, option
 from .draft_model import DraftModelDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, NgramOptions
 
-# name -> factory(target_model, draft_model, options) ; later drafters register themselves here.
-REGISTRY: dict[str, Callable[..., Drafter]] = {}
 
-# option name -> (the CLI flag that sets it, its type); and which drafters read which options.
-OPTION_TYPES: dict[str, tuple[str, type]] = {
-    "ngram_min": ("--ngram-min", int),
-    "ngram_max": ("--ngram-max", int),
-    "draft_vocab": ("--draft-vocab", int),
-    "mtp_prenorm_hidden": ("mtp_prenorm_hidden", bool),
-}
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "none": (), "ngram": ("ngram_min", "ngram_max"), "draft": (), "mtp": ("draft_vocab", "mtp_prenorm_hidden"),
-    "eagle": ("draft_vocab",), "medusa": (),
-}
+@dataclass(frozen=True)
+class NoDrafterOptions(DrafterOptions):
+    """--drafter none reads no option."""
+
+
+@dataclass(frozen=True)
+class DraftModelOptions(DrafterOptions):
+    """--drafter draft reads no option (its draft model is the draft_model argument)."""
+
+
+@dataclass(frozen=True)
+class MedusaOptions(DrafterOptions):
+    """--drafter medusa reads no option (K comes with the head)."""
+
+
+@dataclass(frozen=True)
+class MTPOptions(DrafterOptions):
+    draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
+    prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
+
+
+@dataclass(frozen=True)
+class EagleOptions(DrafterOptions):
+    draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
+
+
+# name -> factory(target_model, draft_model, options) and the class of its options
+REGISTRY: dict[str, Callable[[Any, Any, DrafterOptions], Drafter]] = {}
+OPTION_CLASSES: dict[str, type[DrafterOptions]] = {}
 USES_DRAFT_MODEL = ("draft", "mtp", "eagle", "medusa")  # mtp: optional (a trained head for a target without one)
 
 
-def register(name: str):
+def register(name: str, options: type[DrafterOptions]):
     def deco(factory):
         REGISTRY[name] = factory
+        OPTION_CLASSES[name] = options
         return factory
 
     return deco
@@ -46,24 +66,24 @@ def _no_draft_model(name: str, draft_model) -> None:
         raise ConfigError(f"--draft-model is not used by --drafter {name}")
 
 
-@register("none")
-def _none(target, draft_model=None) -> Drafter:
+@register("none", NoDrafterOptions)
+def _none(target, draft_model, options: NoDrafterOptions) -> Drafter:
     _no_draft_model("none", draft_model)
     return NoDrafter()
 
 
-@register("ngram")
-def _ngram(target, draft_model=None, ngram_min: int | None = None, ngram_max: int | None = None) -> Drafter:
+@register("ngram", NgramOptions)
+def _ngram(target, draft_model, options: NgramOptions) -> Drafter:
     _no_draft_model("ngram", draft_model)
-    return NgramDrafter(n_min=1 if ngram_min is None else ngram_min, n_max=3 if ngram_max is None else ngram_max)
+    return NgramDrafter(n_min=options.n_min, n_max=options.n_max)
 
 
 def _is_path(x) -> bool:
     return isinstance(x, (str, Path))
 
 
-@register("draft")
-def _draft(target, draft_model=None) -> Drafter:
+@register("draft", DraftModelOptions)
+def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
     if draft_model is None:
         raise ConfigError("--drafter draft needs a draft model (--draft-model PATH)")
     if _is_path(draft_model):
@@ -78,17 +98,13 @@ def _draft(target, draft_model=None) -> Drafter:
     return DraftModelDrafter(draft_model, target.vocab_size)
 
 
-@register("mtp")
-def _mtp(target, draft_model=None, mtp_prenorm_hidden: bool | None = None, draft_vocab: int | None = None) -> Drafter:
-    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`.
-
-    draft_vocab: size of the drafter's LM head vocabulary (None = the checkpoint's default, 0 = full)."""
+@register("mtp", MTPOptions)
+def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
+    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`."""
     from .mtp import MTPDrafter
 
-    prenorm = bool(mtp_prenorm_hidden)
-    if draft_model is not None:
-        return MTPDrafter(_attached(target, draft_model, "mtp"), prenorm_hidden=prenorm, draft_vocab=draft_vocab)
-    return MTPDrafter(target, prenorm_hidden=prenorm, draft_vocab=draft_vocab)
+    source = target if draft_model is None else _attached(target, draft_model, "mtp")
+    return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab)
 
 
 def _head(draft_model, kind: str, target):
@@ -120,24 +136,24 @@ def _cast(head, dtype):
     return copy.deepcopy(head).to(dtype)  # the caller's head keeps its dtype
 
 
-def _attached(target, draft_model, kind: str):
+def _attached(target, draft_model, kind: str) -> MTPSource:
     from ..models.heads import AttachedHead
 
     return AttachedHead(target, _head(draft_model, kind, target))
 
 
-@register("eagle")
-def _eagle(target, draft_model=None, draft_vocab: int | None = None) -> Drafter:
+@register("eagle", EagleOptions)
+def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
     """An EAGLE head: the MTP drafter's bookkeeping, on a head that predicts the target's next feature."""
     from .mtp import MTPDrafter
 
-    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=draft_vocab)
+    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=options.draft_vocab)
     d.name = "eagle"
     return d
 
 
-@register("medusa")
-def _medusa(target, draft_model=None) -> Drafter:
+@register("medusa", MedusaOptions)
+def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     from .medusa import MedusaDrafter
 
     return MedusaDrafter(target, _head(draft_model, "medusa", target))
@@ -145,11 +161,18 @@ def _medusa(target, draft_model=None) -> Drafter:
 
 KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle")
 
+# keyword -> (the flag its errors name, its type); drafter -> the keywords it reads (derived from the classes)
+OPTION_TYPES: dict[str, tuple[str, type]] = {
+    key: (cls.flags()[key], typ) for cls in OPTION_CLASSES.values() for key, typ in cls.types().items()
+}
+OPTIONS: dict[str, tuple[str, ...]] = {name: tuple(cls.keys()) for name, cls in OPTION_CLASSES.items()}
 
-def check_options(name: str, opts: dict) -> dict:
-    """The options drafter `name` reads, type-checked; an unknown option or one it does not read is an error."""
-    own = OPTIONS.get(name, ())
-    out = {}
+
+def options_for(name: str, opts: dict) -> DrafterOptions:
+    """Drafter `name`'s options object from keywords; an unknown option or one it does not read is an error."""
+    cls = OPTION_CLASSES.get(name, NoDrafterOptions)
+    own = cls.keys()  # keyword -> field
+    given = {}
     for key, value in opts.items():
         if key not in OPTION_TYPES:
             near = difflib.get_close_matches(key, list(OPTION_TYPES), n=1)
@@ -157,13 +180,16 @@ def check_options(name: str, opts: dict) -> dict:
             raise ConfigError(f"unknown drafter option '{key}'{hint}")
         if value is None:
             continue
-        flag, typ = OPTION_TYPES[key]
         if key not in own:
-            raise ConfigError(f"{flag} is not used by --drafter {name}")
-        if isinstance(value, bool) is not (typ is bool) or not isinstance(value, typ):
-            raise ConfigError(f"{flag} must be {'true or false' if typ is bool else 'an integer'}, got {value!r}")
-        out[key] = value
-    return out
+            raise ConfigError(f"{OPTION_TYPES[key][0]} is not used by --drafter {name}")
+        given[own[key]] = value
+    return cls(**given)  # type-checked here
+
+
+def check_options(name: str, opts: dict) -> dict:
+    """The options drafter `name` reads (the given, not-None keywords), checked as options_for checks them."""
+    options_for(name, opts)
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 def for_drafter(kwargs: dict) -> dict:
@@ -177,7 +203,9 @@ def for_drafter(kwargs: dict) -> dict:
     return out
 
 
-def make_drafter(name: str, target, draft_model=None, **opts) -> Drafter:
+def make_drafter(name: str, target, draft_model=None, options: DrafterOptions | None = None, **opts) -> Drafter:
+    """A fresh drafter `name` for `target`; its options either as `options` (the drafter's DrafterOptions)
+    or as keywords (ngram_min=2, draft_vocab=64, ...), not both."""
     if not isinstance(name, str):
         raise ConfigError(f"drafter must be a name (one of: {', '.join(sorted(REGISTRY))}), got {name!r}")
     factory = REGISTRY.get(name)
@@ -185,8 +213,17 @@ def make_drafter(name: str, target, draft_model=None, **opts) -> Drafter:
         if name in KNOWN:
             raise ConfigError(f"drafter '{name}' is not available for this model")
         raise ConfigError(f"unknown drafter '{name}' (choose from: {', '.join(sorted(REGISTRY))})")
-    return factory(target, draft_model=draft_model, **check_options(name, opts))
+    from_keywords = options_for(name, opts)
+    if options is None:
+        options = from_keywords
+    elif type(options) is not OPTION_CLASSES[name]:
+        raise ConfigError(f"--drafter {name} takes {OPTION_CLASSES[name].__name__}, got {type(options).__name__}")
+    elif any(v is not None for v in opts.values()):
+        raise ConfigError(f"drafter options given twice: as options= and as {', '.join(k for k, v in opts.items() if v is not None)}")
+    return factory(target, draft_model, options)
 
 
-__all__ = ["Drafter", "NoDrafter", "NgramDrafter", "DraftModelDrafter", "make_drafter", "register", "REGISTRY",
-           "OPTIONS", "check_options", "for_drafter"]
+__all__ = ["Drafter", "BatchDrafter", "MTPSource", "NoDrafter", "NgramDrafter", "DraftModelDrafter", "make_drafter",
+           "register", "REGISTRY", "OPTIONS", "OPTION_TYPES", "OPTION_CLASSES", "USES_DRAFT_MODEL", "DrafterOptions",
+           "NoDrafterOptions", "NgramOptions", "DraftModelOptions", "MTPOptions", "EagleOptions", "MedusaOptions",
+           "options_for", "check_options", "for_drafter"]

@@ -1,4 +1,5 @@
-"""The interface every drafter satisfies, so all of them share one lossless verify path.
+"""The interfaces of drafting: what every drafter does, what a batch-capable drafter adds, what the
+MTP drafter reads from its source, and how a drafter's options are declared and checked.
 
 A drafter sees the committed context (prompt + emitted tokens; the last one is not yet in the
 target's cache), proposes up to k tokens after it, and is told what verification kept.
@@ -8,16 +9,35 @@ verify pass: logits and post-final-norm hidden states at every forwarded positio
 
 from __future__ import annotations
 
-from typing import Protocol
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, Self, runtime_checkable
 
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..cache import KVCache
+from ..errors import ConfigError
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
 
 
+@runtime_checkable
 class Drafter(Protocol):
-    name: str
+    """One drafter instance per sequence: it holds that sequence's drafting state (an n-gram index,
+    an MTP cache, the last hidden state), so a batch of B sequences has B drafters.
+
+    The engine's calls, in order, for one sequence:
+
+    1. prefill(context, out, sampler) once, after the target's prefill over context[:-1];
+    2. per step: propose(context, d) when the step drafts (d >= 1; a step the depth policy gives
+       d = 0 calls nothing), then one verify pass over [context[-1], d1..dD], then
+       commit(verdict, out) after every verify pass, drafted or not (verdict.num_drafted = 0 then).
+
+    A drafter may return fewer than d tokens (even none: the step is then a plain step). It never
+    reads the target's cache: everything it learns of the target comes through `out`.
+    """
+
+    name: str  # the registry name (--drafter)
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         """context (L,) the prompt; out: the target's prefill over context[:-1] (None if L == 1)."""
@@ -27,6 +47,60 @@ class Drafter(Protocol):
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         """Verification kept verdict.tokens; out is the verify pass over [last, d1..dD]."""
+
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that can draft for several sequences in one call (optional).
+
+    When every drafter of a step's batch is of one class that defines the classmethod
+    `propose_batch`, the engine calls it once instead of `propose` per sequence; otherwise it falls
+    back to per-sequence `propose`. Contract, for i in range(len(drafters)):
+
+    - drafters[i] is the drafter of sequence i, contexts[i] (L_i,) its committed tokens and ks[i] >= 1
+      its draft length this step (ragged: each sequence drafts its own number);
+    - the result's [i] is what drafters[i].propose(contexts[i], ks[i]) would return: the same tokens
+      (and q) and the same state left in drafters[i] for its commit, so batching is never visible in
+      the output. Sequences the engine does not draft for this step are not passed at all.
+    """
+
+    @classmethod
+    def propose_batch(cls, drafters: list[Self], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
+        """drafters, contexts (L_i,), ks: one entry per drafted sequence -> one Draft per sequence, same order."""
+
+
+@runtime_checkable
+class MTPConfig(Protocol):
+    mtp_num_layers: int  # decoder layers of the MTP module (the drafter supports 1)
+
+
+@runtime_checkable
+class MTPSource(Protocol):
+    """What the MTP drafter (drafters/mtp.py) reads: a target with its own MTP module (HybridLM), or
+    a trained MTP / EAGLE head attached to a frozen target (models.heads.AttachedHead).
+
+    The module reads pairs (h_i, e(t_{i+1})), the target's post-final-norm hidden state at i and the
+    embedding of the token after it, and returns a hidden state (T, H) for the target's LM head.
+    Besides the members below, the drafter reads `token_ranking` (a drafters.draft_vocab.TokenRanking,
+    or None / absent when the checkpoint has no draft vocabulary) through getattr.
+    """
+
+    mtp: nn.Module | None  # forward(hidden (T, H), emb (T, H), cache, start, layer) -> (T, H); None = the model has none
+    config: MTPConfig
+    vocab_size: int  # V of the target's LM head
+    lm_head: nn.Linear  # the target's LM head (weight (V, H)): a draft vocabulary restricts its rows
+
+    def new_mtp_cache(self) -> KVCache:
+        """An empty KV cache for the MTP module's own positions (one entry per pair)."""
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens (T,) -> (T, H) the target's input embeddings."""
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """hidden (T, H) -> (T, V) logits through the target's LM head (at least float32)."""
+
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
+        """The MTP module over pairs (hidden (T, H), tokens (T,)) at cache.length.. -> (T, H); advances the cache by T."""
 
 
 class NoDrafter:
@@ -42,3 +116,45 @@ class NoDrafter:
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         pass
+
+
+def option(key: str, flag: str, default: Any) -> Any:
+    """A drafter option field: `key` is the keyword callers pass (Model.generate, make_drafter), `flag`
+    the name its errors use (the CLI flag that sets it)."""
+    return field(default=default, metadata={"key": key, "flag": flag})
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """A drafter's options: a frozen dataclass of option() fields, type-checked on construction.
+
+    Fields are int or bool, or `int | None` (None = the drafter's own default, decided later)."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value, hint = getattr(self, f.name), hints[f.name]
+            args = typing.get_args(hint) or (hint,)
+            if value is None and type(None) in args:
+                continue
+            if bool in args:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{f.metadata['flag']} must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{f.metadata['flag']} must be an integer, got {value!r}")
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """keyword -> field name."""
+        return {f.metadata["key"]: f.name for f in fields(cls)}
+
+    @classmethod
+    def flags(cls) -> dict[str, str]:
+        """keyword -> the flag its errors name."""
+        return {f.metadata["key"]: f.metadata["flag"] for f in fields(cls)}
+
+    @classmethod
+    def types(cls) -> dict[str, type]:
+        """keyword -> the value's type (int or bool)."""
+        hints = typing.get_type_hints(cls)
+        return {f.metadata["key"]: bool if bool in (typing.get_args(hints[f.name]) or (hints[f.name],)) else int for f in fields(cls)}

@@ -7,20 +7,33 @@ n is tried first. No probabilities: the verifier treats the draft as a point mas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
+from .base import DrafterOptions, option
+
+
+@dataclass(frozen=True)
+class NgramOptions(DrafterOptions):
+    n_min: int = option("ngram_min", "--ngram-min", 1)  # shortest suffix looked up
+    n_max: int = option("ngram_max", "--ngram-max", 3)  # longest suffix looked up (tried first)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.n_min <= self.n_max:
+            raise ConfigError(f"n-gram range must satisfy 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
 
 
 class NgramDrafter:
     name = "ngram"
 
     def __init__(self, n_min: int = 1, n_max: int = 3) -> None:
-        if not 1 <= n_min <= n_max:
-            raise ConfigError(f"n-gram range must satisfy 1 <= n_min <= n_max, got {n_min}..{n_max}")
+        NgramOptions(n_min, n_max)  # checked: integers, 1 <= n_min <= n_max
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []  # mirror of the context, appended to, never rescanned
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it

@@ -13,8 +13,8 @@ head (frozen, not stored with the head):
   the target's own next-token head); block k at position i predicts t_{i+1+k}.
 
 MTP and EAGLE have the same interface (forward(hidden, emb, cache, start, layer) -> (T, H)), so one
-drafter (drafters/mtp.py) runs both through `AttachedHead`, which presents a head + its frozen
-target the way a target with a native MTP module presents itself.
+drafter (drafters/mtp.py) runs both through `AttachedHead`: an MTPSource (drafters/base.py) made of
+the head and its frozen target, as a target with a native MTP module is one.
 
 Checkpoint: a folder with head.json {"format": "mtpspec-head", "kind", "config"} + head.safetensors.
 """
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..drafters.base import MTPSource
 from ..errors import ConfigError, ModelLoadError
 from .common import Rotary
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
@@ -180,19 +181,24 @@ def check_fits(head: DraftHead, target) -> None:
         )
 
 
-class AttachedHead:
-    """A trained MTP or EAGLE head on its frozen target, with the interface MTPDrafter reads from a
-    target that has a native MTP module (mtp, config.mtp_num_layers, new_mtp_cache, mtp_forward, head)."""
+class AttachedHead(MTPSource):
+    """A trained MTP or EAGLE head on its frozen target: the MTPSource the MTP drafter reads.
+
+    The module, its config (mtp_num_layers) and its KV cache are the head's; the embedding, the LM
+    head (vocab_size, lm_head, head()) and the draft vocabulary's token ranking are the target's.
+    `target` is the frozen target itself (compiled.py reads it to find the target's compiled step)."""
 
     def __init__(self, target, head: DraftHead) -> None:
         if head.config.kind not in ("mtp", "eagle"):
             raise ConfigError(f"a {head.config.kind} head is not an MTP-style module")
         check_fits(head, target)
-        self.target, self.module, self.mtp, self.config = target, head, head.mtp, head.config
+        self.target, self.module = target, head  # the frozen target; the trained head (its parameters)
+        self.mtp: nn.Module = head.mtp  # MTPModule or EagleModule
+        self.config: DraftHeadConfig = head.config  # mtp_num_layers = 1
         self.max_seq_len = min(target.max_seq_len, head.config.max_seq_len)
-        # what a draft vocabulary (drafters/draft_vocab.py) reads: the target's LM head and token ranking
-        self.vocab_size, self.lm_head = target.vocab_size, target.lm_head
-        self.token_ranking = getattr(target, "token_ranking", None)
+        self.vocab_size: int = target.vocab_size
+        self.lm_head: nn.Linear = target.lm_head
+        self.token_ranking = getattr(target, "token_ranking", None)  # the target's draft vocabulary, if any
 
     def new_mtp_cache(self) -> KVCache:
         c = self.config

@@ -156,15 +156,15 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
 
 
 def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: int, new_tokens: int, drafter: str | None = None) -> dict:
-    """Greedy on held-out prompts: mean accepted length, acceptance by position, identical to plain.
+    """Greedy on held-out prompts: mean accepted length, acceptance by position (metrics.py's definitions), identical to plain.
 
     drafter: defaults to the head's kind (head None + drafter "mtp": the target's own MTP module)."""
     from ..drafters import make_drafter
     from ..engine import generate_tokens
+    from ..metrics import Acceptance
     from ..sampling import Sampler, SamplingParams
 
-    forwards = emitted = 0
-    reached, passed = [0] * k, [0] * k
+    acceptance = Acceptance()
     identical = True
     for p in prompts:
         ids = tokenizer.encode(p)
@@ -172,16 +172,10 @@ def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: in
         d = make_drafter(drafter or head.config.kind, target, draft_model=head)
         r = generate_tokens(target, ids, d, k, Sampler(SamplingParams()), new_tokens)
         identical &= r.tokens == plain.tokens
-        forwards += r.stats.target_forwards
-        emitted += len(r.tokens)
-        for s in r.steps:
-            for i in range(min(s.num_accepted + 1, len(s.draft))):
-                reached[i] += 1
-            for i in range(s.num_accepted):
-                passed[i] += 1
+        acceptance += Acceptance.from_steps(r.steps)
     return {
-        "k": k, "prompts": len(prompts), "mean_accepted_length": round(emitted / max(forwards, 1), 3),
-        "acceptance_by_position": [round(p / r, 3) if r else None for p, r in zip(passed, reached)],
+        "k": k, "prompts": len(prompts), "mean_accepted_length": round(acceptance.mean_accepted_length, 3),
+        "acceptance_by_position": [None if a is None else round(a, 3) for a in acceptance.by_position(k)],
         "identical_to_plain": identical,
     }
 
