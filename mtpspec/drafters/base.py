@@ -53,9 +53,9 @@ class Drafter(Protocol):
 class BatchDrafter(Drafter, Protocol):
     """A drafter that can draft for several sequences in one call (optional).
 
-    When every drafter of a step's batch is of one class that defines the classmethod
-    `propose_batch`, the engine calls it once instead of `propose` per sequence; otherwise it falls
-    back to per-sequence `propose`. Contract, for i in range(len(drafters)):
+    The engine groups a step's drafting sequences by drafter class: for a class that defines the
+    classmethod `propose_batch` it calls it once per group instead of `propose` per sequence; for
+    any other class it calls `propose` per sequence. Contract, for i in range(len(drafters)):
 
     - drafters[i] is the drafter of sequence i, contexts[i] (L_i,) its committed tokens and ks[i] >= 1
       its draft length this step (ragged: each sequence drafts its own number);
