@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from .drafters import make_drafter
-from .engine import check_count, check_prompt, generate_tokens
+from .config import GenerationConfig, draft_model_arg
+from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
 from .loading import load_checkpoint, parse_dtype
 from .compiled import check_compilable, compile_model
@@ -59,69 +60,76 @@ class Model:
     def generate(
         self,
         prompt: str | list[int] = "",
+        config: GenerationConfig | None = None,
         *,
-        drafter: str = "none",
-        k: int | str = 4,
-        draft_model: "Model | str | Path | None" = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        max_new_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         depth_policy=None,
-        trace: bool = False,
-        exact: bool = False,
-        threads: int | None = None,
-        **drafter_options,
+        **overrides,
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
 
-        trace=True fills each StepRecord's timing and target probabilities (see engine.generate_tokens).
-        on_text gets each step's new text, on_tokens its new token ids.
-        threads: torch threads for this call (None = the model's: load()'s threads, else the size rule of
-        mtpspec.threads); set process-wide at the start of the call (torch.set_num_threads is global).
+        config: a GenerationConfig (drafter, k, sampling, limits, exact, trace, threads); keyword arguments
+        override its fields, and keywords that are not fields are drafter options (ngram_min, draft_vocab, ...).
+        trace=True fills each StepRecord's timing and target probabilities. on_text gets each step's new text,
+        on_tokens its new token ids. Threads are set process-wide for the call (torch.set_num_threads is global).
         """
-        n_threads = resolve_threads(self.threads if threads is None else threads, self.module)
+        cfg = (config or GenerationConfig()).with_overrides(**overrides)
         for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
             if f is not None and not callable(f):
                 raise ConfigError(f"{name} must be a function, got {type(f).__name__}")
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        sampler = Sampler(params, seed)
-        if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
-            from .adaptive import AdaptiveDepth
-
-            depth_policy, k = AdaptiveDepth(k_max=8), 8
-        k = check_count("k (draft length)", k, 1)
-        max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
         ids = self._prompt_ids(prompt)
-        check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
-        ids = [int(t) for t in ids]  # (numpy integers too)
-        d = make_drafter(drafter, self.module, draft_model=_draft_arg(draft_model, drafter), **drafter_options)
-        apply_threads(n_threads)
+        engine, k, depth = self._engine(cfg, 1, depth_policy)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
         if on_tokens is not None:
             callback = on_tokens if callback is None else (lambda toks, text=callback: (on_tokens(toks), text(toks)))
-        res = generate_tokens(self.module, ids, d, k, sampler, max_new_tokens, self.tokenizer.stop_ids, callback, depth_policy, trace, exact)
+        sid = self._add(engine, ids, cfg, k, 0, callback)
+        res = engine.run()[sid]
         if on_text is not None:
             tail = stream.flush()
             if tail:
                 on_text(tail)
         return replace(res, text=self.tokenizer.decode(res.tokens, prev=ids[-1]))
 
+    def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, max_batch: int | None = None,
+                       depth_policy=None, **overrides) -> list[GenerationResult]:
+        """Generate after each prompt, up to `max_batch` sequences (default: all) sharing each target forward.
 
-def _draft_arg(draft_model, drafter: str):
-    """What make_drafter gets: a loaded Model's module (a draft model), a path, a head, or None."""
-    if isinstance(draft_model, Model):
-        if drafter in ("mtp", "eagle", "medusa"):
-            raise ConfigError(
-                f"--drafter {drafter} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
-                "not a loaded model (a loaded model is a draft model for --drafter draft)"
-            )
-        return draft_model.module
-    return draft_model
+        Each sequence has its own drafter and sampler (seed + its index); with k="auto" one policy chooses every
+        sequence's depth from the whole batch's cost. Greedy output equals generate() on each prompt alone."""
+        cfg = (config or GenerationConfig()).with_overrides(**overrides)
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ConfigError("prompts must be a non-empty list of prompts")
+        ids = [self._prompt_ids(p) for p in prompts]
+        engine, k, _ = self._engine(cfg, len(ids) if max_batch is None else max_batch, depth_policy)
+        sids = [self._add(engine, x, cfg, k, i, None) for i, x in enumerate(ids)]
+        results = engine.run()
+        return [replace(results[s], text=self.tokenizer.decode(results[s].tokens, prev=x[-1])) for s, x in zip(sids, ids)]
+
+    def _engine(self, cfg: GenerationConfig, max_batch, depth_policy) -> tuple[Engine, int, object]:
+        """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to 8)."""
+        n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
+        k = cfg.k
+        if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
+            from .adaptive import AdaptiveDepth
+
+            depth_policy, k = depth_policy or AdaptiveDepth(k_max=8), 8
+        k = check_count("k (draft length)", k, 1)
+        check_count("max-new-tokens", cfg.max_new_tokens, 0)
+        if not isinstance(cfg.exact, bool):
+            raise ConfigError(f"exact must be True or False, got {cfg.exact!r}")
+        max_batch = check_count("max batch", max_batch, 1)
+        SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)  # checked before any work
+        apply_threads(n_threads)
+        return Engine(self.module, max_batch, cfg.exact, depth_policy), k, depth_policy
+
+    def _add(self, engine: Engine, ids: list[int], cfg: GenerationConfig, k: int, index: int, callback) -> int:
+        check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
+        ids = [int(t) for t in ids]  # (numpy integers too)
+        d = make_drafter(cfg.drafter, self.module, draft_model=draft_model_arg(cfg.draft_model, cfg.drafter), **cfg.options)
+        sampler = Sampler(SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p), cfg.seed + index)
+        return engine.add(ids, d, sampler, k, cfg.max_new_tokens, self.tokenizer.stop_ids, callback, cfg.trace)
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", *,

@@ -28,7 +28,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
         self.max_len = max_len
         self.length = 0  # committed positions
-        self.exact = False  # attention computes every row as a one-token step would (see engine exact mode)
 
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
     prefill = False  # set by the engine before a prompt prefill (no rollback inside it); reset by advance()

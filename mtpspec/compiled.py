@@ -24,12 +24,11 @@ from pathlib import Path
 from time import perf_counter
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .models.common import SwiGLU, weights_version, wide
-from .models.gated_deltanet import _l2norm, causal_conv
+from .models.common import weights_version
 from .models.hybrid_cache import HybridCache, Window
+from .models.static import dense_forward, draft_module_forward, fuse_projections, hybrid_forward
 from .errors import ConfigError
 from .types import TargetOutput
 
@@ -37,37 +36,6 @@ from .types import TargetOutput
 def cache_dir() -> Path:
     """Where inductor keeps compiled kernels between runs ($MTPSPEC_COMPILE_CACHE, default ~/.cache/mtpspec/inductor)."""
     return Path(os.environ.get("MTPSPEC_COMPILE_CACHE", Path.home() / ".cache" / "mtpspec" / "inductor"))
-
-
-def _proj(x: Tensor, *linears) -> list[Tensor]:
-    """Several nn.Linear of the same input as one product -> their outputs, split back.
-
-    The concatenated weight (and bias) is built once, outside the graph, by `fuse_projections` and kept
-    on the first module; the graph reads it as an input (one GEMM call instead of several)."""
-    w, b = linears[0].__dict__["fused_with_next"]
-    return list(F.linear(x, w, b).split([lin.weight.shape[0] for lin in linears], dim=-1))
-
-
-def _fuse(*linears) -> None:
-    """Concatenate the weights (and biases) of linears that read the same input; stored on the first."""
-    with torch.no_grad():
-        w = torch.cat([lin.weight for lin in linears])
-        biases = [lin.bias for lin in linears]
-        b = None if all(x is None for x in biases) else torch.cat([
-            bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
-    linears[0].__dict__["fused_with_next"] = (w, b)
-
-
-def fuse_projections(module) -> None:
-    """Build the concatenated projections the static functions read (attention q/k/v, the DeltaNet's four
-    input projections, SwiGLU gate/up) for every layer of `module`; rebuilt when its weights change."""
-    for m in module.modules():
-        if hasattr(m, "in_proj_qkv"):
-            _fuse(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
-        elif hasattr(m, "q_proj") and hasattr(m, "v_proj"):
-            _fuse(m.q_proj, m.k_proj, m.v_proj)
-        elif isinstance(m, SwiGLU):
-            _fuse(m.gate_proj, m.up_proj)
 
 
 def use_cache_dir() -> None:
@@ -78,157 +46,6 @@ def use_cache_dir() -> None:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()) or "MTPSPEC_COMPILE_CACHE" in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
-    """x (B, nh, T, hd), cos / sin (T, rot) gathered at the positions -> rotated on the first rot dims."""
-    xr, xp = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
-
-
-def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int) -> Tensor:
-    """Write k, v (1, nkv, T, hd) at positions pos (T,) of the buffers (1, nkv, S, hd); q (1, nh, T, hd) attends
-    to every buffer position <= its own (and within `window` of it, when window > 0) -> (1, nh, T, hd)."""
-    k_buf.index_copy_(2, pos, k)
-    v_buf.index_copy_(2, pos, v)
-    keys = torch.arange(k_buf.shape[2])  # (S,)
-    mask = keys[None, :] <= pos[:, None]  # (T, S) causal over the whole buffer: later slots are masked out
-    if window > 0:
-        mask = mask & (keys[None, :] > pos[:, None] - window)
-    return F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=mask, enable_gqa=q.shape[1] != k_buf.shape[1])
-
-
-def _gated_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
-    """models.qwen35.GatedAttention.forward with the position as a tensor."""
-    b, t, _ = x.shape
-    qg, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
-    q, gate = qg.reshape(b, t, att.nh, 2 * att.hd).chunk(2, dim=-1)
-    k = k.reshape(b, t, att.nkv, att.hd)
-    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
-    rope = att.rotary[0]
-    cos, sin = (tab[pos].to(x.dtype) for tab in rope.tables(x.dtype))  # (T, rot)
-    q = _rope(att.q_norm(q).transpose(1, 2), cos, sin, rope.rot_dim)
-    k = _rope(att.k_norm(k).transpose(1, 2), cos, sin, rope.rot_dim)
-    y = _attend(q, k_buf, v_buf, k, v, pos, 0).transpose(1, 2).reshape(b, t, att.nh * att.hd)
-    return att.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
-
-
-def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
-    """models.dense.Attention.forward with the position as a tensor."""
-    b, t, _ = x.shape
-    q, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
-    q = q.reshape(b, t, att.nh, att.hd)
-    k = k.reshape(b, t, att.nkv, att.hd)
-    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
-    if att.qk_norm:
-        q, k = att.q_norm(q), att.k_norm(k)
-    rope = att.rotary[0]
-    cos, sin = (tab[pos].to(x.dtype) for tab in rope.tables(x.dtype))
-    q = _rope(q.transpose(1, 2), cos, sin, rope.rot_dim)
-    k = _rope(k.transpose(1, 2), cos, sin, rope.rot_dim)
-    y = _attend(q, k_buf, v_buf, k, v, pos, att.window)
-    return att.o_proj(y.transpose(1, 2).reshape(b, t, att.nh * att.hd))
-
-
-def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """models.gated_deltanet.GatedDeltaNet.forward in its exact (position by position) form.
-
-    x (1, T, H), conv_window (1, C, K-1), s0 (1, nv, dk, dv) -> out (1, T, H), the widened conv window
-    (1, C, K-1+T) and the states after each position (T, 1, nv, dk, dv)."""
-    b, t, _ = x.shape
-    mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
-    mixed = mixed.transpose(1, 2)  # (1, C, T)
-    hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)
-    conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (1, T, C)
-    q, k, v = conv.split([dn.key_dim, dn.key_dim, dn.value_dim], dim=-1)
-    r, dt = dn.nv // dn.nk, wide(x.dtype)
-    q = q.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (1, nv, T, dk)
-    k = k.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
-    v = v.reshape(b, t, dn.nv, dn.dv).transpose(1, 2).to(dt)  # (1, nv, T, dv)
-    q = _l2norm(q) * dn.dk**-0.5
-    k = _l2norm(k)
-    beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (1, nv, T)
-    decay = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2).exp()
-    outs, states, s = [], [], s0
-    for i in range(t):  # unrolled: T is fixed per compiled graph
-        k_i = k[:, :, i, :, None]  # (1, nv, dk, 1)
-        s = s * decay[:, :, i, None, None]
-        s = s + k_i * ((v[:, :, i] - (k_i * s).sum(-2)) * beta[:, :, i, None]).unsqueeze(-2)
-        outs.append((q[:, :, i, :, None] * s).sum(-2))  # (1, nv, dv)
-        states.append(s)
-    o = torch.stack(outs, dim=1).to(x.dtype)  # (1, T, nv, dv)
-    z = z.reshape(b, t, dn.nv, dn.dv)
-    y = dn.norm(o, z).reshape(b, t, dn.value_dim)
-    return dn.out_proj(y), hist, torch.stack(states)
-
-
-def _mlp(mlp, x: Tensor) -> Tensor:
-    """SwiGLU with gate and up in one projection (their weights concatenated: folded into one constant when frozen)."""
-    if not isinstance(mlp, SwiGLU):  # a mixture of experts runs as it is
-        return mlp(x)
-    g, u = _proj(x, mlp.gate_proj, mlp.up_proj)
-    return mlp.down_proj(F.silu(g) * u)
-
-
-def _check_threads(threads: int) -> None:
-    """A Python branch on the thread count: dynamo guards on it, so another count builds its own graph."""
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-
-
-def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor,
-                   convs: list[Tensor], states: list[Tensor], threads: int = 1):
-    """HybridLM.forward_tokens as a static-shape function: tokens (T,), pos (T,) their positions,
-    k_bufs / v_bufs (L_full, 1, nkv, S, hd) the KV buffers (written in place), convs / states per linear layer.
-    Returns logits (T, V), hidden (T, H), prenorm (T, H), and per linear layer the widened conv window and T states.
-    `threads` only keys the graph: compiled kernels keep the thread count they were built with."""
-    _check_threads(threads)
-    x = model.embed(tokens[None])  # (1, T, H)
-    hists, slots = [], []
-    for layer in model.model.layers:
-        h = layer.input_layernorm(x)
-        if layer.layer_type == "linear_attention":
-            dn = layer.linear_attn
-            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot])
-            hists.append(hist)
-            slots.append(st)
-        else:
-            kv = layer.self_attn.kv_index
-            o = _gated_attention(layer.self_attn, h, k_bufs[kv], v_bufs[kv], pos)
-        x = x + o
-        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-    hid = model.model.norm(x)[0]
-    return model.head(hid), hid, x[0], hists, slots
-
-
-def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1):
-    """DenseLM.forward_tokens as a static-shape function (see hybrid_forward)."""
-    _check_threads(threads)
-    x = model.embed(tokens[None])
-    for i, layer in enumerate(model.model.layers):
-        x = x + _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos)
-        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-    hid = model.model.norm(x)[0]
-    return model.head(hid), hid, x[0]
-
-
-def draft_module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, layer: int,
-                         threads: int = 1) -> Tensor:
-    """MTPModule.forward / EagleModule.forward as a static-shape function: hidden, emb (T, H) at positions
-    pos (T,) of its own KV buffers (L, 1, nkv, S, hd) -> (T, H) (after mtp.norm for an MTP module)."""
-    _check_threads(threads)
-    mtp = hasattr(module, "pre_fc_norm_hidden")
-    if mtp:
-        x = module.fc(torch.cat([module.pre_fc_norm_embedding(emb), module.pre_fc_norm_hidden(hidden)], dim=-1))[None]
-    else:  # EAGLE: fc([e, h]) with a bias, no norms
-        x = module.fc(torch.cat([emb, hidden], dim=-1))[None]
-    block = module.layers[layer]
-    kv = block.self_attn.kv_index
-    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf[kv], v_buf[kv], pos)
-    x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
-    return module.norm(x)[0] if mtp else x[0]
 
 
 @dataclass
@@ -268,8 +85,8 @@ class _Compiled:
         self.built: set[tuple[int, int, int]] = set()  # (width, KV length, threads) run with every guard checked
         self.stats = CompileStats()
 
-    def usable(self, t: int, exact: bool, dtype: torch.dtype, batch: int) -> bool:
-        return (1 <= t <= self.max_width and not exact and dtype in (torch.float32, torch.bfloat16) and batch == 1
+    def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
+        return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
     def run(self, t: int, length: int, *args):
@@ -311,7 +128,7 @@ class CompiledStep(_Compiled):
 
     def handles(self, t: int, cache) -> bool:
         kv = cache.kv if self.hybrid else cache
-        return not getattr(cache, "prefill", False) and self.usable(t, cache.exact, self.module.dtype, kv.k.shape[1])
+        return not getattr(cache, "prefill", False) and self.usable(t, self.module.dtype, kv.k.shape[1])
 
     def __call__(self, tokens: Tensor, cache) -> TargetOutput:
         t = tokens.shape[0]
@@ -319,18 +136,18 @@ class CompiledStep(_Compiled):
         start = cache.length
         if start + t > kv.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the model's context of {kv.max_len}")
-        pos = torch.arange(start, start + t)  # (T,)
+        pos = torch.arange(start, start + t)[None]  # (1, T)
         if self.hybrid:
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
-            logits, hid, pre, hists, slots = self.run(t, kv.max_len, self.module, _inference(tokens), pos, kv.k, kv.v, convs, states)
+            logits, hid, pre, hists, slots = self.run(t, kv.max_len, self.module, _inference(tokens[None]), pos, kv.k, kv.v, convs, states)
             for i in n:
                 cache.record_window(i, hists[i], [Window(states=list(slots[i].unbind(0)))], None)
         else:
-            logits, hid, pre = self.run(t, kv.max_len, self.module, _inference(tokens), pos, kv.k, kv.v)
+            logits, hid, pre = self.run(t, kv.max_len, self.module, _inference(tokens[None]), pos, kv.k, kv.v)
         cache.advance(t)
-        return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)
+        return TargetOutput(logits=logits[0], hidden=hid[0], prenorm_hidden=pre[0])
 
 
 class CompiledDraftStep(_Compiled):
@@ -341,7 +158,7 @@ class CompiledDraftStep(_Compiled):
         super().__init__(draft_module_forward, module, max_width, backend)
 
     def handles(self, t: int, cache) -> bool:
-        return self.usable(t, cache.exact, self.module.fc.weight.dtype, cache.k.shape[1])
+        return self.usable(t, self.module.fc.weight.dtype, cache.k.shape[1])
 
     def __call__(self, hidden: Tensor, emb: Tensor, cache, layer: int = 0) -> Tensor:
         """hidden, emb (T, H) at the cache's next positions -> (T, H); advances the cache."""
@@ -349,10 +166,10 @@ class CompiledDraftStep(_Compiled):
         start = cache.length
         if start + t > cache.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
-        pos = torch.arange(start, start + t)
-        out = self.run(t, cache.max_len, self.module, _inference(hidden), _inference(emb), cache.k, cache.v, pos, layer)
+        pos = torch.arange(start, start + t)[None]  # (1, T)
+        out = self.run(t, cache.max_len, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k, cache.v, pos, layer)
         cache.advance(t)
-        return out
+        return out[0]
 
 
 def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | None = None) -> None:

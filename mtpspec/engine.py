@@ -1,9 +1,22 @@
-"""The draft -> verify -> accept loop.
+"""The draft -> verify -> accept loop, for one sequence or many sharing each target forward.
 
-The target's cache always holds every token except the last one emitted (`last`); each step runs
-ONE target forward over [last, d1..dD], which yields D+1 next-token distributions p. Verification
-keeps the longest agreeing prefix plus one recovered or bonus token, and the cache is cropped back
-to what was kept (a pointer move for KV, a slot choice for recurrent state).
+The target's cache of a sequence always holds every token except the last one emitted (`last`);
+each step runs ONE target forward over [last, d1..dD] of every running sequence, which yields its
+D+1 next-token distributions p. Verification keeps the longest agreeing prefix plus one recovered or
+bonus token, and each cache is cropped back to what was kept (a pointer move for KV, a slot choice
+for recurrent state). Sequences draft to different depths (0 = a plain step), accept different
+lengths and roll back on their own.
+
+`step` below is the only implementation of a step. `Engine` runs it over a changing batch
+(sequences join and leave between steps; a long prompt is prefilled in chunks between decode steps,
+so the running sequences keep decoding), `Session` is the one-sequence view of it (prefill, step,
+finish), and `generate_tokens` runs a Session to the end.
+
+Exact mode (`exact=True`): every position is computed exactly as a one-token step computes it
+(row_invariant products, one-row attention, the recurrent Gated DeltaNet), so a sequence's tokens
+and logits are bitwise the same whatever shares its forward and however many drafts it carries.
+Each sequence then runs its own forward: GEMM kernels cannot give a row a result independent of
+the other rows (see models/common.row_invariant), so exact mode trades batching for identity.
 """
 
 from __future__ import annotations
@@ -11,37 +24,49 @@ from __future__ import annotations
 from dataclasses import replace
 from numbers import Integral
 from time import perf_counter
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from .batching import SlotKV, forward_batch, kv_of
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
 from .sampling import Sampler
-from .types import Draft, GenerationResult, StepRecord, TargetOutput, Verdict
+from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
 from .verify import verify
 
 
+@runtime_checkable
 class Cache(Protocol):
+    """A sequence's target cache: `length` committed positions, rolled back by crop (pointer / slot)."""
+
     length: int
+    max_len: int  # the longest context it holds: a step verifies at most max_len - length positions
+    prefill: bool  # set before a prompt prefill (never cropped inside); reset by the next forward
 
     def crop(self, length: int) -> None: ...
 
 
+@runtime_checkable
 class Target(Protocol):
+    """A causal LM the engine verifies with (DenseLM, HybridLM)."""
+
     max_seq_len: int
+    vocab_size: int
 
     def new_cache(self) -> Cache: ...
-    def forward_tokens(self, tokens: Tensor, cache: Cache) -> TargetOutput: ...
+    def forward_tokens(self, tokens: Tensor, cache: Cache, exact: bool = False) -> TargetOutput: ...
+    def head(self, hidden: Tensor) -> Tensor: ...
 
 
 class DepthPolicy(Protocol):
-    """Chooses the draft length D of each step (0 = a plain step); told how each step went."""
+    """Chooses each running sequence's draft length D_i (0 = a plain step); learns from each step."""
 
-    def next_depth(self, k_max: int) -> int: ...
-    def observe(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None: ...
+    def next_depths(self, seqs: list[int], k_max: list[int]) -> list[int]: ...
+    def observe(self, step: BatchStep) -> None: ...
+    def drop(self, seq: int) -> None: ...
 
 
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int | None = None) -> None:
@@ -66,6 +91,96 @@ def check_count(name: str, n, minimum: int) -> int:
     return int(n)
 
 
+class Sequence:
+    """One generation in flight: its context, target cache, drafter, sampler and counters."""
+
+    def __init__(self, sid: int, target: Target, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int,
+                 max_new_tokens: int, stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
+                 trace: bool = False) -> None:
+        self.id, self.drafter, self.sampler, self.k = sid, drafter, sampler, min(k, target.max_seq_len)
+        self.prompt, self.max_new_tokens, self.stop_ids = list(prompt), max_new_tokens, stop_ids
+        self.on_tokens, self.trace = on_tokens, trace
+        self.cache = target.new_cache()
+        self.max_seq_len = target.max_seq_len
+        # the context never outgrows the model's: max_seq_len tokens in the cache + the last one emitted
+        self.buf = torch.empty(min(len(prompt) + max_new_tokens, target.max_seq_len + 1) + 1, dtype=torch.long)
+        self.buf[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.context = self.buf[: len(prompt)]  # (L,) a view that grows by the emitted tokens, never copied
+        self.prefilled = 0  # prompt positions in the cache (the prefill covers all but the last token)
+        self.prefill_outs: list[TargetOutput] = []
+        self.prefilled_all = False  # the whole prompt is in and the drafter was told
+        self.new: list[int] = []
+        self.steps: list[StepRecord] = []
+        self.finish_reason: str | None = None
+        self.metrics = Metrics(self.k)
+
+    @property
+    def ready(self) -> bool:
+        """Prefilled: the sequence takes part in decode steps."""
+        return self.prefilled_all
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def room(self) -> int:
+        """The most drafts the next step may carry (-1: no room for another token at all)."""
+        if len(self.new) >= self.max_new_tokens:
+            return -1
+        return min(self.k, self.max_new_tokens - len(self.new) - 1, self.max_seq_len - self.cache.length - 1)
+
+    def prefill(self, target: Target, chunk: int, exact: bool) -> None:
+        """The next `chunk` prompt positions into the cache; the drafter is told when the prompt is in."""
+        end = min(self.prefilled + chunk, len(self.prompt) - 1)
+        if end > self.prefilled:
+            self.cache.prefill = True  # nothing is cropped inside a prefill: a hybrid keeps its final state only
+            self.prefill_outs.append(target.forward_tokens(self.context[self.prefilled : end], self.cache, exact))
+            self.prefilled = end
+        if self.prefilled >= len(self.prompt) - 1:
+            outs = self.prefill_outs
+            out = outs[0] if len(outs) == 1 else (_cat(outs) if outs else None)
+            self.drafter.prefill(self.context, out, self.sampler)
+            self.prefill_outs = []
+            self.prefilled_all = True
+            self.metrics.prefill_done()
+            if self.room() < 0:
+                self.finish_reason = "length"
+
+    def accept(self, verdict: Verdict, draft: Draft, out: TargetOutput, draft_s: float, verify_s: float, t0: float) -> StepRecord:
+        """Append what verification kept; record the step; cut at a stop token or the budget."""
+        kept = verdict.tokens.tolist()
+        emitted, stop = _cut(kept, self.stop_ids, self.max_new_tokens - len(self.new))
+        self.new += emitted
+        n = self.context.shape[0]
+        self.buf[n : n + len(kept)] = verdict.tokens
+        self.context = self.buf[: n + len(kept)]
+        self.metrics.observe(draft.size, verdict.num_accepted, draft_s, verify_s)
+        step = StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, draft_s, verify_s)
+        if self.trace:
+            step = _traced(step, out.logits, draft.tokens, t0 - self.metrics.start, self.sampler)
+        self.steps.append(step)
+        if self.on_tokens is not None and emitted:
+            self.on_tokens(emitted)
+        if stop is not None:
+            self.finish_reason = stop
+        elif len(self.new) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        elif self.room() < 0:
+            self.finish_reason = "context"
+        return step
+
+    def result(self) -> GenerationResult:
+        stats = self.metrics.finish(len(self.new))
+        return GenerationResult(tokens=self.new, prompt_tokens=self.prompt, text="", finish_reason=self.finish_reason or "length",
+                                stats=stats, steps=self.steps)
+
+
+def _cat(outs: list[TargetOutput]) -> TargetOutput:
+    pre = [o.prenorm_hidden for o in outs]
+    return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
+                        prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
+
+
 def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:
     """Emitted tokens of one step, cut before the first stop token and at the token budget."""
     for i, t in enumerate(tokens[:budget]):
@@ -86,22 +201,203 @@ def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float, sampl
     return replace(step, start_seconds=start, p_of_emitted=p_emitted, p_of_draft=p_draft, target_choice=p.argmax(-1).tolist())
 
 
-def _verify_pass(target: Target, cache: Cache, last: Tensor, draft: Draft, width: int) -> TargetOutput:
-    """One target forward over [last, d1..dD], padded to `width` rows; outputs cut back to D+1 rows.
-
-    Padding matters in exact mode only: every decode forward then has the same shape, so each row is
-    computed by the same kernels whether it is a plain step or one of D+1 verified positions.
-    """
-    tokens = torch.cat([last, draft.tokens])  # (D+1,)
-    n = tokens.shape[0]
-    if width <= n:
-        return target.forward_tokens(tokens, cache)
-    out = target.forward_tokens(torch.cat([tokens, tokens.new_zeros(width - n)]), cache)  # (W,) pads after
-    pre = out.prenorm_hidden[:n] if out.prenorm_hidden is not None else None
-    return TargetOutput(logits=out.logits[:n], hidden=out.hidden[:n], prenorm_hidden=pre)
+def propose(seqs: list[Sequence], depths: list[int]) -> tuple[list[Draft], list[float]]:
+    """Each sequence's draft of (at most) its depth; drafters of one class with a propose_batch draft together.
+    Returns the drafts and each sequence's share of the drafting seconds."""
+    drafts: list[Draft | None] = [Draft.empty() if d == 0 else None for d in depths]
+    secs = [0.0] * len(seqs)
+    groups: dict[type, list[int]] = {}
+    for i, d in enumerate(depths):
+        if d > 0:
+            groups.setdefault(type(seqs[i].drafter), []).append(i)
+    for cls, idx in groups.items():
+        t0 = perf_counter()
+        if len(idx) > 1 and hasattr(cls, "propose_batch"):
+            got = cls.propose_batch([seqs[i].drafter for i in idx], [seqs[i].context for i in idx], [depths[i] for i in idx])
+            share = (perf_counter() - t0) / len(idx)
+            for i, dr in zip(idx, got):
+                drafts[i], secs[i] = dr, share
+            continue
+        for i in idx:
+            t1 = perf_counter()
+            drafts[i] = seqs[i].drafter.propose(seqs[i].context, depths[i])
+            secs[i] = perf_counter() - t1
+    return drafts, secs
 
 
 @torch.inference_mode()
+def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = False, storage: SlotKV | None = None) -> BatchStep:
+    """One draft -> verify -> accept -> roll back -> commit round over `seqs` (one target forward for all of them;
+    `storage`: their KV slots 0..B-1 for a batched forward). Returns what a depth policy learns from."""
+    t0 = perf_counter()
+    drafts, draft_s = propose(seqs, depths)  # 1. draft
+    t1 = perf_counter()
+    starts = [s.cache.length for s in seqs]
+    tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence
+    if len(seqs) > 1 and not exact and storage is not None:  # 2. one verify pass, D_i + 1 positions each
+        outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
+    else:
+        outs = [target.forward_tokens(t, s.cache, exact) for t, s in zip(tokens, seqs)]
+    verdicts = [verify(d, o.logits, s.sampler) for d, o, s in zip(drafts, outs, seqs)]  # 3. accept n_i + recovered/bonus
+    for s, v, start in zip(seqs, verdicts, starts):
+        s.cache.crop(start + v.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
+    t2 = perf_counter()
+    parts = []
+    for i, (s, v, o, d) in enumerate(zip(seqs, verdicts, outs, drafts)):
+        t3 = perf_counter()
+        s.drafter.commit(v, o)  # 5. the drafter catches up
+        draft_s[i] += perf_counter() - t3
+        s.accept(v, d, o, draft_s[i], (t2 - t1) / len(seqs), t0)
+        parts.append(SeqStep(s.id, d.size, v.num_accepted, draft_s[i]))
+    rows = sum(t.shape[0] for t in tokens)
+    overhead = max(perf_counter() - t0 - (t2 - t1) - sum(draft_s), 0.0)
+    return BatchStep(rows=rows, width=max(t.shape[0] for t in tokens), forward_seconds=t2 - t1, overhead_seconds=overhead, seqs=tuple(parts))
+
+
+class Engine:
+    """Continuous batching over `step`: sequences join (add) and leave (finish, cancel) between steps.
+
+    Each call of `step()` first prefills one chunk of a waiting prompt (`prefill_chunk` positions), then runs
+    one decode step over every prefilled sequence (at most `max_batch` share a forward). `depth` chooses the
+    draft lengths (None: each sequence drafts its k, as room allows).
+    """
+
+    def __init__(self, target: Target, max_batch: int = 1, exact: bool = False, depth: DepthPolicy | None = None,
+                 prefill_chunk: int = 512) -> None:
+        self.target, self.exact, self.depth = target, exact, depth
+        self.max_batch = check_count("max batch", max_batch, 1)
+        self.prefill_chunk = check_count("prefill chunk", prefill_chunk, 1)
+        self.running: list[Sequence] = []  # prefilled, decoding; running[i] holds KV slot i
+        self.waiting: list[Sequence] = []  # prefilling, in arrival order
+        self.finished: dict[int, Sequence] = {}
+        self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
+        self.next_id = 0
+
+    def add(self, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4, max_new_tokens: int = 256,
+            stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False) -> int:
+        """Queue a generation; returns its id."""
+        k = check_count("k (draft length)", k, 1)
+        max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
+        check_prompt(prompt, self.target.max_seq_len, getattr(self.target, "vocab_size", None))
+        seq = Sequence(self.next_id, self.target, prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace)
+        self.next_id += 1
+        self.waiting.append(seq)
+        return seq.id
+
+    def cancel(self, sid: int) -> None:
+        """Stop sequence `sid` now (a client went away): its slot is freed; its result so far is kept."""
+        for s in self.waiting + self.running:
+            if s.id == sid and not s.done:
+                s.finish_reason = "cancelled"
+        self._retire()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> BatchStep | None:
+        """One prefill chunk for the first waiting sequence (when a slot is free), then one decode step."""
+        if self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            seq.prefill(self.target, self.prefill_chunk, self.exact)
+            if seq.ready:
+                self.waiting.pop(0)
+                self._join(seq)
+        self._retire()
+        if not self.running:
+            return None
+        room = [s.room() for s in self.running]
+        if self.depth is not None:
+            depths = [min(d, r) for d, r in zip(self.depth.next_depths([s.id for s in self.running], room), room)]
+        else:
+            depths = room
+        rec = step(self.target, self.running, depths, self.exact, self.storage)
+        if self.depth is not None:
+            self.depth.observe(rec)
+        self._retire()
+        return rec
+
+    def run(self) -> dict[int, GenerationResult]:
+        """Step until every sequence has finished; results by id."""
+        while self.active:
+            self.step()
+        return {sid: s.result() for sid, s in self.finished.items()}
+
+    def _join(self, seq: Sequence) -> None:
+        if seq.done:
+            self.finished[seq.id] = seq
+            return
+        if self.max_batch > 1:
+            if self.storage is None:
+                self.storage = SlotKV(kv_of(seq.cache), self.max_batch)
+            self.storage.bind(kv_of(seq.cache), len(self.running))
+        self.running.append(seq)
+
+    def _retire(self) -> None:
+        """Move finished sequences out; the last running sequence takes a freed slot (slots stay 0..B-1)."""
+        for s in [s for s in self.waiting if s.done]:
+            self.waiting.remove(s)
+            self.finished[s.id] = s
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            if not s.done:
+                i += 1
+                continue
+            self.finished[s.id] = s
+            last = self.running.pop()
+            if last is not s:
+                if self.storage is not None:
+                    self.storage.move(kv_of(last.cache), i)
+                self.running[i] = last
+            if self.depth is not None:
+                self.depth.drop(s.id)
+
+
+class Session:
+    """One sequence stepped by hand (the step API): prefill(), step() -> StepRecord, finish() -> GenerationResult."""
+
+    def __init__(self, target: Target, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4,
+                 max_new_tokens: int = 256, stop_ids: tuple[int, ...] = (), exact: bool = False, trace: bool = False,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> None:
+        self.engine = Engine(target, 1, exact, prefill_chunk=max(len(prompt), 1))
+        self.engine.add(prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace)
+        self.seq = self.engine.waiting[0]
+
+    @property
+    def cache(self) -> Cache:
+        return self.seq.cache
+
+    @property
+    def context(self) -> Tensor:
+        return self.seq.context
+
+    @property
+    def done(self) -> bool:
+        return self.seq.done
+
+    def prefill(self) -> None:
+        """The prompt into the target's cache and the drafter (all but its last token: that one is `last`)."""
+        if self.engine.waiting:
+            self.seq.prefill(self.engine.target, self.engine.prefill_chunk, self.engine.exact)
+            self.engine.waiting.pop(0)
+            self.engine._join(self.seq)
+
+    def step(self, depth: int | None = None) -> StepRecord:
+        """One draft -> verify -> accept -> roll back -> commit round with `depth` drafts (None: k), within the room left."""
+        self.prefill()
+        room = self.seq.room()
+        if self.done or room < 0:
+            raise ConfigError("the sequence has finished: no step is left to take")
+        d = room if depth is None else min(check_count("depth", depth, 0), room)
+        step(self.engine.target, [self.seq], [d], self.engine.exact)
+        self.engine._retire()
+        return self.seq.steps[-1]
+
+    def finish(self) -> GenerationResult:
+        return self.seq.result()
+
+
 def generate_tokens(
     target: Target,
     prompt: list[int],
@@ -119,58 +415,7 @@ def generate_tokens(
 
     trace=True also records, per step, its start time and the target's probabilities and choices
     (StepRecord.start_seconds, p_of_emitted, p_of_draft, target_choice) for traces and the verify page.
-    exact=True makes every decode forward k+1 rows wide (plain steps included) with row-exact
-    attention, so a position's logits are bitwise the same however many drafts shared its pass.
     """
-    k = check_count("k (draft length)", k, 1)
-    max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
-    check_prompt(prompt, target.max_seq_len, getattr(target, "vocab_size", None))
-    k = min(k, target.max_seq_len)  # no draft is longer than the context (and Metrics sizes by k)
-    metrics = Metrics(k)
-    cache = target.new_cache()
-    cache.exact = exact
-    # the context never outgrows the model's: max_seq_len tokens in the cache + the last one emitted
-    buf = torch.empty(min(len(prompt) + max_new_tokens, target.max_seq_len + 1) + 1, dtype=torch.long)  # preallocated token buffer
-    buf[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    context = buf[: len(prompt)]  # (L,) a view that grows by the emitted tokens, never copied
-    new: list[int] = []
-    steps: list[StepRecord] = []
-    finish = "length"
-    cache.prefill = len(prompt) > 1  # nothing is cropped inside the prefill: a hybrid's cache keeps its final state only
-    out = target.forward_tokens(context[:-1], cache) if len(prompt) > 1 else None  # prefill, all but last
-    drafter.prefill(context, out, sampler)
-    metrics.prefill_done()
-    while len(new) < max_new_tokens:
-        d = min(depth.next_depth(k) if depth is not None else k, max_new_tokens - len(new) - 1, target.max_seq_len - cache.length - 1)
-        if d < 0:
-            finish = "context"
-            break
-        t0 = perf_counter()
-        draft = drafter.propose(context, d) if d > 0 else Draft.empty()  # 1. draft
-        t1 = perf_counter()
-        start = cache.length
-        width = min(k + 1, target.max_seq_len - start) if exact else 0
-        out = _verify_pass(target, cache, context[-1:], draft, width)  # 2. one verify pass, D+1 positions
-        verdict: Verdict = verify(draft, out.logits, sampler)  # 3. accept n + recovered/bonus
-        cache.crop(start + verdict.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
-        t2 = perf_counter()
-        drafter.commit(verdict, out)  # 5. the drafter catches up
-        t3 = perf_counter()
-        kept = verdict.tokens.tolist()
-        emitted, stop = _cut(kept, stop_ids, max_new_tokens - len(new))
-        new += emitted
-        n_ctx = context.shape[0]
-        buf[n_ctx : n_ctx + len(kept)] = verdict.tokens
-        context = buf[: n_ctx + len(kept)]
-        metrics.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
-        if depth is not None:
-            depth.observe(draft.size, verdict.num_accepted, t1 - t0 + t3 - t2, t2 - t1)
-        step = StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, t1 - t0 + t3 - t2, t2 - t1)
-        steps.append(_traced(step, out.logits, draft.tokens, t0 - metrics.start, sampler) if trace else step)
-        if on_tokens is not None and emitted:
-            on_tokens(emitted)
-        if stop is not None:
-            finish = stop
-            break
-    stats = metrics.finish(len(new))
-    return GenerationResult(tokens=new, prompt_tokens=list(prompt), text="", finish_reason=finish, stats=stats, steps=steps)
+    engine = Engine(target, 1, exact, depth, prefill_chunk=max(len(prompt), 1))
+    sid = engine.add(prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace)
+    return engine.run()[sid]

@@ -73,6 +73,27 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class SeqStep:
+    """One sequence's part of an engine step (what a depth policy learns from)."""
+
+    seq: int  # the sequence's id in the engine
+    drafted: int  # D_i, 0 = a plain step for this sequence
+    accepted: int  # n_i in 0..D_i
+    draft_seconds: float  # its drafter's propose + commit (a batched propose is shared out by drafted tokens)
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One engine step over the running batch: one target forward over `rows` new positions."""
+
+    rows: int  # positions in the target forward: sum over sequences of D_i + 1 (before padding)
+    width: int  # the forward's width: max D_i + 1 (rows are padded to batch x width when batched)
+    forward_seconds: float  # the target forward + verification + rollback of every sequence
+    overhead_seconds: float  # the step's wall time minus drafting and forward: the engine's own work
+    seqs: tuple[SeqStep, ...]
+
+
+@dataclass(frozen=True)
 class GenerationStats:
     """Counters of one generation, named as the serving engines report them."""
 

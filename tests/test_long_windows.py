@@ -133,10 +133,9 @@ def model_bf16():
 @pytest.mark.parametrize("k", [16, 17, 31])
 def test_exact_verify_rows_bitwise_equal_plain_steps(model_bf16, k):
     ids = torch.randint(0, 16, (P + 2 * (k + 1) + 3,), generator=torch.Generator().manual_seed(k))
-    width = k + 1  # exact mode pads every decode forward to k + 1 rows: > 16 here
-    plain = logits_in_passes(model_bf16, ids, P, 1, width)
+    plain = logits_in_passes(model_bf16, ids, P, 1)
     for chunk in (7, k + 1):
-        assert torch.equal(logits_in_passes(model_bf16, ids, P, chunk, width), plain), f"k={k}, passes of {chunk}"
+        assert torch.equal(logits_in_passes(model_bf16, ids, P, chunk), plain), f"k={k}, passes of {chunk}"
 
 
 @pytest.mark.parametrize("k", [16, 17, 31])

@@ -35,10 +35,10 @@ def model():
 def test_verify_rows_bitwise_equal_plain_steps(model):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 16, (40,), generator=g)
-    width, p0 = 5, 12
+    p0 = 12
 
     def run(chunk: int) -> torch.Tensor:
-        return logits_in_passes(model, ids, p0, chunk, width)
+        return logits_in_passes(model, ids, p0, chunk)
 
     plain = run(1)
     for chunk in (2, 3, 5):

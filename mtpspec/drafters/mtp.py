@@ -92,6 +92,66 @@ class MTPDrafter:
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
 
+    @classmethod
+    @torch.inference_mode()
+    def propose_batch(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
+        """propose() for several sequences drafting with the same module, each step one forward over all of them.
+
+        Each sequence's MTP cache is copied into one (L, B, n_kv, S, hd) buffer for the round (its catch-up over
+        the pending pairs, then the chained steps, rows padded to the widest), and its new entries copied back."""
+        from ..models.static import draft_module_forward
+
+        module = drafters[0].target.mtp
+        if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
+            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
+        ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
+        if min(ks) < 1:
+            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+        b_n = len(drafters)
+        lens = [d.cache.length for d in drafters]  # (B,) MTP entries each
+        pend = [d.pending_h.shape[0] for d in drafters]
+        width = max(pend)
+        scratch = max(n + p + k for n, p, k in zip(lens, pend, ks))  # one past the last position any row writes
+        like = drafters[0].cache
+        k_buf = like.k.new_zeros(like.k.shape[0], b_n, like.k.shape[2], scratch + 1, like.k.shape[4])  # (L, B, n_kv, S, hd)
+        v_buf = torch.zeros_like(k_buf)
+        hid = drafters[0].pending_h.new_zeros(b_n, width, drafters[0].pending_h.shape[-1])  # (B, W, H)
+        toks = torch.zeros(b_n, width, dtype=torch.long)  # (B, W)
+        for i, d in enumerate(drafters):
+            k_buf[:, i, :, : lens[i]] = d.cache.k[:, 0, :, : lens[i]]
+            v_buf[:, i, :, : lens[i]] = d.cache.v[:, 0, :, : lens[i]]
+            hid[i, : pend[i]], toks[i, : pend[i]] = d.pending_h, d.pending_t
+        pos = (torch.tensor(lens)[:, None] + torch.arange(width)).clamp(max=scratch)  # (B, W) padded rows after the real ones
+        target = drafters[0].target
+        out = draft_module_forward(module, hid, target.embed(toks), k_buf, v_buf, pos, 0)  # (B, W, H)
+        h = out[torch.arange(b_n), torch.tensor(pend) - 1]  # (B, H) at each sequence's last real pair
+        tokens: list[list[Tensor]] = [[] for _ in drafters]
+        qs: list[list[Tensor]] = [[] for _ in drafters]
+        end = [n + p for n, p in zip(lens, pend)]  # (B,) each sequence's next MTP position
+        for j in range(max(ks)):
+            for i, d in enumerate(drafters):
+                if j < ks[i]:
+                    x, q = d._next(h[i : i + 1])
+                    tokens[i].append(x)
+                    if q is not None:
+                        qs[i].append(q)
+            if j + 1 >= max(ks):
+                break
+            last = torch.stack([t[min(j, len(t) - 1)] for t in tokens])  # (B,) the token each row drafted last
+            pos = torch.tensor([e + j if j + 1 < k else scratch for e, k in zip(end, ks)])[:, None]  # (B, 1)
+            h = draft_module_forward(module, h[:, None], target.embed(last[:, None]), k_buf, v_buf, pos, (j + 1) % drafters[0].n_layers)[:, 0]
+        drafts = []
+        for i, d in enumerate(drafters):
+            new_end = end[i] + ks[i] - 1  # the catch-up pairs + the chained steps' entries
+            d.cache.k[:, 0, :, lens[i] : new_end] = k_buf[:, i, :, lens[i] : new_end]
+            d.cache.v[:, 0, :, lens[i] : new_end] = v_buf[:, i, :, lens[i] : new_end]
+            d.cache.advance(new_end - lens[i])
+            d.committed = end[i]
+            d.pending_h = d.pending_t = None
+            toks_i = torch.stack(tokens[i])  # (k_i,)
+            drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
+        return drafts
+
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""
         if self.compiled is not None and self.compiled.handles(tokens.shape[0], self.cache):

@@ -46,6 +46,32 @@ def weights_version(tensors) -> tuple:
     return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in tensors)
 
 
+def by_position(model, tokens: Tensor, cache) -> "TargetOutput":
+    """model.forward_tokens over tokens (T,) as T one-position forwards: exact mode's verify pass.
+
+    Each position is then computed by exactly the code and shapes of a plain decode step, so its logits
+    are bitwise the same whatever else shares the pass (other positions, other sequences). A pass over
+    T rows cannot promise that on CPU: GEMM kernels choose their blocking, and so each dot product's
+    order of summation, by the number of rows (fp32 `F.linear(x)[i]` differs from `F.linear(x[i:i+1])`
+    in the last bits for most row counts here), and vectorised elementwise kernels (SiLU, exp) give the
+    elements that fall in a scalar tail another rounding. The pass still rolls back as one forward: a
+    hybrid cache is left holding the state after each of the T positions (HybridCache.stitch).
+    """
+    from ..types import TargetOutput
+
+    stitch = cache.stitch_begin() if hasattr(cache, "stitch_begin") else None  # a cache with recurrent state
+    outs = []
+    for j in range(tokens.shape[0]):
+        outs.append(model.forward_tokens(tokens[j : j + 1], cache))
+        if stitch is not None:
+            cache.stitch_add(stitch)
+    if stitch is not None:
+        cache.stitch_end(stitch)
+    pre = [o.prenorm_hidden for o in outs]
+    return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
+                        prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, or * (1 + w) for the zero-centred norms of Qwen3-Next / Qwen3.5."""
 
@@ -111,13 +137,11 @@ class Rotary(nn.Module):
         return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, exact: bool = False, window: int = 0) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0) -> Tensor:
     """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
 
     Query i sees keys 0..start+i; with a sliding window (window > 0) only the last `window` of them,
     start+i-window+1..start+i (transformers' sliding_window). GQA heads are shared by SDPA's enable_gqa.
-    exact=True computes each query row exactly as a one-token step would (same kernel, same key
-    length, no mask), so a position's output does not depend on how many rows share the pass.
     """
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
@@ -125,13 +149,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, exact: bool = 
     def first(pos: int) -> int:  # the oldest key position a query at `pos` sees
         return max(0, pos - window + 1) if window > 0 else 0
 
-    if exact and t > 1:
-        rows = [
-            F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, first(start + i) : start + i + 1],
-                                           v[:, :, first(start + i) : start + i + 1], enable_gqa=gqa)
-            for i in range(t)
-        ]
-        return torch.cat(rows, dim=2)
     lo = first(start)  # keys older than the first query's window are seen by no query
     if lo:
         k, v = k[:, :, lo:], v[:, :, lo:]  # (B, n_kv, S - lo, hd)

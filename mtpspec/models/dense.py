@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, by_position, causal_attention
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         q = rope(q.transpose(1, 2), start)  # (B, nh, T, hd)
         k = rope(k.transpose(1, 2), start)  # (B, nkv, T, hd)
         k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, cache.exact, self.window)  # (B, nh, T, hd)
+        y = causal_attention(q, k_all, v_all, start, self.window)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
@@ -114,8 +114,12 @@ class DenseLM(CausalLM):
         return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
 
     @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: KVCache) -> TargetOutput:
-        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H)."""
+    def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False) -> TargetOutput:
+        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H).
+
+        exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
+        if exact and tokens.shape[0] > 1 and not cache.prefill:
+            return by_position(self, tokens, cache)
         step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
         if step is not None and step.handles(tokens.shape[0], cache):
             return step(tokens, cache)

@@ -20,8 +20,7 @@ g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurre
 - `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for a prompt
   prefill (`cache.prefill`), which is never cropped inside and keeps only its final state.
 
-In exact mode every forward but a long prefill runs position by position (`recurrent_delta_rule`),
-whatever its length, so a verified position is bitwise the same as in a plain step.
+In exact mode (engine.py) a verify window runs as one-position forwards, each exactly a plain step.
 
 Parameter names follow the Hugging Face Qwen3.5 layout (in_proj_qkv / in_proj_z / in_proj_b /
 in_proj_a, conv1d, A_log, dt_bias, norm, out_proj). Qwen3-Next's fused in_proj_qkvz / in_proj_ba
@@ -43,24 +42,6 @@ CHUNK = 64
 
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """The same window one position at a time (exact mode): each position's arithmetic is the same
-    whatever the window length, so a verified position is bitwise the position of a plain step.
-    Returns o (B, nv, T, dv) and the T states after each position.
-    """
-    decay = g.exp()  # (B, nv, T)
-    out = torch.empty_like(v)
-    states, s = [], state
-    for t in range(q.shape[2]):
-        k_t = k[:, :, t, :, None]  # (B, nv, dk, 1)
-        s = s * decay[:, :, t, None, None]  # (B, nv, dk, dv)
-        kv_mem = (k_t * s).sum(-2)  # (B, nv, dv) what the state predicts for k_t
-        s = s + k_t * ((v[:, :, t] - kv_mem) * beta[:, :, t, None]).unsqueeze(-2)  # write the correction
-        out[:, :, t] = (q[:, :, t, :, None] * s).sum(-2)
-        states.append(s)
-    return out, states
 
 
 def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -213,10 +194,7 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias.to(dt))).transpose(1, 2)
         s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
         prefill = t > SHORT_MAX_T and cache.prefill  # a long prompt prefill: never cropped inside
-        if cache.exact and not prefill:  # exact mode: position by position, every state kept
-            o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, [Window(states=states)], None)
-        elif not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
+        if not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
             o, pieces = piece_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, pieces, None)
         else:  # prefill: chunked, final state only

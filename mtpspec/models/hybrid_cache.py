@@ -71,6 +71,17 @@ def slot_state(s0: Tensor, w: Window, j: int, in_place: bool = False) -> Tensor:
     return s
 
 
+@dataclass
+class Stitch:
+    """One-position forwards being joined into one rollback window (HybridCache.stitch_*)."""
+
+    start: int
+    base: list[Tensor]  # per linear layer: the state at `start` (a copy)
+    conv: list[Tensor]  # per linear layer: the K-1 conv inputs before `start`
+    states: list[list[Tensor]]  # per linear layer: the state after each position so far
+    cols: list[list[Tensor]]  # per linear layer: each position's conv input (B, C, 1)
+
+
 @dataclass(frozen=True)
 class HybridSnapshot:
     """The cache at one length, copied: restore() returns to it after any number of forwards."""
@@ -134,15 +145,6 @@ class HybridCache:
         s0 = base if w.s0 is None else w.s0
         return s0 if j == w.start else slot_state(s0, w, j - w.start, in_place)
 
-    @property
-    def exact(self) -> bool:
-        """Exact mode (set by the engine): results of a position independent of the pass it is in."""
-        return self.kv.exact
-
-    @exact.setter
-    def exact(self, value: bool) -> None:
-        self.kv.exact = value
-
     def linear_state(self, i: int, batch: int = 1) -> tuple[Tensor, Tensor]:
         return self.conv_window(i, batch), self.state(i, batch)
 
@@ -170,6 +172,25 @@ class HybridCache:
         self.length += t
         self.prefill = False
         self.kv.length = self.length
+
+    def stitch_begin(self) -> "Stitch":
+        """Before one-position forwards that must roll back as one forward (exact mode's verify pass, common.by_position)."""
+        n = range(self.n_linear)
+        return Stitch(self.length, [self.state(i).clone() for i in n], [self.conv_window(i) for i in n], [[] for _ in n], [[] for _ in n])
+
+    def stitch_add(self, st: "Stitch") -> None:
+        """After each of them: keep the state after its position and its conv input."""
+        for i in range(self.n_linear):
+            st.states[i].append(self.state(i))  # a new tensor: the next forward materialises its start in place over base
+            st.cols[i].append(self.hist[i][..., -1:])  # (B, C, 1)
+
+    def stitch_end(self, st: "Stitch") -> None:
+        """After the last: the cache holds a slot for each of their positions, as one forward over them would."""
+        self.fwd_start, self.fwd_end = st.start, self.length
+        for i in range(self.n_linear):
+            self.base[i], self.final[i] = st.base[i], None
+            self.hist[i] = torch.cat([st.conv[i], *st.cols[i]], dim=-1)  # (B, C, K-1+T)
+            self.window[i] = [Window(states=st.states[i])]
 
     # -- rollback ---------------------------------------------------------------------------
     @property

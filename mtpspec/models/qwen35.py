@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention, wide
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, by_position, causal_attention, wide
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
 
@@ -101,7 +101,7 @@ class GatedAttention(nn.Module):
         q = rope(self.q_norm(q).transpose(1, 2), start)  # (B, nh, T, hd)
         k = rope(self.k_norm(k).transpose(1, 2), start)  # (B, nkv, T, hd)
         k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, kv.exact).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        y = causal_attention(q, k_all, v_all, start).transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
 
 
@@ -232,8 +232,12 @@ class HybridLM(CausalLM):
         return KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
 
     @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: HybridCache) -> TargetOutput:
-        """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm."""
+    def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False) -> TargetOutput:
+        """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm.
+
+        exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
+        if exact and tokens.shape[0] > 1 and not cache.prefill:
+            return by_position(self, tokens, cache)
         step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
         if step is not None and step.handles(tokens.shape[0], cache):
             return step(tokens, cache)

@@ -1,0 +1,99 @@
+"""B sequences in one target forward: slot storage for their KV caches and the batched pass.
+
+Every running sequence keeps its own cache object (a KVCache, or a HybridCache holding one), so
+its rollback is what a single sequence's is: the KV length is a pointer per sequence, and a Gated
+DeltaNet layer's state after each position of the last forward is a slot per sequence
+(hybrid_cache.py). What the batch shares is the memory: each sequence's KV tensors are views of
+one row (its slot) of a buffer shaped (L, slots, n_kv, max_len + 1, hd), so the batched forward
+reads the KV of B sequences as one tensor, without copying, when they hold slots 0..B-1. The
+engine keeps them there: when a sequence leaves, the one in the last slot moves into its place.
+
+The batched pass runs the static forward (models/static.py) over (B, W) rows, W = the widest
+sequence's 1 + D_i. A sequence with fewer rows is padded after its real ones; padded rows touch
+nothing the sequence keeps (their keys go past its length, their states past its last slot) and
+position max_len, one past the context, takes those that would not fit. The LM head runs on the
+real rows only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cache import KVCache
+from .models.hybrid_cache import HybridCache, Window
+from .models.static import dense_forward, hybrid_forward
+from .types import TargetOutput
+
+
+def kv_of(cache) -> KVCache:
+    """The KVCache inside a target's cache (a HybridCache's full-attention part, or the cache itself)."""
+    return cache.kv if isinstance(cache, HybridCache) else cache
+
+
+class SlotKV:
+    """KV memory for up to `slots` sequences of one model; a sequence's KVCache becomes views of one slot."""
+
+    def __init__(self, like: KVCache, slots: int) -> None:
+        n_layers, _, n_kv, _, hd = like.k.shape  # (L, 1, n_kv, max_len, hd)
+        self.max_len = like.max_len
+        shape = (n_layers, slots, n_kv, like.max_len + 1, hd)  # + 1: the scratch position of padded rows
+        self.k = torch.zeros(shape, dtype=like.k.dtype)  # (L, slots, n_kv, max_len + 1, hd)
+        self.v = torch.zeros(shape, dtype=like.v.dtype)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    def bind(self, kv: KVCache, slot: int) -> None:
+        """Point `kv` at slot `slot` (its current contents are copied there)."""
+        n = kv.length
+        self.k[:, slot, :, :n] = kv.k[:, 0, :, :n]
+        self.v[:, slot, :, :n] = kv.v[:, 0, :, :n]
+        kv.k, kv.v = self.k[:, slot : slot + 1], self.v[:, slot : slot + 1]  # (L, 1, n_kv, max_len + 1, hd) views
+
+    def move(self, kv: KVCache, dst: int) -> None:
+        """Move the sequence whose KVCache is `kv` to slot `dst` (its committed positions are copied)."""
+        n = kv.length
+        self.k[:, dst, :, :n] = kv.k[:, 0, :, :n]
+        self.v[:, dst, :, :n] = kv.v[:, 0, :, :n]
+        kv.k, kv.v = self.k[:, dst : dst + 1], self.v[:, dst : dst + 1]
+
+
+def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -> list[TargetOutput]:
+    """One forward of `target` over tokens[b] (T_b,) appended to caches[b], b = 0..B-1 in slots 0..B-1.
+
+    Returns one TargetOutput per sequence (T_b rows each); each cache ends T_b positions further, with
+    the per-position slots of its recurrent state kept for rollback, as after forward_tokens.
+    """
+    b_n, width = len(tokens), max(t.shape[0] for t in tokens)
+    lens = [t.shape[0] for t in tokens]
+    starts = [c.length for c in caches]
+    scratch = storage.max_len  # the buffer's last position: never a real one
+    toks = torch.zeros(b_n, width, dtype=torch.long)  # (B, W)
+    pos = torch.empty(b_n, width, dtype=torch.long)  # (B, W)
+    for b, (t, s) in enumerate(zip(tokens, starts)):
+        toks[b, : lens[b]] = t
+        pos[b] = torch.arange(s, s + width).clamp(max=scratch)  # padded rows continue past the real ones
+    used = min(int(pos.max()) + 1, scratch + 1)  # keys no query can see are not read
+    k_bufs, v_bufs = storage.k[:, :b_n, :, :used], storage.v[:, :b_n, :, :used]  # (L, B, n_kv, S, hd) views
+    if isinstance(caches[0], HybridCache):
+        n = range(caches[0].n_linear)
+        convs = [torch.cat([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
+        states = [torch.cat([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv)
+        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False)
+        for b, c in enumerate(caches):
+            for i in n:
+                c.record_window(i, hists[i][b : b + 1], [Window(states=list(slots[i][: lens[b], b : b + 1].unbind(0)))], None)
+    else:
+        _, hid, pre = dense_forward(target, toks, pos, k_bufs, v_bufs, head=False)
+    for b, c in enumerate(caches):
+        c.advance(lens[b])
+    real = torch.cat([torch.arange(b * width, b * width + lens[b]) for b in range(b_n)])  # (N,) rows that are not padding
+    hid_rows, pre_rows = hid.reshape(b_n * width, -1)[real], pre.reshape(b_n * width, -1)[real]  # (N, H)
+    logits = target.head(hid_rows)  # (N, V)
+    outs, i = [], 0
+    for t in lens:
+        outs.append(TargetOutput(logits=logits[i : i + t], hidden=hid_rows[i : i + t], prenorm_hidden=pre_rows[i : i + t]))
+        i += t
+    return outs

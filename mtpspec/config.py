@@ -1,0 +1,51 @@
+"""What one generation is asked to do: the drafter, its depth, sampling, limits, as one object.
+
+`Model.generate(prompt, config)` and `Model.generate_batch(prompts, config)` take it; keyword arguments
+override its fields (`model.generate(p, drafter="mtp", k=3)`), and keywords that are not fields are the
+drafter's options, checked by the drafter registry (an unknown one is an error with a "did you mean").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    drafter: str = "none"  # none | ngram | draft | mtp | eagle | medusa
+    k: int | str = 4  # draft length D, or "auto": chosen per step (and per sequence in a batch) from cost and acceptance
+    draft_model: object = None  # a loaded Model or a path: the draft model (--drafter draft) or a trained head
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0  # the sampler's RNG (each sequence of a batch: seed + its index)
+    max_new_tokens: int = 256
+    exact: bool = False  # every position computed as a one-token step computes it: bitwise batch / k invariant
+    trace: bool = False  # record per-step probabilities and timings (traces, the verify page)
+    threads: int | None = None  # torch threads; None = the model's (mtpspec.threads)
+    options: dict = field(default_factory=dict)  # the drafter's options (ngram_min, draft_vocab, ...)
+
+    def with_overrides(self, **kw) -> "GenerationConfig":
+        """A copy with fields replaced; keywords that are not fields join `options`."""
+        names = {f.name for f in fields(self)}
+        own = {k: v for k, v in kw.items() if k in names}
+        opts = {k: v for k, v in kw.items() if k not in names}
+        if opts:
+            own["options"] = {**self.options, **own.get("options", {}), **opts}
+        return replace(self, **own)
+
+
+def draft_model_arg(draft_model, drafter: str):
+    """What make_drafter gets: a loaded Model's module (a draft model), a path, a head, or None."""
+    module = getattr(draft_model, "module", None)
+    if module is not None and not isinstance(draft_model, (str, Path)):
+        if drafter in ("mtp", "eagle", "medusa"):
+            raise ConfigError(
+                f"--drafter {drafter} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
+                "not a loaded model (a loaded model is a draft model for --drafter draft)"
+            )
+        return module
+    return draft_model

@@ -1,0 +1,219 @@
+"""The forward with positions as a tensor: B sequences x T new positions each, in one pass.
+
+The eager forwards (dense.py, qwen35.py) take one sequence and its start position as a Python int.
+These functions compute the same thing as functions of tensors only: each row b of the batch has
+its own positions pos[b] (T,), keys and values are written into the preallocated KV buffers at those
+positions, and attention reads the buffer under a mask (key s is seen by a query at position p iff
+s <= p), so sequences of different lengths share every matrix product. No Python branch depends on a
+position, so torch.compile can trace them once per shape (compiled.py) and the batched engine runs
+them eagerly for B > 1 (engine.py).
+
+Gated DeltaNet runs position by position (the recurrent form, as exact mode does) and returns the
+state after every position: the slots a rollback selects, per sequence. Rows past a sequence's real
+positions (padding, when sequences carry different draft lengths) come after its real ones, so they
+change none of its outputs or slots; their keys and values go to a scratch position the caller
+reserves past the context (the buffer's last), which no real query sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import SwiGLU, wide
+from .gated_deltanet import _l2norm, causal_conv
+
+
+def _proj(x: Tensor, *linears) -> list[Tensor]:
+    """Several nn.Linear of the same input as one product -> their outputs, split back.
+
+    The concatenated weight (and bias) is built once, outside the graph, by `fuse_projections` and kept
+    on the first module; the graph reads it as an input (one GEMM call instead of several). Layers that
+    were not fused (quantized ones) run one by one."""
+    fused = linears[0].__dict__.get("fused_with_next")
+    if fused is None:
+        return [lin(x) for lin in linears]
+    w, b = fused
+    return list(F.linear(x, w, b).split([lin.weight.shape[0] for lin in linears], dim=-1))
+
+
+def _fuse(*linears) -> None:
+    """Concatenate the weights (and biases) of linears that read the same input; stored on the first."""
+    if not all(isinstance(lin, torch.nn.Linear) for lin in linears):  # quantized layers keep their own kernels
+        return
+    with torch.no_grad():
+        w = torch.cat([lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        b = None if all(x is None for x in biases) else torch.cat([
+            bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
+    linears[0].__dict__["fused_with_next"] = (w, b)
+
+
+def fuse_projections(module) -> None:
+    """Build the concatenated projections the static functions read (attention q/k/v, the DeltaNet's four
+    input projections, SwiGLU gate/up) for every layer of `module`; rebuilt when its weights change."""
+    for m in module.modules():
+        if hasattr(m, "in_proj_qkv"):
+            _fuse(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+        elif hasattr(m, "q_proj") and hasattr(m, "v_proj"):
+            _fuse(m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, SwiGLU):
+            _fuse(m.gate_proj, m.up_proj)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
+    """x (B, nh, T, hd), cos / sin (B, 1, T, rot) gathered at the positions -> rotated on the first rot dims."""
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int) -> Tensor:
+    """Write k, v (B, nkv, T, hd) at positions pos (B, T) of the buffers (B, nkv, S, hd); q (B, nh, T, hd) attends
+    to every buffer position <= its own (and within `window` of it, when window > 0) -> (B, nh, T, hd)."""
+    if pos.shape[0] == 1:
+        k_buf.index_copy_(2, pos[0], k)
+        v_buf.index_copy_(2, pos[0], v)
+    else:  # each row at its own positions
+        rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)  # (B, T)
+        k_buf[rows, :, pos] = k.transpose(1, 2)  # advanced indices first: (B, T, nkv, hd)
+        v_buf[rows, :, pos] = v.transpose(1, 2)
+    keys = torch.arange(k_buf.shape[2])  # (S,)
+    mask = keys <= pos[:, None, :, None]  # (B, 1, T, S) causal over the whole buffer: later slots are masked out
+    if window > 0:
+        mask = mask & (keys > pos[:, None, :, None] - window)
+    return F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=mask, enable_gqa=q.shape[1] != k_buf.shape[1])
+
+
+def _gated_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
+    """models.qwen35.GatedAttention.forward with the position as a tensor."""
+    b, t, _ = x.shape
+    qg, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
+    q, gate = qg.reshape(b, t, att.nh, 2 * att.hd).chunk(2, dim=-1)
+    k = k.reshape(b, t, att.nkv, att.hd)
+    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
+    rope = att.rotary[0]
+    cos, sin = (tab[pos.clamp(max=tab.shape[0] - 1)][:, None].to(x.dtype) for tab in rope.tables(x.dtype))  # (B, 1, T, rot)
+    q = _rope(att.q_norm(q).transpose(1, 2), cos, sin, rope.rot_dim)
+    k = _rope(att.k_norm(k).transpose(1, 2), cos, sin, rope.rot_dim)
+    y = _attend(q, k_buf, v_buf, k, v, pos, 0).transpose(1, 2).reshape(b, t, att.nh * att.hd)
+    return att.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
+
+
+def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
+    """models.dense.Attention.forward with the position as a tensor."""
+    b, t, _ = x.shape
+    q, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
+    q = q.reshape(b, t, att.nh, att.hd)
+    k = k.reshape(b, t, att.nkv, att.hd)
+    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
+    if att.qk_norm:
+        q, k = att.q_norm(q), att.k_norm(k)
+    rope = att.rotary[0]
+    cos, sin = (tab[pos.clamp(max=tab.shape[0] - 1)][:, None].to(x.dtype) for tab in rope.tables(x.dtype))  # (B, 1, T, rot)
+    q = _rope(q.transpose(1, 2), cos, sin, rope.rot_dim)
+    k = _rope(k.transpose(1, 2), cos, sin, rope.rot_dim)
+    y = _attend(q, k_buf, v_buf, k, v, pos, att.window)
+    return att.o_proj(y.transpose(1, 2).reshape(b, t, att.nh * att.hd))
+
+
+def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """models.gated_deltanet.GatedDeltaNet.forward in its exact (position by position) form.
+
+    x (B, T, H), conv_window (B, C, K-1), s0 (B, nv, dk, dv) -> out (B, T, H), the widened conv window
+    (B, C, K-1+T) and the states after each position (T, B, nv, dk, dv)."""
+    b, t, _ = x.shape
+    mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
+    mixed = mixed.transpose(1, 2)  # (B, C, T)
+    hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)
+    conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (B, T, C)
+    q, k, v = conv.split([dn.key_dim, dn.key_dim, dn.value_dim], dim=-1)
+    r, dt = dn.nv // dn.nk, wide(x.dtype)
+    q = q.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, T, dk)
+    k = k.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
+    v = v.reshape(b, t, dn.nv, dn.dv).transpose(1, 2).to(dt)  # (B, nv, T, dv)
+    q = _l2norm(q) * dn.dk**-0.5
+    k = _l2norm(k)
+    beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, T)
+    decay = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2).exp()
+    outs, states, s = [], [], s0
+    for i in range(t):  # unrolled: T is fixed per compiled graph
+        k_i = k[:, :, i, :, None]  # (B, nv, dk, 1)
+        s = s * decay[:, :, i, None, None]
+        s = s + k_i * ((v[:, :, i] - (k_i * s).sum(-2)) * beta[:, :, i, None]).unsqueeze(-2)
+        outs.append((q[:, :, i, :, None] * s).sum(-2))  # (B, nv, dv)
+        states.append(s)
+    o = torch.stack(outs, dim=1).to(x.dtype)  # (B, T, nv, dv)
+    z = z.reshape(b, t, dn.nv, dn.dv)
+    y = dn.norm(o, z).reshape(b, t, dn.value_dim)
+    return dn.out_proj(y), hist, torch.stack(states)
+
+
+def _mlp(mlp, x: Tensor) -> Tensor:
+    """SwiGLU with gate and up in one projection (their weights concatenated: folded into one constant when frozen)."""
+    if not isinstance(mlp, SwiGLU):  # a mixture of experts runs as it is
+        return mlp(x)
+    g, u = _proj(x, mlp.gate_proj, mlp.up_proj)
+    return mlp.down_proj(F.silu(g) * u)
+
+
+def _check_threads(threads: int) -> None:
+    """A Python branch on the thread count: dynamo guards on it, so another count builds its own graph."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+
+
+def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor,
+                   convs: list[Tensor], states: list[Tensor], threads: int = 1, head: bool = True):
+    """HybridLM.forward_tokens as a function of tensors: tokens (B, T), pos (B, T) their positions,
+    k_bufs / v_bufs (L_full, B, nkv, S, hd) the KV buffers (written in place), convs (B, C, K-1) / states
+    (B, nv, dk, dv) per linear layer. Returns logits (B, T, V) (None when head=False), hidden (B, T, H),
+    prenorm (B, T, H), and per linear layer the widened conv window (B, C, K-1+T) and T states (T, B, nv, dk, dv).
+    `threads` only keys the graph: compiled kernels keep the thread count they were built with."""
+    _check_threads(threads)
+    x = model.embed(tokens)  # (B, T, H)
+    hists, slots = [], []
+    for layer in model.model.layers:
+        h = layer.input_layernorm(x)
+        if layer.layer_type == "linear_attention":
+            dn = layer.linear_attn
+            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot])
+            hists.append(hist)
+            slots.append(st)
+        else:
+            kv = layer.self_attn.kv_index
+            o = _gated_attention(layer.self_attn, h, k_bufs[kv], v_bufs[kv], pos)
+        x = x + o
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    hid = model.model.norm(x)
+    return (model.head(hid) if head else None), hid, x, hists, slots
+
+
+def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1, head: bool = True):
+    """DenseLM.forward_tokens as a function of tensors (see hybrid_forward): logits (B, T, V) or None, hidden, prenorm."""
+    _check_threads(threads)
+    x = model.embed(tokens)  # (B, T, H)
+    for i, layer in enumerate(model.model.layers):
+        x = x + _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos)
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    hid = model.model.norm(x)
+    return (model.head(hid) if head else None), hid, x
+
+
+def draft_module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, layer: int,
+                         threads: int = 1) -> Tensor:
+    """MTPModule.forward / EagleModule.forward as a function of tensors: hidden, emb (B, T, H) at positions
+    pos (B, T) of its own KV buffers (L, B, nkv, S, hd) -> (B, T, H) (after mtp.norm for an MTP module)."""
+    _check_threads(threads)
+    mtp = hasattr(module, "pre_fc_norm_hidden")
+    if mtp:
+        x = module.fc(torch.cat([module.pre_fc_norm_embedding(emb), module.pre_fc_norm_hidden(hidden)], dim=-1))
+    else:  # EAGLE: fc([e, h]) with a bias, no norms
+        x = module.fc(torch.cat([emb, hidden], dim=-1))
+    block = module.layers[layer]
+    kv = block.self_attn.kv_index
+    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf[kv], v_buf[kv], pos)
+    x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
+    return module.norm(x) if mtp else x
