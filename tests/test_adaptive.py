@@ -1,27 +1,63 @@
-"""AdaptiveDepth (`--k auto`) on synthetic observations: D = 0 when drafts never pay, deep D when they do."""
+"""AdaptiveDepth (`--k auto`) on synthetic observations: D = 0 when drafts never pay, deep D when they do,
+and depth by batch: shrinking smoothly to 0 as the batch fills the compute."""
 
 from __future__ import annotations
 
-from mtpspec.adaptive import AdaptiveDepth
+import random
+from pathlib import Path
+
+import pytest
+
+import mtpspec.adaptive
+from mtpspec.adaptive import AdaptiveDepth, ForwardCost
+from mtpspec.errors import ConfigError
+from mtpspec.types import BatchStep, SeqStep
 
 
 def drive(policy: AdaptiveDepth, steps: int, accept_rate: float, draft_cost: float, verify: float = 1e-3, k_max: int = 8) -> list[int]:
-    """Feed `steps` steps: each drafted token costs draft_cost s, verify costs `verify`; acceptance
-    is deterministic: the first round(accept_rate * d) drafts survive."""
+    """One sequence, `steps` steps: each drafted token costs draft_cost s, a forward `verify` s whatever its
+    rows; acceptance is deterministic: the first round(accept_rate * d) drafts survive."""
     chosen = []
     for _ in range(steps):
-        d = policy.next_depth(k_max)
+        d = policy.next_depths([0], k_max)[0]
         chosen.append(d)
         acc = int(round(accept_rate * d)) if accept_rate < 1 else d
-        policy.observe(d, acc, draft_cost * d, verify)
+        policy.observe(BatchStep(rows=d + 1, width=d + 1, forward_seconds=verify, overhead_seconds=0.0,
+                                 seqs=(SeqStep(0, d, acc, draft_cost * d),)))
+    return chosen
+
+
+def steep(rows: int) -> float:
+    """A forward that rides on idle compute up to 8 rows, then pays for every row."""
+    return 1e-3 * (1.0 + 0.5 * max(rows - 8, 0))
+
+
+def drive_batch(policy: AdaptiveDepth, steps: int, accept: list[float], draft_cost: float = 2e-5,
+                cost=steep, k_max: int | list[int] = 8, seed: int = 0) -> list[list[int]]:
+    """len(accept) sequences; sequence i accepts each draft position with probability accept[i]."""
+    rng, chosen = random.Random(seed), []
+    for _ in range(steps):
+        ds = policy.next_depths(list(range(len(accept))), k_max)
+        seqs = []
+        for i, (d, a) in enumerate(zip(ds, accept)):
+            n = 0
+            while n < d and rng.random() < a:
+                n += 1
+            seqs.append(SeqStep(i, d, n, draft_cost * d))
+        rows = sum(d + 1 for d in ds)
+        policy.observe(BatchStep(rows=rows, width=max(ds) + 1, forward_seconds=cost(rows), overhead_seconds=0.0,
+                                 seqs=tuple(seqs)))
+        chosen.append(ds)
     return chosen
 
 
 RATIO = [1.0, 1.1, 1.15, 1.2, 1.2, 1.25, 1.3, 1.3, 1.4]  # T(k)/T(1) as measured for stories260K
+STEEP = [steep(n) / steep(1) for n in range(1, 145)]
 
 
+# --- one sequence ----------------------------------------------------------------------------
 def test_zero_acceptance_chooses_plain_and_keeps_probing():
-    p = AdaptiveDepth(k_max=8, verify_ratio=RATIO)
+    p = AdaptiveDepth(k_max=8, verify_cost=RATIO)
     chosen = drive(p, 300, accept_rate=0.0, draft_cost=1e-5)
     tail = chosen[50:]
     assert tail.count(0) / len(tail) > 0.8  # mostly plain steps (retries: evidence fades)
@@ -31,7 +67,7 @@ def test_zero_acceptance_chooses_plain_and_keeps_probing():
 
 def test_drafter_that_can_never_pay_is_never_probed():
     """Costly drafts (a target step each) with zero acceptance: plain after warm-up, no probes."""
-    p = AdaptiveDepth(k_max=8, verify_ratio=RATIO, draft_cost=1e-3, target_cost=1e-3)
+    p = AdaptiveDepth(k_max=8, verify_cost=RATIO, draft_cost=1e-3, target_cost=1e-3)
     chosen = drive(p, 300, accept_rate=0.0, draft_cost=1e-3)
     assert chosen.count(0) == 300
 
@@ -51,7 +87,7 @@ def test_recovers_when_acceptance_returns():
 
 def test_expensive_draft_with_perfect_acceptance_stays_plain():
     """A drafter as costly as the target (the q80 twin) cannot pay: tokens(D)/time(D) <= 1 step."""
-    p = AdaptiveDepth(k_max=8, verify_ratio=[1.0, 1.1, 1.15, 1.2, 1.2, 1.25, 1.3, 1.3, 1.4])
+    p = AdaptiveDepth(k_max=8, verify_cost=RATIO)
     chosen = drive(p, 200, accept_rate=1.0, draft_cost=1e-3)
     assert chosen[100:].count(0) > 80
 
@@ -60,11 +96,90 @@ def test_respects_k_max_and_engine_cap():
     p = AdaptiveDepth(k_max=3)
     assert all(d <= 3 for d in drive(p, 50, 1.0, 1e-6))
     assert all(d <= 2 for d in drive(p, 20, 1.0, 1e-6, k_max=2))
+    with pytest.raises(ConfigError):
+        AdaptiveDepth(k_max=-1)
 
 
 def test_same_size_draft_model_stays_plain_small_one_goes_deep():
     """Perfect acceptance: a drafter at 0.9 of a target step cannot clear the margin; one at 0.1 can."""
-    costly = AdaptiveDepth(k_max=8, verify_ratio=RATIO, draft_cost=0.9e-3, target_cost=1e-3)
+    costly = AdaptiveDepth(k_max=8, verify_cost=RATIO, draft_cost=0.9e-3, target_cost=1e-3)
     assert set(drive(costly, 100, accept_rate=1.0, draft_cost=0.9e-3)) == {0}
-    cheap = AdaptiveDepth(k_max=8, verify_ratio=RATIO, draft_cost=0.1e-3, target_cost=1e-3)
+    cheap = AdaptiveDepth(k_max=8, verify_cost=RATIO, draft_cost=0.1e-3, target_cost=1e-3)
     assert min(drive(cheap, 100, accept_rate=1.0, draft_cost=0.1e-3)[5:]) >= 4
+
+
+def test_one_sequence_shim_matches_batch_step():
+    """next_depth / observe(drafted, accepted, draft_s, verify_s): the one-sequence engine's calls, until
+    the batched engine lands, drive the same policy as next_depths / observe(BatchStep)."""
+    a, b = AdaptiveDepth(k_max=8, verify_cost=RATIO), AdaptiveDepth(k_max=8, verify_cost=RATIO)
+    for i in range(60):
+        d = a.next_depth(8)
+        assert d == b.next_depths([0], 8)[0]
+        acc = d if i % 3 else 0
+        a.observe(d, acc, 1e-5 * d, 1e-3)
+        b.observe(BatchStep(d + 1, d + 1, 1e-3, 0.0, (SeqStep(0, d, acc, 1e-5 * d),)))
+
+
+# --- the forward's cost ----------------------------------------------------------------------
+def test_forward_cost_is_learned_monotone_and_extended():
+    t = ForwardCost(RATIO, t1=1e-3)
+    assert t(1) == pytest.approx(1e-3) and t(9) == pytest.approx(1.4e-3)
+    for rows, s in [(4, 2e-3), (5, 1.5e-3), (16, 8e-3)] * 5:  # noisy: 5 rows measured cheaper than 4
+        t.observe(rows, s)
+    curve = [t(n) for n in range(1, 40)]
+    assert all(x <= y for x, y in zip(curve, curve[1:]))  # non-decreasing
+    assert t(16) == pytest.approx(8e-3, rel=0.05)  # observed rows values dominate the prior
+    assert t(32) > t(16) * 1.5  # extended past the last rows value with the slope seen below it
+
+
+# --- depth by batch --------------------------------------------------------------------------
+def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills():
+    """T grows steeply past 8 rows: one sequence drafts deep, 16 do not draft, and rows per sequence
+    never rise as the batch grows (no cliff at a threshold)."""
+    per_seq = []
+    for b in range(1, 17):
+        p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+        chosen = drive_batch(p, 200, [0.9] * b, seed=b)[100:]
+        per_seq.append(sum(sum(d + 1 for d in ds) for ds in chosen) / len(chosen) / b)
+        if b == 16:
+            assert all(d == 0 for ds in chosen for d in ds)
+    assert per_seq[0] >= 6
+    assert all(y <= x + 0.05 for x, y in zip(per_seq, per_seq[1:])), per_seq
+    assert per_seq[-1] == 1.0
+
+
+def test_depth_goes_to_the_sequence_whose_drafts_are_accepted():
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    chosen = drive_batch(p, 300, [0.9, 0.3])[100:]
+    good, poor = (sum(ds[i] for ds in chosen) / len(chosen) for i in (0, 1))
+    assert good > poor + 1.0
+
+
+def test_hopeless_sequence_in_a_batch_is_probed_rarely():
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    chosen = drive_batch(p, 400, [0.9, 0.0])[100:]
+    hopeless = [ds[1] for ds in chosen]
+    assert hopeless.count(0) / len(hopeless) > 0.8 and any(hopeless)  # mostly plain, still probed
+    assert sum(ds[0] for ds in chosen) / len(chosen) >= 4
+
+
+def test_per_sequence_room_caps_depth():
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    for ds in drive_batch(p, 50, [1.0, 1.0], k_max=[1, 8]):
+        assert ds[0] <= 1 and ds[1] <= 8
+
+
+def test_drop_forgets_a_sequence():
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    drive_batch(p, 100, [0.0, 0.9])
+    low = p.seqs[0].gains(8, p.shrink)
+    p.drop(0)
+    assert 0 not in p.seqs
+    fresh = p.next_depths([0], 8)[0]  # seq id 0 again: a new sequence, back to the prior
+    assert p.seqs[0].gains(8, p.shrink)[0] > low[0] and fresh >= 4
+
+
+def test_policy_has_no_clock():
+    """The policy learns only through observe(): no timer of its own."""
+    src = Path(mtpspec.adaptive.__file__).read_text()
+    assert "perf_counter" not in src and "import time" not in src and "from time" not in src

@@ -110,7 +110,7 @@ class OursRunner:
         c = self.cost
         return AdaptiveDepth(
             k_max=self.k_max_auto,
-            verify_ratio=c.ratio if c else None,
+            verify_cost=c.ratio if c else None,
             draft_cost=c.draft_seconds(method.drafter, 4) / 4 if c else None,
             target_cost=c.t1 if c else None,
         )
@@ -124,8 +124,6 @@ class OursRunner:
         if method.k == "auto":
             policy = self.policy(method)
             kw = dict(k=self.k_max_auto, depth_policy=policy)
-            if turn is not None:
-                turn.on_wait = policy.pause  # a wait for the turn is not engine overhead
         else:
             kw = dict(k=method.k or 1)
         c0 = process_time()
