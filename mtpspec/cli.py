@@ -93,7 +93,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed, an integer in [0, 2**64)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--exact", action="store_true",
-                   help="bit-exact mode: every decode forward k+1 rows wide with row-exact attention")
+                   help="bit-exact mode: every position computed as a one-token step computes it (same tokens and logits for any k or batch; no speedup)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt lookup: shortest n-gram matched (default 1)")

@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .metrics import Metrics
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
-from .verify import verify
+from .verify import verify, verify_greedy_many
 
 
 @runtime_checkable
@@ -238,7 +238,10 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
     else:
         outs = [target.forward_tokens(t, s.cache, exact) for t, s in zip(tokens, seqs)]
-    verdicts = [verify(d, o.logits, s.sampler) for d, o, s in zip(drafts, outs, seqs)]  # 3. accept n_i + recovered/bonus
+    if all(s.sampler.params.greedy for s in seqs):  # 3. accept n_i + recovered/bonus
+        verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())
+    else:
+        verdicts = [verify(d, o.logits, s.sampler) for d, o, s in zip(drafts, outs, seqs)]
     for s, v, start in zip(seqs, verdicts, starts):
         s.cache.crop(start + v.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
     t2 = perf_counter()

@@ -29,6 +29,21 @@ def verify_greedy(draft_tokens: Tensor, p_logits: Tensor) -> Verdict:
     return Verdict(num_accepted=n, tokens=tokens, num_drafted=d)
 
 
+def verify_greedy_many(drafts: list[Draft], choices: list[int]) -> list[Verdict]:
+    """verify_greedy for several sequences at once: choices = the target's argmax at every verified row, the
+    sequences' D_i + 1 rows one after another (one host sync for the whole batch instead of one per sequence)."""
+    verdicts, i = [], 0
+    for draft in drafts:
+        d = draft.tokens.tolist()
+        target = choices[i : i + len(d) + 1]  # (D+1,) the target's own choice at every position
+        n = 0
+        while n < len(d) and d[n] == target[n]:
+            n += 1
+        verdicts.append(Verdict(num_accepted=n, tokens=torch.tensor(d[:n] + [target[n]]), num_drafted=len(d)))
+        i += len(d) + 1
+    return verdicts
+
+
 def verify_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
     """Rejection sampling. p (D+1, V): the target's probabilities after the sampling transform."""
     x = draft.tokens  # (D,)
