@@ -3,6 +3,9 @@
     mtpspec bench --model stories260K.bin --tokenizer tok512.bin --prompts spec_bench \\
         --drafters none,ngram,draft --draft-model stories260K_q80.bin --k 1,2,4,auto \\
         --limit 20 --max-new-tokens 128 --peers --out bench_out
+
+With --batch 1,2,4,8 it measures instead throughput and per-sequence latency of B sequences decoding
+together (plain, each fixed depth, auto; bench/batch.py), into OUT/batch.json, batch.md and a plot.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring the cost model")
     p.add_argument("--plot-prefix", default="bench_", help="file name prefix of the PNG plots")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch", help="batch sizes, comma-separated (e.g. 1,2,4,8,16): measure B sequences decoding together "
+                   "(throughput, per-sequence latency) for plain, each --k and auto instead of the per-prompt benchmark")
+    p.add_argument("--rounds", type=int, default=3, help="with --batch: rounds (methods alternate within one); medians are reported")
     p.add_argument("--out", required=True, help="output directory")
 
 
@@ -260,6 +266,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         ks = [parse_k(k) for k in _list(args.k)]
     except argparse.ArgumentTypeError as e:
         raise ConfigError(str(e)) from None
+    if args.batch is not None:
+        return _run_batch_cmd(args, ks)
     res = run_benchmark(
         args.model, args.prompts, _list(args.drafters), ks, args.out, tokenizer=args.tokenizer,
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -267,6 +275,26 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
         progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
         quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
+    )
+    print(Path(res["files"]["markdown"]).read_text())
+    print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
+    return 0
+
+
+def _run_batch_cmd(args: argparse.Namespace, ks: list[int | str]) -> int:
+    """`mtpspec bench --batch ...`: the batch benchmark (bench/batch.py); options it has no use for are refused."""
+    from .batch import parse_batches, run_batch_bench
+
+    batches = parse_batches(args.batch)
+    if args.peers:
+        raise ConfigError("--peers does not run with --batch (the peers are measured one sequence at a time)")
+    if args.repeat != 1:
+        raise ConfigError("--repeat does not apply with --batch: use --rounds")
+    res = run_batch_bench(
+        args.model, args.prompts, _list(args.drafters), ks, batches, args.out, tokenizer=args.tokenizer,
+        draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        seed=args.seed, threads=args.threads, dtype=args.dtype, rounds=args.rounds, plot_prefix=args.plot_prefix,
+        progress=not args.no_progress, quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

@@ -1,0 +1,116 @@
+"""B = 1 decode speed of this tree's engine against an earlier commit's, measured side by side.
+
+A git worktree of `--commit` (default 7307cc0, the last commit before the batched engine) is made under
+build/; each round runs the same generations (demo model, greedy, one thread, N prompts x T tokens,
+plain and mtp@3) once in each tree, each tree in its own subprocess with this venv's python and
+PYTHONPATH=<tree> (the order of the trees alternates from round to round). A run's decode rate is
+new tokens / (wall - prefill) seconds over its prompts, from the engine's own GenerationStats; the
+script prints the median per (tree, method) and the ratio new / old, and checks that both trees emit
+the same tokens.
+
+    .venv/bin/python scripts/engine_vs_commit.py [--commit 7307cc0] [--prompts 4] [--tokens 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(args: argparse.Namespace) -> None:
+    """In a subprocess, with PYTHONPATH=<tree>: warm up, then one generation per (prompt, method); JSON on stdout."""
+    import torch
+
+    import mtpspec
+    from mtpspec.prompts import tinystories_prompts
+
+    torch.set_num_threads(args.threads)
+    model = mtpspec.load(args.model, threads=args.threads)
+    ids = [model.encode(t) for t in tinystories_prompts(args.prompts)]
+    methods = [m.split("@") if "@" in m else (m, "1") for m in args.methods.split(",")]
+    for drafter, k in methods:  # first-call costs are not measured
+        model.generate(ids[0], drafter=drafter, k=int(k), max_new_tokens=8)
+    out = {"mtpspec": str(Path(mtpspec.__file__).parent), "methods": {}}
+    acc = {f"{d}@{k}": {"tokens": 0, "decode_seconds": 0.0, "ids": []} for d, k in methods}
+    for p in ids:  # methods alternate prompt by prompt
+        for drafter, k in methods:
+            res = model.generate(p, drafter=drafter, k=int(k), max_new_tokens=args.tokens)
+            a = acc[f"{drafter}@{k}"]
+            a["tokens"] += len(res.tokens)
+            a["decode_seconds"] += res.stats.wall_seconds - res.stats.prefill_seconds
+            a["ids"].append(list(res.tokens))
+    for lab, a in acc.items():
+        out["methods"][lab] = {"decode_tokens_per_second": a["tokens"] / a["decode_seconds"], "ids": a["ids"]}
+    print(json.dumps(out))
+
+
+def worktree(commit: str) -> Path:
+    """build/engine-<commit>: a detached worktree of `commit` (made once, reused)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    path = ROOT / "build" / f"engine-{sha}"
+    if not (path / "mtpspec").exists():
+        path.parent.mkdir(exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True, capture_output=True)
+    return path
+
+
+def run_tree(tree: Path, args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from mtpspec.loading import assets_dir  # this tree's: a worktree under build/ has no ../shared beside it
+
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads), "MTPSPEC_ASSETS": str(assets_dir().resolve())}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--prompts", str(args.prompts),
+           "--tokens", str(args.tokens), "--methods", args.methods, "--threads", str(args.threads)]
+    got = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"the run in {tree} failed:\n{got.stderr}")
+    res = json.loads(got.stdout.strip().splitlines()[-1])
+    if Path(res["mtpspec"]) != tree / "mtpspec":
+        raise RuntimeError(f"the subprocess imported {res['mtpspec']}, not {tree / 'mtpspec'}")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", default="7307cc0")
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--methods", default="none@1,mtp@3", help="drafter@k, comma-separated (none@1 = plain)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    model = str((ROOT / "models" / "demo").resolve()) if args.model == "demo" else args.model  # the same weights in both trees
+    args.model = model
+    trees = {"old": worktree(args.commit), "new": ROOT}
+    rates: dict[tuple[str, str], list[float]] = {}
+    ids: dict[str, dict] = {}
+    for r in range(args.rounds):
+        for name in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
+            res = run_tree(trees[name], args)
+            for lab, m in res["methods"].items():
+                rates.setdefault((name, lab), []).append(m["decode_tokens_per_second"])
+                ids.setdefault(name, {})[lab] = m["ids"]
+            print(f"round {r} {name}: " + ", ".join(f"{lab} {m['decode_tokens_per_second']:.1f} tok/s" for lab, m in res["methods"].items()),
+                  file=sys.stderr)
+    print(f"B = 1 decode tokens/s, median of {args.rounds} rounds ({args.prompts} prompts x {args.tokens} tokens, greedy, "
+          f"{args.threads} thread(s)); old = {args.commit}, new = working tree")
+    print("| method | old | new | new / old | same tokens |\n|---|---:|---:|---:|---|")
+    for lab in ids["new"]:
+        o, n = statistics.median(rates[("old", lab)]), statistics.median(rates[("new", lab)])
+        same = sum(a == b for a, b in zip(ids["old"][lab], ids["new"][lab]))
+        print(f"| {lab} | {o:.1f} | {n:.1f} | {n / o:.3f} | {same}/{len(ids['new'][lab])} |")
+
+
+if __name__ == "__main__":
+    main()

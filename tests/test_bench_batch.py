@@ -1,0 +1,79 @@
+"""`mtpspec bench --batch`: B sequences decoding together, end to end on stories260K; its CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtpspec.bench.batch import parse_batches
+from mtpspec.cli import main
+from mtpspec.errors import ConfigError
+
+
+def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
+    m = assets / "models"
+    out = tmp_path / "b"
+    rc = main([
+        "bench", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"), "--prompts", "tinystories",
+        "--limit", "2", "--max-new-tokens", "8", "--drafters", "ngram", "--k", "2,auto", "--batch", "1,2",
+        "--rounds", "2", "--threads", "1", "--no-progress", "--out", str(out),
+    ])
+    assert rc == 0
+    res = json.loads((out / "batch.json").read_text())
+    assert set(res) >= {"config", "summary", "runs", "targets", "files"}
+    assert res["config"]["batches"] == [1, 2] and res["config"]["methods"] == ["plain", "ngram@2", "ngram@auto"]
+    table = res["summary"]["table"]
+    for lab in ("plain", "ngram@2", "ngram@auto"):
+        for b in ("1", "2"):
+            cell = table[lab][b]
+            assert cell["tokens_per_second"] > 0 and cell["seconds_per_token"] > 0, (lab, b)
+            assert cell["p50_token_latency"] <= cell["p99_token_latency"]
+            assert cell["identical"] == f"{b}/{b}", (lab, b)  # greedy: every method's tokens are plain's
+    assert res["summary"]["mismatches"] == []
+    assert res["summary"]["agreement_across_batch"] == {"1": "1/1", "2": "2/2"}
+    assert res["summary"]["plain_scaling"]["1"] == pytest.approx(1.0)
+    assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain"}
+    assert len(res["runs"]) == 2 * 2 * 3  # batch sizes x rounds x methods
+    assert all(r["decode_tokens"] > 0 for r in res["runs"])
+    assert any("0.97x" in t["target"] for t in res["targets"])
+    md = (out / "batch.md").read_text()
+    assert "| plain |" in md and "| ngram@auto |" in md and "Targets:" in md
+    assert (out / "bench_batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("x", "got 'x'"),
+                                            ("1,,y", "got 'y'"), (",", "needs batch sizes")])
+def test_parse_batches_errors(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_batches(value)
+
+
+def test_parse_batches_sorted_once():
+    assert parse_batches("4, 1,2,4") == [1, 2, 4]
+
+
+@pytest.mark.parametrize("extra", [["--batch", "0"], ["--batch", "-1"], ["--batch=-1"], ["--batch", "x"], ["--batch", "1", "--peers"],
+                                   ["--batch", "1", "--repeat", "2"], ["--batch", "1", "--rounds", "0"]])
+def test_batch_cli_errors_are_one_line(tmp_path, assets, capsys, extra):
+    m = assets / "models"
+    base = ["bench", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"), "--prompts", "tinystories",
+            "--limit", "1", "--max-new-tokens", "4", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(base + extra) == 2
+    err = capsys.readouterr().err
+    assert "mtpspec: error:" in err and "Traceback" not in err
+
+
+def test_summary_reports_a_mismatch_with_plain():
+    """The identity check names the method, batch, round, sequence and first differing token."""
+    from mtpspec.bench.batch import BatchMethod, BatchRun, summarize
+
+    def run(method, tokens, rnd=0):
+        return BatchRun(method=method, batch=2, round=rnd, decode_tokens=6, decode_seconds=1.0, prefill_seconds=0.1,
+                        seconds_per_token=0.3, p50_token_latency=0.3, p99_token_latency=0.4, mean_depth=1.0, steps=3, tokens=tokens)
+
+    runs = [run("plain", [[1, 2, 3], [4, 5, 6]]), run("ngram@2", [[1, 2, 3], [4, 9, 6]])]
+    s = summarize(runs, [BatchMethod("none", 1), BatchMethod("ngram", 2)], [2], greedy=True)
+    assert s["table"]["ngram@2"]["2"]["identical"] == "1/2" and s["table"]["plain"]["2"]["identical"] == "2/2"
+    assert s["mismatches"] == [{"method": "ngram@2", "batch": 2, "round": 0, "sequence": 1, "first_difference": 1}]
+    assert s["table"]["ngram@2"]["2"]["speedup"] == pytest.approx(1.0) and s["plain_scaling"] == {}  # no B = 1 measured
