@@ -128,7 +128,9 @@ class CompiledStep(_Compiled):
 
     def handles(self, t: int, cache) -> bool:
         kv = cache.kv if self.hybrid else cache
-        return not getattr(cache, "prefill", False) and self.usable(t, self.module.dtype, kv.k.shape[1])
+        # a KV cache that is a slot of the batched engine's storage (a strided view) runs eagerly: graphs are built
+        # for the one-sequence buffer's layout
+        return not getattr(cache, "prefill", False) and kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
 
     def __call__(self, tokens: Tensor, cache) -> TargetOutput:
         t = tokens.shape[0]

@@ -9,8 +9,11 @@ Greedy references: fp32 cells are compared with plain fp32 greedy decoding. A ve
 position's logits in a (D+1)-row forward, plain decoding in a 1-row one; in fp32 they may differ in the last
 bits, so a first divergence is accepted only where the plain model's top two logits are a near tie
 (gap <= 1e-4 x the logits' scale: fp32 rounding of a sum of a few hundred products is ~1e-6 relative,
-so a real disagreement cannot hide below that). bf16 cells run `--exact`, where every decode forward is k+1
-rows wide with row-exact attention, so they must equal plain bf16 `--exact` decoding with the same k bitwise.
+so a real disagreement cannot hide below that). bf16 cells run `--exact`, where every position is computed as a
+one-token step computes it, so they must equal plain bf16 `--exact` decoding bitwise.
+
+`test_matrix_batched`: per model kind, every drafter that fits it drafts for its own sequence, short and edge
+prompts together, all sharing each target forward (fp32, and bf16 --exact): each equals its plain reference.
 """
 
 from __future__ import annotations
@@ -235,3 +238,28 @@ def test_matrix_through_cli(models, capsys, kind, drafter, k, flags):
     exact = "--exact" in flags
     ref = model.generate(text, max_new_tokens=16, exact=exact, k=k_value(k if k == "auto" else int(k)))
     check_same(models, kind, "bf16-exact" if exact else "fp32", model.encode(text), out["tokens"], ref.tokens)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matrix_batched(models, kind, mode):
+    """Every drafter that fits `kind`, one sequence each (short and edge prompts alternating), in one batch."""
+    from mtpspec.config import draft_model_arg
+    from mtpspec.drafters import make_drafter
+    from mtpspec.engine import Engine
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    dtype = "bf16" if mode == "bf16-exact" else "fp32"
+    model = models.get(kind, dtype)
+    engine = Engine(model.module, max_batch=6, exact=mode == "bf16-exact", prefill_chunk=256)
+    runs = []
+    for i, d in enumerate(x for x in DRAFTERS if expected_error(kind, x) is None):
+        place, k = PLACES[i % 2], (1, 2, 7, 17)[i % 4]
+        ids, n = prompt_ids(model, place)
+        drafter = make_drafter(d, model.module, draft_model=draft_model_arg(models.draft_model(kind, d, dtype), d))
+        runs.append((engine.add(ids, drafter, Sampler(SamplingParams(), 0), k, n, model.tokenizer.stop_ids), ids, n, place, k))
+    results = engine.run()
+    for sid, ids, n, place, k in runs:
+        res = results[sid]
+        check_valid(res, model, ids, n)
+        check_same(models, kind, mode, ids, res.tokens, reference(models, kind, mode, place, k).tokens)
