@@ -34,7 +34,8 @@ def steep(rows: int) -> float:
 
 def drive_batch(policy: AdaptiveDepth, steps: int, accept: list[float], draft_cost: float = 2e-5,
                 cost=steep, k_max: int | list[int] = 8, seed: int = 0) -> list[list[int]]:
-    """len(accept) sequences; sequence i accepts each draft position with probability accept[i]."""
+    """len(accept) sequences; sequence i accepts each draft position with probability accept[i]; the
+    forward costs cost(its positions): B x width when the policy expects padding, else sum of D_i + 1."""
     rng, chosen = random.Random(seed), []
     for _ in range(steps):
         ds = policy.next_depths(list(range(len(accept))), k_max)
@@ -44,8 +45,9 @@ def drive_batch(policy: AdaptiveDepth, steps: int, accept: list[float], draft_co
             while n < d and rng.random() < a:
                 n += 1
             seqs.append(SeqStep(i, d, n, draft_cost * d))
-        rows = sum(d + 1 for d in ds)
-        policy.observe(BatchStep(rows=rows, width=max(ds) + 1, forward_seconds=cost(rows), overhead_seconds=0.0,
+        rows, width = sum(d + 1 for d in ds), max(ds) + 1
+        size = len(ds) * width if policy.padded else rows  # the forward's positions, padding included
+        policy.observe(BatchStep(rows=rows, width=width, forward_seconds=cost(size), overhead_seconds=0.0,
                                  seqs=tuple(seqs)))
         chosen.append(ds)
     return chosen
@@ -108,39 +110,33 @@ def test_same_size_draft_model_stays_plain_small_one_goes_deep():
     assert min(drive(cheap, 100, accept_rate=1.0, draft_cost=0.1e-3)[5:]) >= 4
 
 
-def test_one_sequence_shim_matches_batch_step():
-    """next_depth / observe(drafted, accepted, draft_s, verify_s): the one-sequence engine's calls, until
-    the batched engine lands, drive the same policy as next_depths / observe(BatchStep)."""
-    a, b = AdaptiveDepth(k_max=8, verify_cost=RATIO), AdaptiveDepth(k_max=8, verify_cost=RATIO)
-    for i in range(60):
-        d = a.next_depth(8)
-        assert d == b.next_depths([0], 8)[0]
-        acc = d if i % 3 else 0
-        a.observe(d, acc, 1e-5 * d, 1e-3)
-        b.observe(BatchStep(d + 1, d + 1, 1e-3, 0.0, (SeqStep(0, d, acc, 1e-5 * d),)))
-
-
 # --- the forward's cost ----------------------------------------------------------------------
 def test_forward_cost_is_learned_monotone_and_extended():
     t = ForwardCost(RATIO, t1=1e-3)
-    assert t(1) == pytest.approx(1e-3) and t(9) == pytest.approx(1.4e-3)
+    assert t.table(9)[0] == pytest.approx(1e-3) and t.table(9)[8] == pytest.approx(1.4e-3)
     for rows, s in [(4, 2e-3), (5, 1.5e-3), (16, 8e-3)] * 5:  # noisy: 5 rows measured cheaper than 4
         t.observe(rows, s)
-    curve = [t(n) for n in range(1, 40)]
+    curve = t.table(40)
     assert all(x <= y for x, y in zip(curve, curve[1:]))  # non-decreasing
-    assert t(16) == pytest.approx(8e-3, rel=0.05)  # observed rows values dominate the prior
-    assert t(32) > t(16) * 1.5  # extended past the last rows value with the slope seen below it
+    assert curve[15] == pytest.approx(8e-3, rel=0.05)  # observed sizes dominate the prior
+    assert curve[31] > curve[15] * 1.5  # extended past the last size with the slope seen below it
 
 
-# --- depth by batch --------------------------------------------------------------------------
-def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills():
-    """T grows steeply past 8 rows: one sequence drafts deep, 16 do not draft, and rows per sequence
-    never rise as the batch grows (no cliff at a threshold)."""
+# --- depth by batch (the forward padded to B x width, or ragged: sum of D_i + 1 rows) ----------
+def batch_policy(padded: bool) -> AdaptiveDepth:
+    return AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3, padded=padded)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills(padded):
+    """T grows steeply past 8 positions: one sequence drafts deep, 16 do not draft, and the forward's
+    positions per sequence never rise as the batch grows (no cliff at a threshold)."""
     per_seq = []
     for b in range(1, 17):
-        p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+        p = batch_policy(padded)
         chosen = drive_batch(p, 200, [0.9] * b, seed=b)[100:]
-        per_seq.append(sum(sum(d + 1 for d in ds) for ds in chosen) / len(chosen) / b)
+        size = [b * (max(ds) + 1) if padded else sum(d + 1 for d in ds) for ds in chosen]
+        per_seq.append(sum(size) / len(size) / b)
         if b == 16:
             assert all(d == 0 for ds in chosen for d in ds)
     assert per_seq[0] >= 6
@@ -148,29 +144,28 @@ def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills():
     assert per_seq[-1] == 1.0
 
 
-def test_depth_goes_to_the_sequence_whose_drafts_are_accepted():
-    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
-    chosen = drive_batch(p, 300, [0.9, 0.3])[100:]
+@pytest.mark.parametrize("padded", [True, False])
+def test_depth_goes_to_the_sequence_whose_drafts_are_accepted(padded):
+    chosen = drive_batch(batch_policy(padded), 300, [0.9, 0.3])[100:]
     good, poor = (sum(ds[i] for ds in chosen) / len(chosen) for i in (0, 1))
     assert good > poor + 1.0
 
 
-def test_hopeless_sequence_in_a_batch_is_probed_rarely():
-    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
-    chosen = drive_batch(p, 400, [0.9, 0.0])[100:]
+@pytest.mark.parametrize("padded", [True, False])
+def test_hopeless_sequence_in_a_batch_is_probed_rarely(padded):
+    chosen = drive_batch(batch_policy(padded), 400, [0.9, 0.0])[100:]
     hopeless = [ds[1] for ds in chosen]
     assert hopeless.count(0) / len(hopeless) > 0.8 and any(hopeless)  # mostly plain, still probed
-    assert sum(ds[0] for ds in chosen) / len(chosen) >= 4
+    assert sum(ds[0] for ds in chosen) / len(chosen) >= (3 if padded else 4)  # padded: 2 x 4 positions fit
 
 
 def test_per_sequence_room_caps_depth():
-    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
-    for ds in drive_batch(p, 50, [1.0, 1.0], k_max=[1, 8]):
+    for ds in drive_batch(batch_policy(True), 50, [1.0, 1.0], k_max=[1, 8]):
         assert ds[0] <= 1 and ds[1] <= 8
 
 
 def test_drop_forgets_a_sequence():
-    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    p = batch_policy(True)
     drive_batch(p, 100, [0.0, 0.9])
     low = p.seqs[0].gains(8, p.shrink)
     p.drop(0)
