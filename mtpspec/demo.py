@@ -7,13 +7,13 @@ training. Without it: stories260K from the assets, plain vs prompt lookup vs a d
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from .api import load
+from .bench.alternate import alternate
 from .compiled import cache_dir
 from .loading import assets_dir, shipped_demo_dir
+from .metrics import mean_accepted_length
 from .prompts import tinystories_prompts
 
 FALLBACK_CODE_PROMPTS = [
@@ -25,36 +25,32 @@ FALLBACK_CODE_PROMPTS = [
 def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new_tokens: int, draft=None, rounds: int = 3) -> None:
     """Every run on every prompt, alternating in a shuffled order, `rounds` times (each keeps its fastest
     wall time, so machine noise does not pick the winner); the plain run is the reference every other must equal."""
-    for _, drafter, k in runs:  # warm-up: the first call of each run pays one-off costs (compiling its widths, with --compile)
-        target.generate(prompts[0], drafter=drafter, k=k, draft_model=draft if drafter == "draft" else None, max_new_tokens=8)
+
+    def generate(run: tuple[str, str, int], prompt: str, n: int = max_new_tokens):
+        _, drafter, k = run
+        return target.generate(prompt, drafter=drafter, k=k, draft_model=draft if drafter == "draft" else None, max_new_tokens=n)
+
+    for run in runs:  # warm-up: the first call of each run pays one-off costs (compiling its widths, with --compile)
+        generate(run, prompts[0], 8)
     compiled = target.module.__dict__.get("compiled_step")
     if compiled is not None:
         drafts = getattr(getattr(target.module, "mtp", None), "__dict__", {}).get("compiled_step")
         graphs = compiled.stats.graphs + (drafts.stats.graphs if drafts else 0)
         seconds = compiled.stats.seconds + (drafts.stats.seconds if drafts else 0.0)
         print(f"compiled {graphs} graphs in {seconds:.0f} s (kernels cached in {cache_dir()}: later runs load them)\n")
-    results: dict[tuple[int, int], object] = {}
-    seconds: dict[tuple[int, int], float] = {}
-    order = random.Random(0)
-    for _ in range(rounds):
-        for j, p in enumerate(prompts):
-            for i in order.sample(range(len(runs)), len(runs)):  # a fresh order each time: no run always follows another
-                _, drafter, k = runs[i]
-                r = target.generate(p, drafter=drafter, k=k, draft_model=draft if drafter == "draft" else None, max_new_tokens=max_new_tokens)
-                results[i, j] = r
-                seconds[i, j] = min(seconds.get((i, j), float("inf")), r.stats.wall_seconds)
-    refs = [results[0, j] for j in range(len(prompts))]
+    results = alternate(runs, prompts, generate, rounds)  # [run][prompt][round]
+    refs = [tries[0] for tries in results[0]]
     print(f"prompt:\n{prompts[0]}\u2502{refs[0].text}\n")
     rows = []
-    for i, (label, _, _) in enumerate(runs):
-        rs = [results[i, j] for j in range(len(prompts))]
+    for (label, _, _), by_prompt in zip(runs, results):
+        rs = [tries[0] for tries in by_prompt]
         identical = all(r.tokens == ref.tokens for r, ref in zip(rs, refs))
         tokens = sum(len(r.tokens) for r in rs)
-        wall = sum(seconds[i, j] for j in range(len(prompts)))
+        wall = sum(min(r.stats.wall_seconds for r in tries) for tries in by_prompt)
         forwards = sum(r.stats.target_forwards for r in rs)
         drafted = sum(r.stats.draft_tokens for r in rs)
         accepted = sum(r.stats.accepted_tokens for r in rs)
-        rows.append((label, tokens / wall, tokens / forwards, accepted / drafted if drafted else None, identical))
+        rows.append((label, tokens / wall, mean_accepted_length(accepted, forwards), accepted / drafted if drafted else None, identical))
     base = rows[0][1]
     print(f"{'decoding':<28}{'tok/s':>8}{'speedup':>9}{'tokens/forward':>16}{'accepted':>10}  identical to plain")
     for label, tps, tpf, acc, same in rows:

@@ -60,7 +60,6 @@ def test_cost_model_prediction():
     c = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.0, 1.0, 1.0], draft_cost={"ngram": 0.0, "draft": 1.0})
     assert c.predict_speedup("ngram", 8, [3, 3]) == pytest.approx(4.0)  # 8 tokens in 2 steps of T(4) = T(1)
     assert c.predict_speedup("draft", 8, [3, 3]) == pytest.approx(1.0)  # drafts cost a step each
-    assert c.predict_constant("ngram", 3, 2.5) == pytest.approx(2.5)
     assert c.t(7) == pytest.approx(1.0)
     # a measured per-step curve and prompt catch-up (any drafter: here an MTP head) take precedence
     m = CostModel(t1=1.0, ratio=[1.0] * 5, draft_steps={"mtp": [0.5, 1.0]}, prefill_ratio={"mtp": 0.5})
@@ -74,7 +73,6 @@ def test_cost_model_prediction():
     assert v.verify_seconds("ngram", 1) == pytest.approx(1.0) and v.plain_seconds("ngram") == 1.0  # not timed in situ: T(k)
     assert v.predict_speedup("mtp", 4, [1, 1]) == pytest.approx(4 * 1.2 / (2 * (0.5 + 1.5)))
     assert v.predict_speedup("mtp", 2, [0, 0]) == pytest.approx(1.0)  # plain steps cost what plain decoding does
-    assert v.predict_constant("mtp", 2, 2.6) == pytest.approx(2.6 * 1.2 / (0.5 + 1.8))
 
 
 def test_bench_tiny_run_writes_json_markdown_png(tmp_path, assets):
@@ -199,11 +197,13 @@ def test_drafter_cost_counts_propose_and_commit_as_draft_time(stories, monkeypat
     """With a clock that moves only by the work done: a step's draft time is exactly propose + commit,
     its verify time the target forward over d + 1 tokens, and the prefill ratio the first step's
     catch-up over the target's prefill."""
+    from mtpspec import engine
     from mtpspec.bench import drafter_cost
     from mtpspec.types import Draft
 
     clock = FakeClock()
     monkeypatch.setattr(drafter_cost, "perf_counter", clock)
+    monkeypatch.setattr(engine, "perf_counter", clock)  # the step's own timings (StepRecord)
     target = stories.module
 
     class Timed:  # the real target; each forward costs 10 ms + 1 ms per token
@@ -212,9 +212,9 @@ def test_drafter_cost_counts_propose_and_commit_as_draft_time(stories, monkeypat
         def new_cache(self):
             return target.new_cache()
 
-        def forward_tokens(self, tokens, cache):
+        def forward_tokens(self, tokens, cache, exact=False):
             clock.work(0.010 + 0.001 * tokens.shape[0])
-            return target.forward_tokens(tokens, cache)
+            return target.forward_tokens(tokens, cache, exact)
 
     class Drafter:  # propose(d) costs 2 ms per draft (+ 4 ms of catch-up the first time), commit 0.5 ms
         def prefill(self, context, out, sampler):
@@ -310,3 +310,16 @@ def test_rounds_are_averaged_or_the_fastest_kept():
     assert best[0].wall_seconds == pytest.approx(1.0)
     with pytest.raises(ConfigError):
         run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, keep="median")
+
+
+def test_alternate_runs_every_config_on_every_prompt_in_shuffled_orders():
+    from mtpspec.bench.alternate import alternate
+
+    log = []
+    res = alternate(["a", "b", "c"], ["p", "q"], lambda c, p: log.append((c, p)) or f"{c}{p}{len(log)}", rounds=3, seed=1)
+    assert [[[r[:2] for r in tries] for tries in by_prompt] for by_prompt in res] == [
+        [[c + p] * 3 for p in "pq"] for c in "abc"]  # [config][prompt][round]
+    assert [p for _, p in log] == list("pppqqq" * 3)  # every config on a prompt before the next prompt, round after round
+    orders = ["".join(c for c, _ in log[i : i + 3]) for i in range(0, len(log), 3)]
+    assert len(set(orders)) > 1 and all(sorted(o) == list("abc") for o in orders)  # a fresh order per (round, prompt)
+    assert alternate(["a", "b"], ["p"], None, rounds=1, seed=1, together=lambda cs, p: [c.upper() for c in cs]) == [[["A"]], [["B"]]]

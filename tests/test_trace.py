@@ -138,3 +138,15 @@ def test_trace_cli_bad_input(tmp_path, capsys):
     assert main(["trace", "--model", "/no/such/model.bin", "--out", str(tmp_path / "x.html")]) == 2
     assert "model not found" in capsys.readouterr().err
     assert main(["trace", "--model", "demo", "--drafter", "none", "--out", str(tmp_path / "x.html")]) == 2
+
+
+def test_trace_refuses_an_option_no_drafter_reads():
+    """Every drafter option (drafters.OPTION_TYPES, not a hand-kept list) must be read by one of the traced drafters."""
+    from mtpspec.errors import ConfigError
+    from mtpspec.viz.cli import _check_used
+
+    _check_used(["mtp"], {"draft_vocab": 100, "mtp_prenorm_hidden": True, "ngram_min": None})
+    with pytest.raises(ConfigError, match="--ngram-max is not used by --drafter mtp, draft"):
+        _check_used(["mtp", "draft"], {"ngram_max": 3})
+    with pytest.raises(ConfigError, match="mtp_prenorm_hidden is not used by --drafter ngram"):
+        _check_used(["ngram"], {"mtp_prenorm_hidden": True})

@@ -93,17 +93,11 @@ class CostModel:
     def step_seconds(self, drafter: str, d: int) -> float:
         return self.draft_seconds(drafter, d) + self.verify_seconds(drafter, d)
 
-    def prefill_factor(self, drafter: str) -> float:
-        """Drafter prefill as a share of the target's (paid lazily, at the first draft, so only runs
-        that drafted pay it): measured, else a draft model's one-token cost relative to T(1)."""
-        if drafter in self.prefill_ratio:
-            return self.prefill_ratio[drafter]
-        return self.draft_cost.get(drafter, 0.0) / self.t1 if drafter == "draft" else 0.0
-
     def run_seconds(self, drafter: str, drafts_per_step: list[int], prefill_seconds: float = 0.0) -> float:
-        """Predicted seconds of one generation: prefill (+ the drafter's) and every step."""
+        """Predicted seconds of one generation: prefill (+ the drafter's, paid lazily at its first draft,
+        so only runs that drafted pay it) and every step."""
         steps = sum(self.step_seconds(drafter, d) for d in drafts_per_step)
-        return steps + prefill_seconds * (1 + (self.prefill_factor(drafter) if any(drafts_per_step) else 0.0))
+        return steps + prefill_seconds * (1 + (self.prefill_ratio.get(drafter, 0.0) if any(drafts_per_step) else 0.0))
 
     def predict_speedup(self, drafter: str, new_tokens: int, drafts_per_step: list[int], prefill_seconds: float = 0.0) -> float:
         """Speedup over plain decoding that these steps (d drafted tokens each) should give.
@@ -111,10 +105,6 @@ class CostModel:
         prefill_seconds: the target's prefill of the same prompt (measured), paid by both sides."""
         cost = self.run_seconds(drafter, drafts_per_step, prefill_seconds)
         return (new_tokens * self.plain_seconds(drafter) + prefill_seconds) / cost if cost > 0 else 0.0
-
-    def predict_constant(self, drafter: str, d: int, mean_accepted_length: float) -> float:
-        """accepted-per-step x T(1) / (T_draft + T(D+1)) for a constant depth D (T in situ when measured)."""
-        return mean_accepted_length * self.plain_seconds(drafter) / self.step_seconds(drafter, d)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -172,10 +162,6 @@ def time_forwards(module, ks: list[int], context: int, repeat: int = 30, q: floa
                 break
             prev = cur
     return [_quantile(times[k], q) for k in ks]
-
-
-def time_forward(module, k: int, context: int, repeat: int = 30) -> float:
-    return time_forwards(module, [k], context, repeat)[0]
 
 
 @torch.inference_mode()

@@ -1,21 +1,19 @@
 """Run a prompt set through plain decoding and every requested drafter / depth, alternating runs.
 
-Every prompt is run by every method before the next prompt starts, in an order shuffled afresh for
-every prompt and round (seeded, so a run reproduces), so slow drift of the machine (other jobs,
-thermal state) falls on all methods alike, no method always runs right after the same other one
-(whatever a run leaves behind, in caches or the allocator, does not fall on one method only), and
-speedups are ratios from the same run. Our methods of one prompt go further: they run in a
-Lockstep rotation, a few milliseconds of each in turn (lockstep.py), so they share the machine's
-drift step by step, not run by run. Plain decoding (ours) is always included: it is the reference
-for speedup and for the lossless check (greedy output equal to it).
+The methods alternate over the prompts as alternate.py runs configurations (every prompt by every
+method, in an order shuffled per prompt and round), so speedups are ratios from the same stretch
+of the machine. Our methods of one prompt go further: they run in a Lockstep rotation, a few
+milliseconds of each in turn (lockstep.py), so they share the machine's drift step by step, not run
+by run. Plain decoding (ours) is always included: it is the reference for speedup and for the
+lossless check (greedy output equal to it).
 """
 
 from __future__ import annotations
 
 import gc
-import random
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
+from itertools import count
 from time import process_time
 from typing import Callable
 
@@ -23,7 +21,9 @@ import torch
 
 from ..adaptive import AdaptiveDepth
 from ..errors import ConfigError
+from ..metrics import Acceptance
 from ..prompts import Prompt, fit_prompt
+from .alternate import alternate
 from .costmodel import CostModel
 from .lockstep import Lockstep, Turn
 
@@ -82,20 +82,13 @@ class Run:
 
 
 def run_from_result(method: Method, prompt: Prompt, res) -> Run:
-    s = res.stats
-    kmax = max((len(st.draft) for st in res.steps), default=0)
-    reached, passed = [0] * kmax, [0] * kmax
-    for st in res.steps:
-        for i in range(min(st.num_accepted + 1, len(st.draft))):
-            reached[i] += 1
-        for i in range(st.num_accepted):
-            passed[i] += 1
+    s, acc = res.stats, Acceptance.from_steps(res.steps)
     return Run(
         method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(res.prompt_tokens),
         tokens=list(res.tokens), wall_seconds=s.wall_seconds, prefill_seconds=s.prefill_seconds,
         draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds, overhead_seconds=s.overhead_seconds,
         target_forwards=s.target_forwards, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-        reached=reached, passed=passed, drafts_per_step=[len(st.draft) for st in res.steps],
+        reached=acc.reached, passed=acc.passed, drafts_per_step=[len(st.draft) for st in res.steps],
     )
 
 
@@ -120,10 +113,8 @@ class OursRunner:
         """One generation; with a `turn` it runs in a Lockstep rotation and its waits are not its time."""
         if method.drafter == "draft" and self.draft_models.get("draft") is None:
             raise ConfigError("--drafters draft needs --draft-model")
-        kw = {}
         if method.k == "auto":
-            policy = self.policy(method)
-            kw = dict(k=self.k_max_auto, depth_policy=policy)
+            kw = dict(k=self.k_max_auto, depth_policy=self.policy(method))
         else:
             kw = dict(k=method.k or 1)
         c0 = process_time()
@@ -213,36 +204,39 @@ def run_bench(
     # land, at random, inside one timed run.
     gc.collect()
     gc.freeze()
-    rounds: list[dict[str, list[Run]]] = [{} for _ in prompts]  # prompt -> method -> its run in each round
-    ours = [m for m in methods if m.engine == PLAIN.engine]
-    peers = [m for m in methods if m.engine != PLAIN.engine]
+    turns = count()
+
+    def run(m: Method, prompt: tuple[Prompt, list[int]], turn: Turn | None = None) -> Run:
+        r = runners[m.engine].run(m, *prompt, max_new_tokens, temperature, seed, *([turn] if turn else []))
+        if progress:
+            progress(m.label)
+        return r
+
+    def together(ms: list[Method], prompt: tuple[Prompt, list[int]]) -> list[Run]:
+        """Ours (interleaved step by step, or run by run), then the peers; results in the order of `ms`."""
+        ours = [m for m in ms if m.engine == PLAIN.engine]
+        peers = [m for m in ms if m.engine != PLAIN.engine]
+        if peers:  # settle after the previous prompt's peer runs (untimed)
+            runners[PLAIN.engine].run(PLAIN, *prompt, max(warmup_tokens, 8), temperature, seed)
+        if interleave == "step":
+            jobs = [partial(run, m, prompt) for m in ours]  # each job(turn)
+            with torch.inference_mode():  # one mode for all: a job leaving its own would end the others'
+                got = Lockstep(seed=f"{seed}/{next(turns)}").run(jobs)
+        else:
+            got = [run(m, prompt) for m in ours]
+        by_method = dict(zip(ours, got)) | {m: run(m, prompt) for m in peers}
+        return [by_method[m] for m in ms]
+
     try:
-        for rnd in range(repeat):
-            for i, (p, pid) in enumerate(zip(prompts, ids)):
-                rng = random.Random(f"{seed}/{rnd}/{i}")
-                order_ours, order_peers = list(ours), list(peers)
-                rng.shuffle(order_ours)
-                rng.shuffle(order_peers)
-                if peers:  # settle after the previous prompt's peer runs (untimed)
-                    runners[PLAIN.engine].run(PLAIN, p, pid, max(warmup_tokens, 8), temperature, seed)
-                if interleave == "step":
-                    jobs = [partial(runners[m.engine].run, m, p, pid, max_new_tokens, temperature, seed) for m in order_ours]
-                    with torch.inference_mode():  # one mode for all: a job leaving its own would end the others'
-                        done = list(zip(order_ours, Lockstep(seed=f"{seed}/{rnd}/{i}").run(jobs)))
-                else:
-                    done = [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_ours]
-                done += [(m, runners[m.engine].run(m, p, pid, max_new_tokens, temperature, seed)) for m in order_peers]
-                for m, r in done:
-                    rounds[i].setdefault(m.label, []).append(r)
-                    if progress:
-                        progress(m.label)
+        results = alternate(methods, list(zip(prompts, ids)), run, repeat, seed, together)
     finally:
         gc.unfreeze()
     runs: list[Run] = []
-    for by_label in rounds:
-        ref = by_label[PLAIN.label][0].tokens
-        for m in methods:
-            r = _mean_run(by_label[m.label]) if keep == "mean" else min(by_label[m.label], key=lambda x: x.wall_seconds)
+    for i in range(len(prompts)):
+        ref = results[methods.index(PLAIN)][i][0].tokens
+        for j in range(len(methods)):
+            rs = results[j][i]
+            r = _mean_run(rs) if keep == "mean" else min(rs, key=lambda x: x.wall_seconds)
             r.lossless = (r.tokens == ref) if temperature == 0 else None
             runs.append(r)
     return runs

@@ -9,10 +9,11 @@ same stretches.
 Each job is a greenlet in the caller's thread: after every engine step it calls `Turn.step_done`,
 which, once the job's slice (5 ms) is used up, switches to the next job, and the job resumes where
 it stopped when its turn comes back. Every pass over the jobs runs them in a fresh (seeded) order,
-so no job always runs right after the same other one (which leaves its data in the CPU caches). The time away is recorded per job (`Turn.waited`) and
-subtracted from its wall time, so a job's time is its own work only. Greenlets, not threads: OS
-threads would migrate between cores at every switch (cold L1/L2) and allocate from their own
-malloc arenas, which cost 5-25% here; a greenlet switch is a stack swap on the same core. Every
+so no job always runs right after the same other one (which leaves its data in the CPU caches).
+The time away is recorded per job (`Turn.waited`) and subtracted from its wall time, so a job's
+time is its own work only. Greenlets, not threads: OS threads would migrate between cores at every
+switch (cold L1/L2) and allocate from their own malloc arenas, which cost 5-25% here; a greenlet
+switch is a stack swap on the same core. Every
 job still has its own cache, drafter and buffers; what the jobs share is the CPU caches, as a
 real server shares them with other work. Measured on stories260K: one job in a rotation runs at
 0.99x its time alone, nine jobs sharing the caches at 1.02x.
@@ -41,7 +42,6 @@ class Turn:
         self._rotation = rotation
         self.waited = 0.0
         self.waited_cpu = 0.0  # process CPU time spent by the other jobs meanwhile
-        self.on_wait: Callable[[float], None] | None = None  # told each wait (e.g. a depth policy's pause)
         self._since = perf_counter()  # start of the current slice (the job starts when created)
 
     def step_done(self, _tokens: object = None) -> None:
@@ -53,10 +53,7 @@ class Turn:
         self._rotation._hub.switch()  # back to the scheduler, which resumes the next job
         self._since = perf_counter()
         self.waited_cpu += process_time() - cpu
-        wait = self._since - now
-        self.waited += wait
-        if self.on_wait is not None:
-            self.on_wait(wait)
+        self.waited += self._since - now
 
 
 class Lockstep(Generic[R]):

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..metrics import Acceptance
 from .costmodel import CostModel
 from .harness import PLAIN, Method, Run
 
@@ -55,16 +56,12 @@ def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | N
     if rs and all(r.prefill_seconds is not None for r in rs):
         dec = sum(r.wall_seconds - r.prefill_seconds for r in rs)
         agg.decode_tokens_per_second = sum(r.new_tokens if r.decode_tokens is None else r.decode_tokens for r in rs) / dec if dec > 0 else None
-    drafted = sum(r.draft_tokens or 0 for r in rs)
-    agg.draft_acceptance = sum(r.accepted_tokens or 0 for r in rs) / drafted if drafted else None
+    acc = sum((Acceptance(forwards=r.target_forwards or 0, drafted=r.draft_tokens or 0, accepted=r.accepted_tokens or 0,
+                          reached=r.reached, passed=r.passed) for r in rs), Acceptance())
+    agg.draft_acceptance = acc.draft_acceptance
     if rs and rs[0].target_forwards is not None:  # our engine: counters and time split
-        fwd = sum(r.target_forwards for r in rs)
-        acc = sum(r.accepted_tokens for r in rs)
-        agg.mean_accepted_length = 1 + acc / fwd if fwd else 0.0
-        n = max((len(r.reached) for r in rs), default=0)
-        reached = [sum(r.reached[i] for r in rs if i < len(r.reached)) for i in range(n)]
-        passed = [sum(r.passed[i] for r in rs if i < len(r.passed)) for i in range(n)]
-        agg.acceptance_by_position = [p / q if q else 0.0 for p, q in zip(passed, reached)]
+        agg.mean_accepted_length = acc.mean_accepted_length
+        agg.acceptance_by_position = [0.0 if x is None else x for x in acc.by_position()]
         t = max(toks, 1)
         agg.time_split = {k: sum(getattr(r, f"{k}_seconds") for r in rs) / t for k in ("prefill", "draft", "verify", "overhead")}
         steps = [d for r in rs for d in r.drafts_per_step]

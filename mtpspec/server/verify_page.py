@@ -1,11 +1,11 @@
 """The computations behind the live verify page, free of HTTP: load, tokenise, verify one draft, step a run.
 
-verify_draft() is one real verification round: the target fills its cache with the prefix (all
-but the last token), then ONE forward over [last, d1..dD] gives D+1 next-token distributions p, and
-greedy verification (mtpspec.verify.verify_greedy) keeps the longest prefix of the draft that
-equals argmax p, plus the target's own token at the first mismatch (recovered) or after the last
-draft (bonus). Draft tokens after the first mismatch are discarded unchecked: a later guess is
-never kept once its prefix is wrong.
+verify_draft() is one real verification round, the engine's own step (engine.Session with a
+FixedDrafter proposing the page's draft): the target fills its cache with the prefix (all but the
+last token), then ONE forward over [last, d1..dD] gives D+1 next-token distributions p, and greedy
+verification keeps the longest prefix of the draft that equals argmax p, plus the target's own
+token at the first mismatch (recovered) or after the last draft (bonus). Draft tokens after the
+first mismatch are discarded unchecked: a later guess is never kept once its prefix is wrong.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 
 from ..api import Model
 from ..drafters import make_drafter
+from ..drafters.fixed import FixedDrafter
+from ..engine import Session
 from ..errors import ConfigError
 from ..sampling import Sampler, SamplingParams
 from ..types import GenerationResult
-from ..verify import verify_greedy
 
 MAX_DRAFT = 64  # longest draft the page verifies in one forward (D + 1 positions)
 MAX_TOP_K = 50
@@ -122,28 +123,24 @@ def verify_draft(
         dids, source = None, drafter
     else:
         raise FieldError("draft", "no draft: type a continuation, or choose a drafter to propose one")
-    context = torch.tensor(ids, dtype=torch.long)  # (L,)
     if dids is not None:
         _check_draft_fits(module, ids, dids, "draft_ids" if source == "ids" else "draft")
-    cache = module.new_cache()
-    out0 = module.forward_tokens(context[:-1], cache) if len(ids) > 1 else None  # prefill: all but the last
-    if dids is None:
-        d = make_drafter(drafter, module, draft_model=draft_model)
-        d.prefill(context, out0, Sampler(SamplingParams()))
-        dids = d.propose(context, min(k, module.max_seq_len - len(ids))).tokens.tolist()
-        _check_draft_fits(module, ids, dids, "k")
-    dt = torch.tensor(dids, dtype=torch.long)  # (D,)
-    out = module.forward_tokens(torch.cat([context[-1:], dt]), cache)  # ONE verify pass over D+1 positions
-    verdict = verify_greedy(dt, out.logits)
-    p = torch.softmax(out.logits.float(), dim=-1)  # (D+1, V) the target's distribution at each position
-    n, dlen = verdict.num_accepted, len(dids)
+        fixed, depth = FixedDrafter(dids), len(dids)
+    else:
+        fixed, depth = FixedDrafter(inner=make_drafter(drafter, module, draft_model=draft_model)), k
+    # the engine's own step: prefill all but the last token, ONE verify pass over [last, d1..dD], greedy acceptance
+    session = Session(module, ids, fixed, Sampler(SamplingParams()), k=max(depth, 1), max_new_tokens=depth + 1, trace=True)
+    step = session.step(depth)
+    dids, n, emitted_ids = step.draft, step.num_accepted, step.emitted
+    p = torch.softmax(fixed.verified.logits.float(), dim=-1)  # (D+1, V) the target's distribution at each position
+    dlen = len(dids)
     prevs = [ids[-1]] + dids  # the token each position conditions on last
     positions = []
     for i in range(dlen + 1):
-        target = int(p[i].argmax())
+        target = step.target_choice[i]
         if i < dlen:
             status = "accepted" if i < n else "rejected" if i == n else "discarded"
-            dtok = {"id": dids[i], "text": tok.decode([dids[i]], prev=prevs[i]), "p": float(p[i, dids[i]])}
+            dtok = {"id": dids[i], "text": tok.decode([dids[i]], prev=prevs[i]), "p": step.p_of_draft[i]}
         else:
             status, dtok = ("bonus" if n == dlen else "unused"), None
         positions.append({
@@ -151,7 +148,7 @@ def verify_draft(
             "target": {"id": target, "text": tok.decode([target], prev=prevs[i]), "p": float(p[i, target])},
             "top": _dist(model, p[i], prevs[i], top_k),
         })
-    emitted = token_texts(model, verdict.tokens.tolist(), ids[-1])
+    emitted = token_texts(model, emitted_ids, ids[-1])
     last = positions[n]["target"]
     return {
         "verification": "greedy",
@@ -165,7 +162,7 @@ def verify_draft(
         "correction": dict(last, position=n) if n < dlen else None,
         "bonus": dict(last, position=n) if n == dlen else None,
         "emitted": emitted,
-        "emitted_text": tok.decode(verdict.tokens.tolist(), prev=ids[-1]),
+        "emitted_text": tok.decode(emitted_ids, prev=ids[-1]),
         "discarded": [positions[i]["draft"] for i in range(n + 1, dlen)],
         "target_forwards": 1,
         "positions": positions,

@@ -4,9 +4,9 @@ them), tokens/s relative to plain, and whether every output equals plain greedy 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
+from ..bench.alternate import alternate
 from ..metrics import Acceptance
 
 
@@ -39,23 +39,18 @@ def measure_table(model, prompts: list[str], runs: list[tuple], max_new_tokens: 
     ids = [model.encode(p) for p in prompts]
     refs = [model.generate(i, max_new_tokens=max_new_tokens) for i in ids]  # warm-up + reference
     all_runs = [("none", 1, None, {})] + [(*r, {})[:4] for r in runs]
-    tokens = [0] * len(all_runs)
-    acceptance = [Acceptance() for _ in all_runs]
-    same = [True] * len(all_runs)
-    best: dict[tuple[int, int], float] = {}
-    order = random.Random(0)
-    for rnd in range(repeats):
-        for i, (x, ref) in enumerate(zip(ids, refs)):
-            for j in order.sample(range(len(all_runs)), len(all_runs)):  # a fresh order: no run always follows another
-                drafter, k, dm, opts = all_runs[j]
-                r = model.generate(x, drafter=drafter, k=k, draft_model=dm, max_new_tokens=max_new_tokens, **opts)
-                best[i, j] = min(best.get((i, j), float("inf")), r.stats.wall_seconds)
-                if rnd:
-                    continue  # counts come from one round (greedy runs repeat themselves exactly)
-                same[j] &= r.tokens == ref.tokens
-                tokens[j] += len(r.tokens)
-                acceptance[j] += Acceptance.from_steps(r.steps)
-    seconds = {j: sum(best[i, j] for i in range(len(ids))) for j in range(len(all_runs))}
+
+    def generate(run: tuple, x: list[int]):
+        drafter, k, dm, opts = run
+        return model.generate(x, drafter=drafter, k=k, draft_model=dm, max_new_tokens=max_new_tokens, **opts)
+
+    results = alternate(all_runs, ids, generate, repeats)  # [run][prompt][round]
+    # counts come from one round (greedy runs repeat themselves exactly); each (prompt, run) keeps its fastest time
+    firsts = [[tries[0] for tries in by_prompt] for by_prompt in results]
+    tokens = [sum(len(r.tokens) for r in rs) for rs in firsts]
+    acceptance = [sum((Acceptance.from_steps(r.steps) for r in rs), Acceptance()) for rs in firsts]
+    same = [all(r.tokens == ref.tokens for r, ref in zip(rs, refs)) for rs in firsts]
+    seconds = [sum(min(r.stats.wall_seconds for r in tries) for tries in by_prompt) for by_prompt in results]
     base = tokens[0] / seconds[0]
     rows = []
     for j, (drafter, k, _, opts) in enumerate(all_runs):

@@ -283,22 +283,20 @@ def final_report(model, tok, cfg: PretrainConfig, held: Tensor, held_files: list
     """Held-out loss per objective, and greedy MTP acceptance by position (D = 4) on held-out code prompts."""
     from ..drafters.mtp import MTPDrafter
     from ..engine import generate_tokens
+    from ..metrics import Acceptance
     from ..sampling import Sampler, SamplingParams
 
     model.eval()
     ev = evaluate(model, D.eval_windows(held, cfg.seq_len, cfg.eval_windows), cfg.mtp_depth)
     prompts = D.code_prompts(held_files, n_prompts) if held_files else []
-    drafted, accepted = [0] * 4, [0] * 4
+    acc = Acceptance()
     for p in prompts:
         ids = tok.encode(p)[-256:]
-        r = generate_tokens(model, ids, MTPDrafter(model), 4, Sampler(SamplingParams()), new_tokens)
-        for i, a in enumerate(r.stats.acceptance_by_position or []):
-            drafted[i] += 1
-            accepted[i] += a
+        acc += Acceptance.from_steps(generate_tokens(model, ids, MTPDrafter(model), 4, Sampler(SamplingParams()), new_tokens).steps)
     params = sum(p.numel() for p in model.parameters())
     return {
         "steps": step, "train_seconds": round(elapsed, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "parameters": params, "heldout_loss": ev,
-        "mtp_acceptance_by_position_greedy_D4": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
+        "mtp_acceptance_by_position_greedy_D4": [None if a is None else round(a, 3) for a in acc.by_position(4)],
         "history": history,
     }

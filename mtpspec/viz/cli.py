@@ -35,15 +35,15 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
 def _check_used(drafters: list[str], kw: dict) -> None:
     """Every drafter option and --draft-model given must be read by at least one of the drafters
     (each run gets only its own: drafters.for_drafter)."""
-    from ..drafters import OPTIONS, USES_DRAFT_MODEL
+    from ..drafters import OPTION_TYPES, OPTIONS, USES_DRAFT_MODEL
 
-    given = {k: v for k, v in kw.items() if k in ("ngram_min", "ngram_max", "draft_vocab") and v is not None}
+    given = {k: v for k, v in kw.items() if k in OPTION_TYPES and v is not None}
     if kw.get("draft_model") is not None:
         given["draft_model"] = kw["draft_model"]
     for opt in given:
         users = USES_DRAFT_MODEL if opt == "draft_model" else [d for d, o in OPTIONS.items() if opt in o]
         if not any(d in users for d in drafters):
-            flag = "--" + opt.replace("_", "-")
+            flag = OPTION_TYPES[opt][0] if opt in OPTION_TYPES else "--draft-model"
             raise ConfigError(f"{flag} is not used by --drafter {', '.join(drafters)}")
 
 

@@ -138,32 +138,30 @@ def trace_prompts(
 ) -> list[TraceGroup]:
     """Run plain decoding and every (drafter, D) config on each prompt, with trace=True.
 
-    Each config is run once untimed first (warm-up: allocation, lazy loads). With repeat > 1 the
-    configs are run round-robin that many times (so a busy machine slows all of them alike) and,
+    Each config is run once untimed first on each prompt (warm-up: allocation, lazy loads). With repeat > 1
+    the configs alternate (bench.alternate) that many rounds (so a busy machine slows all of them alike) and,
     per config, the run of median wall time is drawn: a real run, not an average.
     `gen` are the other Model.generate keyword arguments (temperature, seed, max_new_tokens, ...).
     """
     from ..api import load
+    from ..bench.alternate import alternate
     from ..drafters import for_drafter
-
     from ..models.heads import is_head_dir
 
     if isinstance(draft_model, (str, Path)) and not is_head_dir(draft_model):  # a head folder goes to its drafter as is
         draft_model = load(draft_model, dtype=getattr(model.module, "dtype", "fp32"))
-    groups = []
-    for prompt in prompts:
-        group = TraceGroup(prompt)
-        runs = [("none", 1)] + list(configs)
-        kws = [for_drafter(dict(gen, drafter=drafter, k=k, draft_model=draft_model)) for drafter, k in runs]  # each its own options
-        if warmup:
+    runs = [("none", 1)] + list(configs)
+    kws = [for_drafter(dict(gen, drafter=drafter, k=k, draft_model=draft_model)) for drafter, k in runs]  # each its own options
+    if warmup:
+        for prompt in prompts:
             for kw in kws:
                 model.generate(prompt, **dict(kw, max_new_tokens=min(8, gen.get("max_new_tokens", 8))))
-        tries: list[list[GenerationResult]] = [[] for _ in runs]
-        for _ in range(max(repeat, 1)):
-            for i, kw in enumerate(kws):
-                tries[i].append(model.generate(prompt, trace=True, **kw))
-        for (drafter, k), results in zip(runs, tries):
-            res = sorted(results, key=lambda r: r.stats.wall_seconds)[len(results) // 2]
+    results = alternate(kws, prompts, lambda kw, prompt: model.generate(prompt, trace=True, **kw), max(repeat, 1))
+    groups = []
+    for j, prompt in enumerate(prompts):
+        group = TraceGroup(prompt)
+        for (drafter, k), by_prompt in zip(runs, results):
+            res = sorted(by_prompt[j], key=lambda r: r.stats.wall_seconds)[len(by_prompt[j]) // 2]
             label = "plain decoding" if drafter == "none" else f"{drafter}, D={k}"
             group.runs.append(build_run(label, drafter, k, res, model.tokenizer))
         base = group.runs[0]
