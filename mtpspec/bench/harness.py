@@ -214,18 +214,18 @@ def run_bench(
 
     def together(ms: list[Method], prompt: tuple[Prompt, list[int]]) -> list[Run]:
         """Ours (interleaved step by step, or run by run), then the peers; results in the order of `ms`."""
-        ours = [m for m in ms if m.engine == PLAIN.engine]
-        peers = [m for m in ms if m.engine != PLAIN.engine]
+        ours = [i for i, m in enumerate(ms) if m.engine == PLAIN.engine]
+        peers = [i for i, m in enumerate(ms) if m.engine != PLAIN.engine]
         if peers:  # settle after the previous prompt's peer runs (untimed)
             runners[PLAIN.engine].run(PLAIN, *prompt, max(warmup_tokens, 8), temperature, seed)
         if interleave == "step":
-            jobs = [partial(run, m, prompt) for m in ours]  # each job(turn)
+            jobs = [partial(run, ms[i], prompt) for i in ours]  # each job(turn)
             with torch.inference_mode():  # one mode for all: a job leaving its own would end the others'
                 got = Lockstep(seed=f"{seed}/{next(turns)}").run(jobs)
         else:
-            got = [run(m, prompt) for m in ours]
-        by_method = dict(zip(ours, got)) | {m: run(m, prompt) for m in peers}
-        return [by_method[m] for m in ms]
+            got = [run(ms[i], prompt) for i in ours]
+        by_index = dict(zip(ours, got)) | {i: run(ms[i], prompt) for i in peers}
+        return [by_index[i] for i in range(len(ms))]
 
     try:
         results = alternate(methods, list(zip(prompts, ids)), run, repeat, seed, together)
