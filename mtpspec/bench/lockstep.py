@@ -18,7 +18,7 @@ job still has its own cache, drafter and buffers; what the jobs share is the CPU
 real server shares them with other work. Measured on stories260K: one job in a rotation runs at
 0.99x its time alone, nine jobs sharing the caches at 1.02x.
 
-The engine enters torch.inference_mode per generation; run the rotation inside it
+The engine enters torch.inference_mode per step (engine.step); run the rotation inside it
 (`with torch.inference_mode(): ...`), or a job leaving the mode would switch it off for the others.
 """
 
