@@ -5,8 +5,10 @@ build/; each round runs the same generations (demo model, greedy, one thread, N 
 plain and mtp@3) once in each tree, each tree in its own subprocess with this venv's python and
 PYTHONPATH=<tree> (the order of the trees alternates from round to round). A run's decode rate is
 new tokens / (wall - prefill) seconds over its prompts, from the engine's own GenerationStats; the
-script prints the median per (tree, method) and the ratio new / old, and checks that both trees emit
-the same tokens.
+script prints the median per (tree, method), the ratio new / old of the medians and the median of the
+rounds' own new / old ratios (the two trees of a round run back to back), the same ratio by process CPU
+time (whole generations, prefill included: with one thread it moves little when other jobs load the
+machine), and checks that both trees emit the same tokens.
 
     .venv/bin/python scripts/engine_vs_commit.py [--commit 7307cc0] [--prompts 4] [--tokens 128] [--rounds 3]
 """
@@ -26,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(args: argparse.Namespace) -> None:
     """In a subprocess, with PYTHONPATH=<tree>: warm up, then one generation per (prompt, method); JSON on stdout."""
+    from time import process_time
+
     import torch
 
     import mtpspec
@@ -38,16 +42,19 @@ def child(args: argparse.Namespace) -> None:
     for drafter, k in methods:  # first-call costs are not measured
         model.generate(ids[0], drafter=drafter, k=int(k), max_new_tokens=8)
     out = {"mtpspec": str(Path(mtpspec.__file__).parent), "methods": {}}
-    acc = {f"{d}@{k}": {"tokens": 0, "decode_seconds": 0.0, "ids": []} for d, k in methods}
+    acc = {f"{d}@{k}": {"tokens": 0, "decode_seconds": 0.0, "cpu_seconds": 0.0, "ids": []} for d, k in methods}
     for p in ids:  # methods alternate prompt by prompt
         for drafter, k in methods:
+            c0 = process_time()
             res = model.generate(p, drafter=drafter, k=int(k), max_new_tokens=args.tokens)
             a = acc[f"{drafter}@{k}"]
+            a["cpu_seconds"] += process_time() - c0
             a["tokens"] += len(res.tokens)
             a["decode_seconds"] += res.stats.wall_seconds - res.stats.prefill_seconds
             a["ids"].append(list(res.tokens))
     for lab, a in acc.items():
-        out["methods"][lab] = {"decode_tokens_per_second": a["tokens"] / a["decode_seconds"], "ids": a["ids"]}
+        out["methods"][lab] = {"decode_tokens_per_second": a["tokens"] / a["decode_seconds"],
+                               "cpu_tokens_per_second": a["tokens"] / a["cpu_seconds"], "ids": a["ids"]}
     print(json.dumps(out))
 
 
@@ -93,23 +100,27 @@ def main() -> None:
     model = str((ROOT / "models" / "demo").resolve()) if args.model == "demo" else args.model  # the same weights in both trees
     args.model = model
     trees = {"old": worktree(args.commit), "new": ROOT}
-    rates: dict[tuple[str, str], list[float]] = {}
+    rates: dict[tuple[str, str], list[float]] = {}  # (tree, method) -> decode tokens/s per round
+    cpu: dict[tuple[str, str], list[float]] = {}  # the same by CPU time
     ids: dict[str, dict] = {}
     for r in range(args.rounds):
         for name in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
             res = run_tree(trees[name], args)
             for lab, m in res["methods"].items():
                 rates.setdefault((name, lab), []).append(m["decode_tokens_per_second"])
+                cpu.setdefault((name, lab), []).append(m["cpu_tokens_per_second"])
                 ids.setdefault(name, {})[lab] = m["ids"]
-            print(f"round {r} {name}: " + ", ".join(f"{lab} {m['decode_tokens_per_second']:.1f} tok/s" for lab, m in res["methods"].items()),
-                  file=sys.stderr)
+            got = ", ".join(f"{lab} {m['decode_tokens_per_second']:.1f} tok/s" for lab, m in res["methods"].items())
+            print(f"round {r} {name}: {got}", file=sys.stderr)
     print(f"B = 1 decode tokens/s, median of {args.rounds} rounds ({args.prompts} prompts x {args.tokens} tokens, greedy, "
           f"{args.threads} thread(s)); old = {args.commit}, new = working tree")
-    print("| method | old | new | new / old | same tokens |\n|---|---:|---:|---:|---|")
+    print("| method | old | new | new / old | per-round new / old | by CPU time | same tokens |\n|---|---:|---:|---:|---:|---:|---|")
     for lab in ids["new"]:
         o, n = statistics.median(rates[("old", lab)]), statistics.median(rates[("new", lab)])
+        paired = statistics.median(b / a for a, b in zip(rates[("old", lab)], rates[("new", lab)]))
+        by_cpu = statistics.median(b / a for a, b in zip(cpu[("old", lab)], cpu[("new", lab)]))
         same = sum(a == b for a, b in zip(ids["old"][lab], ids["new"][lab]))
-        print(f"| {lab} | {o:.1f} | {n:.1f} | {n / o:.3f} | {same}/{len(ids['new'][lab])} |")
+        print(f"| {lab} | {o:.1f} | {n:.1f} | {n / o:.3f} | {paired:.3f} | {by_cpu:.3f} | {same}/{len(ids['new'][lab])} |")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     for lab in ("plain", "ngram@2", "ngram@auto"):
         for b in ("1", "2"):
             cell = table[lab][b]
-            assert cell["tokens_per_second"] > 0 and cell["seconds_per_token"] > 0, (lab, b)
+            assert cell["tokens_per_second"] > 0 and cell["cpu_tokens_per_second"] > 0 and cell["seconds_per_token"] > 0, (lab, b)
             assert cell["p50_token_latency"] <= cell["p99_token_latency"]
             assert cell["identical"] == f"{b}/{b}", (lab, b)  # greedy: every method's tokens are plain's
     assert res["summary"]["mismatches"] == []
@@ -69,7 +69,7 @@ def test_summary_reports_a_mismatch_with_plain():
     from mtpspec.bench.batch import BatchMethod, BatchRun, summarize
 
     def run(method, tokens, rnd=0):
-        return BatchRun(method=method, batch=2, round=rnd, decode_tokens=6, decode_seconds=1.0, prefill_seconds=0.1,
+        return BatchRun(method=method, batch=2, round=rnd, decode_tokens=6, decode_seconds=1.0, decode_cpu_seconds=1.0, prefill_seconds=0.1,
                         seconds_per_token=0.3, p50_token_latency=0.3, p99_token_latency=0.4, mean_depth=1.0, steps=3, tokens=tokens)
 
     runs = [run("plain", [[1, 2, 3], [4, 5, 6]]), run("ngram@2", [[1, 2, 3], [4, 9, 6]])]

@@ -22,7 +22,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, process_time
 
 import torch
 
@@ -67,6 +67,7 @@ class BatchRun:
     round: int
     decode_tokens: int  # tokens emitted after the last prompt was prefilled
     decode_seconds: float  # from then until the last sequence finished
+    decode_cpu_seconds: float  # the process's CPU time over the same span (with one thread: little moved by other jobs)
     prefill_seconds: float  # the steps before (each prefilled a prompt and decoded those already running)
     seconds_per_token: float  # mean over sequences of its decode seconds / its decode tokens
     p50_token_latency: float | None
@@ -78,6 +79,10 @@ class BatchRun:
     @property
     def tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def cpu_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_cpu_seconds if self.decode_cpu_seconds > 0 else 0.0
 
 
 def _quantile(xs: list[float], q: float) -> float | None:
@@ -112,7 +117,7 @@ def run_once(model, method: BatchMethod, prompts: list[list[int]], max_new_token
     t_start = perf_counter()
     while engine.waiting:  # the prefill phase: not timed
         engine.step()
-    t0 = perf_counter()
+    t0, c0 = perf_counter(), process_time()
     got.clear()
     last = [t0] * b_n  # when each sequence last received tokens
     n_tok = [0] * b_n
@@ -129,10 +134,11 @@ def run_once(model, method: BatchMethod, prompts: list[list[int]], max_new_token
             lat += [(now - last[i]) / n] * n
             last[i], n_tok[i] = now, n_tok[i] + n
         got.clear()
-    t_end = perf_counter()
+    t_end, c_end = perf_counter(), process_time()
     per_seq = [(last[i] - t0) / n_tok[i] for i in range(b_n) if n_tok[i]]
     return BatchRun(
         method=method.label, batch=b_n, round=round_, decode_tokens=sum(n_tok), decode_seconds=t_end - t0,
+        decode_cpu_seconds=c_end - c0,
         prefill_seconds=t0 - t_start, seconds_per_token=statistics.mean(per_seq) if per_seq else 0.0,
         p50_token_latency=_quantile(lat, 0.5), p99_token_latency=_quantile(lat, 0.99),
         mean_depth=drafted / seq_steps if seq_steps else 0.0, steps=steps,
@@ -185,6 +191,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
             mismatches += bad
             table.setdefault(m.label, {})[str(b_n)] = {
                 "tokens_per_second": _median(r.tokens_per_second for r in rs),
+                "cpu_tokens_per_second": _median(r.cpu_tokens_per_second for r in rs),
                 "seconds_per_token": _median(r.seconds_per_token for r in rs),
                 "p50_token_latency": _median(r.p50_token_latency for r in rs),
                 "p99_token_latency": _median(r.p99_token_latency for r in rs),
@@ -196,6 +203,13 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
         for b, cell in row.items():
             p = table["plain"][b]["tokens_per_second"]
             cell["speedup"] = cell["tokens_per_second"] / p if p > 0 else None
+    return {"table": table, **_ratios(table, methods, batches, "tokens_per_second"), "mismatches": mismatches,
+            "agreement_across_batch": _across(runs, batches, greedy), "cpu": _ratios(table, methods, batches, "cpu_tokens_per_second")}
+
+
+def _ratios(table: dict, methods: list[BatchMethod], batches: list[int], key: str) -> dict:
+    """By throughput `key`: each auto method over plain and over the best of plain and its drafter's fixed depths
+    at each B; plain at each B over plain at B = 1."""
     auto = {}
     for m in methods:
         if m.k != "auto":
@@ -203,14 +217,12 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
         rivals = ["plain"] + [x.label for x in methods if x.drafter == m.drafter and x.k != "auto"]
         auto[m.label] = {}
         for b in map(str, batches):
-            best = max(rivals, key=lambda lab: table[lab][b]["tokens_per_second"])
-            tb = table[best][b]["tokens_per_second"]
-            auto[m.label][b] = {"best": best, "ratio_to_best": table[m.label][b]["tokens_per_second"] / tb if tb > 0 else None,
-                                "ratio_to_plain": table[m.label][b]["speedup"]}
-    p1 = table["plain"][str(batches[0])]["tokens_per_second"] if batches[0] == 1 else None
-    scaling = {str(b): table["plain"][str(b)]["tokens_per_second"] / p1 for b in batches} if p1 else {}
-    return {"table": table, "auto": auto, "plain_scaling": scaling, "mismatches": mismatches,
-            "agreement_across_batch": _across(runs, batches, greedy)}
+            best = max(rivals, key=lambda lab: table[lab][b][key])
+            tb, tp, ta = table[best][b][key], table["plain"][b][key], table[m.label][b][key]
+            auto[m.label][b] = {"best": best, "ratio_to_best": ta / tb if tb > 0 else None, "ratio_to_plain": ta / tp if tp > 0 else None}
+    p1 = table["plain"]["1"][key] if 1 in batches else None
+    scaling = {str(b): table["plain"][str(b)][key] / p1 for b in batches} if p1 else {}
+    return {"auto": auto, "plain_scaling": scaling}
 
 
 def _across(runs: list[BatchRun], batches: list[int], greedy: bool) -> dict:
@@ -229,22 +241,25 @@ def _across(runs: list[BatchRun], batches: list[int], greedy: bool) -> dict:
     return out
 
 
-def check_targets(summary: dict, batches: list[int], model_name: str) -> list[dict]:
-    """The issue's batch targets that this run measured (the auto >= 1.3x plain one is stated for the demo model)."""
+def check_targets(summary: dict, model_name: str) -> list[dict]:
+    """The issue's batch targets that this run measured, judged by wall time (`cpu_value`: the same by CPU time).
+    The auto >= 1.3x plain target is stated for the demo model."""
     out = []
-    sc = summary["plain_scaling"]
-    if "8" in sc:
-        out.append({"target": "plain throughput at B=8 >= 4x B=1", "value": sc["8"], "pass": sc["8"] >= 4.0})
-    for lab, per_b in summary["auto"].items():
+    wall, cpu = summary, summary["cpu"]
+    if "8" in wall["plain_scaling"]:
+        v = wall["plain_scaling"]["8"]
+        out.append({"target": "plain throughput at B=8 >= 4x B=1", "value": v, "cpu_value": cpu["plain_scaling"]["8"], "pass": v >= 4.0})
+    for lab, per_b in wall["auto"].items():
         worst_b = min(per_b, key=lambda b: per_b[b]["ratio_to_best"] or 0.0)
         worst = per_b[worst_b]["ratio_to_best"] or 0.0
+        cpu_worst = min(x["ratio_to_best"] or 0.0 for x in cpu["auto"][lab].values())
         out.append({"target": f"{lab} >= 0.97x the best of plain and fixed D at every B (worst: B={worst_b}, vs {per_b[worst_b]['best']})",
-                    "value": worst, "pass": worst >= 0.97})
+                    "value": worst, "cpu_value": cpu_worst, "pass": worst >= 0.97})
         for b in ("1", "2"):
             if b in per_b:
                 v = per_b[b]["ratio_to_plain"] or 0.0
                 out.append({"target": f"{lab} >= 1.3x plain at B={b}" + ("" if model_name == "demo" else " (stated for the demo model)"),
-                            "value": v, "pass": v >= 1.3})
+                            "value": v, "cpu_value": cpu["auto"][lab][b]["ratio_to_plain"], "pass": v >= 1.3})
     return out
 
 
@@ -263,17 +278,20 @@ def markdown(result: dict, image: str | None) -> str:
         f"sequence, temperature {c['temperature']}, {c['threads']} thread(s), median of {c['rounds']} rounds (methods alternate "
         "within a round). Decode only: timed from the end of the step that prefilled the last prompt.\n",
         "## Throughput (tokens/s, all sequences)\n", head + rows(lambda x: f"{x['tokens_per_second']:.1f}"),
+        "## Throughput by CPU time (tokens per CPU second of this process: with one thread, little moved by other jobs)\n",
+        head + rows(lambda x: f"{x['cpu_tokens_per_second']:.1f}"),
         "## Speedup over plain at the same B\n", head + rows(lambda x: f"{x['speedup']:.2f}" if x["speedup"] else "-"),
         "## Per-sequence latency (ms per token: mean over sequences / p50 / p99 over tokens)\n",
         head + rows(lambda x: f"{ms(x['seconds_per_token'])} / {ms(x['p50_token_latency'])} / {ms(x['p99_token_latency'])}"),
         "## Mean draft depth per sequence step\n", head + rows(lambda x: f"{x['mean_depth']:.2f}"),
         "## Greedy identity with plain (sequences equal in every round)\n", head + rows(lambda x: x["identical"]),
     ]
-    if s["plain_scaling"]:
-        lines.append("Plain throughput over B=1: " + ", ".join(f"B={b}: {v:.2f}x" for b, v in s["plain_scaling"].items()) + "\n")
-    for lab, per_b in s["auto"].items():
-        lines.append(f"{lab} over the best of plain and fixed D: " + ", ".join(
-            f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']})" for b, v in per_b.items() if v["ratio_to_best"] is not None) + "\n")
+    for name, r in (("", s), (" (by CPU time)", s["cpu"])):
+        if r["plain_scaling"]:
+            lines.append(f"Plain throughput over B=1{name}: " + ", ".join(f"B={b}: {v:.2f}x" for b, v in r["plain_scaling"].items()) + "\n")
+        for lab, per_b in r["auto"].items():
+            lines.append(f"{lab} over the best of plain and fixed D{name}: " + ", ".join(
+                f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']})" for b, v in per_b.items() if v["ratio_to_best"] is not None) + "\n")
     if s["agreement_across_batch"]:
         lines.append("Plain at B against plain at the smallest B with the same prompt (default mode): "
                      + ", ".join(f"B={b}: {v}" for b, v in s["agreement_across_batch"].items()) + "\n")
@@ -281,7 +299,8 @@ def markdown(result: dict, image: str | None) -> str:
         where = [f"{x['method']} B={x['batch']} round {x['round']} seq {x['sequence']} from token {x['first_difference']}"
                  for x in s["mismatches"][:20]]
         lines.append(f"**{len(s['mismatches'])} mismatches with plain**: " + "; ".join(where) + "\n")
-    checks = [f"- {'PASS' if t['pass'] else 'FAIL'} {t['target']}: {t['value']:.2f}\n" for t in result["targets"]]
+    checks = [f"- {'PASS' if t['pass'] else 'FAIL'} {t['target']}: {t['value']:.2f} (by CPU time: {t['cpu_value'] or 0.0:.2f})\n"
+              for t in result["targets"]]
     lines.append("Targets:\n\n" + ("".join(checks) or "- none measured here (they need B = 1 and 8, or an auto method)\n"))
     if image:
         lines.append(f"\n![throughput and speedup against batch size]({image})\n")
@@ -369,9 +388,9 @@ def run_batch_bench(model_path: str, prompts: str, drafters: list[str], ks: list
                    "timing": "decode only: from the end of the engine step that prefilled the last prompt",
                    "elapsed_seconds": perf_counter() - t_start, "torch": torch.__version__},
         "summary": summary,
-        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {"tokens_per_second": r.tokens_per_second} for r in runs],
+        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {"tokens_per_second": r.tokens_per_second, "cpu_tokens_per_second": r.cpu_tokens_per_second} for r in runs],
     }
-    result["targets"] = check_targets(summary, batches, model_name)
+    result["targets"] = check_targets(summary, model_name)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     png = plot(result, out / f"{plot_prefix}batch.png")
