@@ -76,8 +76,8 @@ class ForwardCost:
             i = bisect_right(knots, n) - 1  # the last size seen <= n
             if i < 0:  # below every size seen: proportional (optimistic: trying it is how it is learned)
                 t = fit[0] * n / knots[0]
-            elif n >= last:
-                t = fit[-1] + slope * (n - last)
+            elif n >= last:  # past every size seen: flat to half as far again (so it is tried), then the slope
+                t = fit[-1] + slope * max(n - 1.5 * last, 0.0)
             else:  # in a gap: flat to its middle (the least a non-decreasing T can be), then up to the next
                 mid = (knots[i] + knots[i + 1]) / 2
                 t = fit[i] + (fit[i + 1] - fit[i]) * max(n - mid, 0.0) / (knots[i + 1] - mid)
@@ -166,6 +166,8 @@ def allocate_padded(gains: list[list[float]], B: int, c: float, o: float, margin
 class AdaptiveDepth:
     """A DepthPolicy: next_depths(seqs, k_max) -> D_i per sequence, observe(BatchStep) after each step."""
 
+    warm_depth = 3  # D of the first two drafting steps (/ B), which learn what a forward and a draft cost
+
     def __init__(
         self,
         k_max: int = 8,
@@ -211,7 +213,7 @@ class AdaptiveDepth:
         caps = [min(k, self.k_max) for k in ([k_max] * len(seqs) if isinstance(k_max, int) else k_max)]
         states = [self._seq(s) for s in seqs]
         if self.T.scale is None or (self.c is None and self.c_ratio is None) or self._warm < 2:
-            ds = [max(min(2, k), 0) for k in caps]  # warm-up: learn what a forward and a draft cost
+            ds = [max(min(max(self.warm_depth // len(caps), 1), k), 0) for k in caps]  # warm-up, cheap in a batch
         else:
             ds = self._choose(states, caps)
         for st, d in zip(states, ds):
