@@ -110,6 +110,7 @@ class Sequence:
         self.prefill_outs: list[TargetOutput] = []
         self.prefilled_all = False  # the whole prompt is in and the drafter was told
         self.new: list[int] = []
+        self.pending: list[int] = []  # emitted by the last step, not yet given to on_tokens
         self.steps: list[StepRecord] = []
         self.finish_reason: str | None = None
         self.metrics = Metrics(self.k)
@@ -159,8 +160,7 @@ class Sequence:
         if self.trace:
             step = _traced(step, out.logits, draft.tokens, t0 - self.metrics.start, self.sampler)
         self.steps.append(step)
-        if self.on_tokens is not None and emitted:
-            self.on_tokens(emitted)
+        self.pending = emitted  # handed to on_tokens once the step's clock has stopped (a slow reader is not engine time)
         if stop is not None:
             self.finish_reason = stop
         elif len(self.new) >= self.max_new_tokens:
@@ -254,7 +254,11 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         parts.append(SeqStep(s.id, d.size, v.num_accepted, draft_s[i]))
     rows = sum(t.shape[0] for t in tokens)
     overhead = max(perf_counter() - t0 - (t2 - t1) - sum(draft_s), 0.0)
-    return BatchStep(rows=rows, width=max(t.shape[0] for t in tokens), forward_seconds=t2 - t1, overhead_seconds=overhead, seqs=tuple(parts))
+    record = BatchStep(rows=rows, width=max(t.shape[0] for t in tokens), forward_seconds=t2 - t1, overhead_seconds=overhead, seqs=tuple(parts))
+    for s in seqs:  # callbacks run outside the step's time
+        if s.on_tokens is not None and s.pending:
+            s.on_tokens(s.pending)
+    return record
 
 
 class Engine:
