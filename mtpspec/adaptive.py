@@ -212,6 +212,8 @@ class AdaptiveDepth:
         """D_i for each running sequence id (0 = a plain step for it); k_max may be per sequence (room left)."""
         caps = [min(k, self.k_max) for k in ([k_max] * len(seqs) if isinstance(k_max, int) else k_max)]
         states = [self._seq(s) for s in seqs]
+        if not states:
+            return []
         if self.T.scale is None or (self.c is None and self.c_ratio is None) or self._warm < 2:
             ds = [max(min(max(self.warm_depth // len(caps), 1), k), 0) for k in caps]  # warm-up, cheap in a batch
         else:
