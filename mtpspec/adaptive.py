@@ -2,22 +2,19 @@
 whole batch's cost, so that speculation steps aside, smoothly, as the batch fills the compute.
 
     tokens_i(D) = 1 + a_i1 + a_i1 a_i2 + ... + a_i1 ... a_iD   (a_ij = P(draft j ok | drafts before it ok))
-    rate        = sum_i tokens_i(D_i) / (T(size) + c sum_i D_i + o)
+    rate        = sum_i tokens_i(D_i) / (T(size) + c (phi max_i D_i + (1 - phi) sum_i D_i) + o)
 
-T(size) is one target forward over B x max_i(D_i + 1) positions (`padded`: the batched engine pads rows to
-the widest), else over sum_i (D_i + 1). T, c (drafter seconds per draft token) and o (engine seconds per
-step) are learned from observe() alone: the policy has no clock. T is a running mean per size seen, pulled
-toward a prior curve where given (the benchmark's T(k)/T(1) at batch 1), made non-decreasing, optimistic
-where unseen so that an untried size gets tried. Ragged, the best n draft positions are the batch's n
-largest marginal gains a_i1 ... a_ij, for the best n; padded, each width is tried, every sequence drafting
-the positions below it that pay for their drafting. Depth falls to 0 as T steepens with the batch.
-
-a_ij is a decayed estimate per draft position, shrunk toward the sequence's pooled acceptance. Plain wins
-ties: each drafting sequence must promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for
-costs unseen here (a draft model's catch-up). A drafter that could not pay with every draft accepted is
-never tried. A plain sequence's estimates fade (`forget` per step) toward its long-run acceptance (the
-prior until it has drafted); after a run of plain steps it is probed at its best D >= 1 until a step
-drafts, spaced so probes cost about `explore` (2%) of the time (a failure doubles the wait, up to 4x).
+T(size): a target forward over B x max_i(D_i + 1) positions (`padded`, as the batched engine pads), else
+sum_i (D_i + 1); c: drafter seconds per draft token, phi: the share of it a batched drafter (MTP, EAGLE)
+pays once for the batch; o: engine seconds per step. All are learned from observe() alone (no clock); T
+per size seen, pulled toward a prior curve where given, non-decreasing, and optimistic where unseen so
+that it gets tried. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
+each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
+estimate, shrunk toward the sequence's pooled acceptance. Plain wins ties: each drafting sequence must
+promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for costs unseen here (a draft
+model's catch-up); a drafter that could not pay with every draft accepted is never tried. A plain
+sequence's estimates fade (`forget`) toward its long-run acceptance; after a run of plain steps it is
+probed at its best D >= 1, so that probes cost about `explore` (2%) of the time (a failure doubles the wait).
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ class ForwardCost:
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
-        self.mean: dict[int, float] = {}  # size -> running mean of its forward seconds
-        self.count: dict[int, int] = {}
+        self.mean, self.count = {}, {}  # size -> running mean of its forward seconds, and how many
         self._table: list[float] = []  # T(n) for n = 1..len; refitted at a new size or every 8 steps
         self._upto, self._changes = 16, 0
 
@@ -91,10 +87,8 @@ class SeqAcceptance:
         self.passed, self.reached = [0.0] * k, [0.0] * k  # decayed counts per draft position
         self.pool_passed, self.pool_reached = 2.0 * prior, 2.0  # pooled, with a prior of 2
         self.long_passed, self.long_reached = 0.0, 0.0  # acceptance over ~200 drafting steps
-        self.plain_run = 0  # consecutive plain steps that could have drafted
-        self.probe_wait: int | None = None
-        self.probing = False
-        self.asked = 0  # D chosen for the last step
+        # plain steps in a row that could have drafted, plain steps between probes, probing now, last D chosen
+        self.plain_run, self.probe_wait, self.probing, self.asked = 0, 0, False, 0
         self._gains: list[float] | None = None  # until the estimates change
 
     def gains(self, d: int, shrink: float) -> list[float]:
@@ -126,16 +120,18 @@ class SeqAcceptance:
 Allocation = tuple[list[int], float, float]  # (D_i per sequence, expected tokens, rate with the margin)
 
 
-def allocate_ragged(gains: list[list[float]], B: int, c: float, o: float, margin: float, T: list[float]) -> Allocation:
+def allocate_ragged(gains: list[list[float]], B: int, c: float, phi: float, o: float, margin: float,
+                    T: list[float]) -> Allocation:
     """Forward over sum_i (D_i + 1) rows: the m largest marginal gains of the batch, for the best m."""
     order = sorted([(g, i) for i, gs in enumerate(gains) for g in gs], reverse=True)
     n, tokens, rate = 0, float(B), B / (T[B - 1] + o)
-    total, drafters, drafting = tokens, 0, [False] * B
+    total, drafters, counts, levels = tokens, 0, [0] * B, 0
     for m, (g, i) in enumerate(order, 1):
         total += g
-        if not drafting[i]:  # a sequence's hidden costs count once it drafts
-            drafting[i], drafters = True, drafters + 1
-        r = total / ((T[B + m - 1] + c * m + o) * (1.0 + margin * drafters))
+        drafters += counts[i] == 0  # a sequence's hidden costs count once it drafts
+        counts[i] += 1
+        levels = max(levels, counts[i])
+        r = total / ((T[B + m - 1] + c * (phi * levels + (1 - phi) * m) + o) * (1.0 + margin * drafters))
         if r > rate * 1.0001:  # ties go to fewer drafts
             n, tokens, rate = m, total, r
         elif r < 0.8 * rate:  # well past the best (the rate is one-humped but for steps in T)
@@ -146,16 +142,17 @@ def allocate_ragged(gains: list[list[float]], B: int, c: float, o: float, margin
     return ds, tokens, rate
 
 
-def allocate_padded(gains: list[list[float]], B: int, c: float, o: float, margin: float, T: list[float]) -> Allocation:
+def allocate_padded(gains: list[list[float]], B: int, c: float, phi: float, o: float, margin: float,
+                    T: list[float]) -> Allocation:
     """Forward over B x W rows: for each W, every sequence drafts its positions below W whose tokens pay
     for their drafting at the best rate so far (the forward costs the same); the best W kept."""
     ds, tokens, drafted, drafters = [0] * B, float(B), 0, 0
     best = ([0] * B, tokens, B / (T[B - 1] + o))
     for w in range(1, max(map(len, gains)) + 1):  # w draft positions: width w + 1
         for i, gs in enumerate(gains):
-            if ds[i] == w - 1 and len(gs) >= w and gs[w - 1] >= c * best[2]:
+            if ds[i] == w - 1 and len(gs) >= w and gs[w - 1] >= (1 - phi) * c * best[2]:
                 ds[i], tokens, drafted, drafters = w, tokens + gs[w - 1], drafted + 1, drafters + (w == 1)
-        r = tokens / ((T[B * (w + 1) - 1] + c * drafted + o) * (1.0 + margin * drafters))
+        r = tokens / ((T[B * (w + 1) - 1] + c * (phi * w + (1 - phi) * drafted) + o) * (1.0 + margin * drafters))
         if r > best[2] * 1.0001:
             best = (list(ds), tokens, r)
         elif r < 0.8 * best[2]:
@@ -165,8 +162,6 @@ def allocate_padded(gains: list[list[float]], B: int, c: float, o: float, margin
 
 class AdaptiveDepth:
     """A DepthPolicy: next_depths(seqs, k_max) -> D_i per sequence, observe(BatchStep) after each step."""
-
-    warm_depth = 3  # D of the first two drafting steps (/ B), which learn what a forward and a draft cost
 
     def __init__(
         self,
@@ -193,6 +188,8 @@ class AdaptiveDepth:
         self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
         self.c = draft_cost if self.c_ratio is None else None  # seconds per drafted token, as observed
         self.o = 0.0  # engine overhead seconds per step
+        self.phi = 0.0  # share of drafting paid once per draft position for the whole batch (batched drafters)
+        self._fit = [0.0] * 5  # decayed sums for phi: levels^2, levels n, n^2, levels y, n y
         self._steps, self._probe_base = 0, probe_min
         self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
         self.seqs: dict[int, SeqAcceptance] = {}
@@ -203,19 +200,18 @@ class AdaptiveDepth:
             return self.c
         return (self.c_ratio if self.c_ratio is not None else 0.5) * self.T.table(1)[0]
 
-    def _seq(self, seq: int) -> SeqAcceptance:
-        if seq not in self.seqs:
-            self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.prior_acceptance)
+    def _new(self, seq: int) -> SeqAcceptance:
+        self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.prior_acceptance)
         return self.seqs[seq]
 
     def next_depths(self, seqs: Sequence[int], k_max: int | Sequence[int]) -> list[int]:
         """D_i for each running sequence id (0 = a plain step for it); k_max may be per sequence (room left)."""
         caps = [min(k, self.k_max) for k in ([k_max] * len(seqs) if isinstance(k_max, int) else k_max)]
-        states = [self._seq(s) for s in seqs]
+        states = [self.seqs.get(s) or self._new(s) for s in seqs]
         if not states:
             return []
         if self.T.scale is None or (self.c is None and self.c_ratio is None) or self._warm < 2:
-            ds = [max(min(max(self.warm_depth // len(caps), 1), k), 0) for k in caps]  # warm-up, cheap in a batch
+            ds = [max(min(max(3 // len(caps), 1), k), 0) for k in caps]  # warm-up (learn T and c), cheap in a batch
         else:
             ds = self._choose(states, caps)
         for st, d in zip(states, ds):
@@ -223,19 +219,20 @@ class AdaptiveDepth:
         return ds
 
     def _choose(self, states: list[SeqAcceptance], caps: list[int]) -> list[int]:
-        B, c, o = len(states), self._c(), self.o
+        B, c, phi, o = len(states), self._c(), self.phi, self.o
         gains = [st.gains(cap, self.shrink) if cap > 0 else [] for st, cap in zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B  # per drafting sequence
         allocate = allocate_padded if self.padded else allocate_ragged
-        ds, tokens, rate = allocate(gains, B, c, o, margin, T)
+        ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
         rows, width, drafted = B + sum(ds), max(ds) + 1, sum(ds)
 
-        def forward(d: int) -> float:  # the forward if one more sequence drafts d (as probes move rows, width)
-            return T[B * max(width, d + 1) - 1] if self.padded else T[rows + d - 1]
+        def step(d: int) -> float:  # the step's seconds if one more sequence drafts d (as probes move rows, width)
+            forward = T[B * max(width, d + 1) - 1] if self.padded else T[rows + d - 1]
+            return forward + c * (phi * max(width - 1, d) + (1 - phi) * (drafted + d)) + o
 
         # steps between probes so that they cost `explore` (padded: any probe serves every sequence, see below)
-        share = (1 if self.padded else B) * (c + forward(1) - forward(0)) / (forward(0) + c * drafted + o)
+        share = (1 if self.padded else B) * (step(1) - step(0)) / step(0)
         self._probe_base = max(self.probe_min, int(share / self.explore + 0.5))
         pays: dict[int, bool] = {}
         for i, st in enumerate(states):
@@ -245,7 +242,7 @@ class AdaptiveDepth:
             if not st.probing:  # drafts that could not pay even if all accepted: no fading, no probe
                 if caps[i] not in pays:  # the best allocation with it drafting `cap`, all accepted
                     perfect = gains[:i] + [[1.0] * caps[i]] + gains[i + 1 :]
-                    pays[caps[i]] = allocate(perfect, B, c, o, margin, T)[2] > rate * 1.0001
+                    pays[caps[i]] = allocate(perfect, B, c, phi, o, margin, T)[2] > rate * 1.0001
                 if not pays[caps[i]]:
                     continue
                 st.plain_run += 1
@@ -255,11 +252,11 @@ class AdaptiveDepth:
                     continue
                 st.probing, st.plain_run = True, 0
             gs = gains[i]  # a probe (or one that has not drafted yet): its best D >= 1 on top of the batch
-            d = max(range(1, len(gs) + 1), key=lambda n: (tokens + sum(gs[:n])) / (forward(n) + c * (drafted + n) + o))
+            d = max(range(1, len(gs) + 1), key=lambda n: (tokens + sum(gs[:n])) / step(n))
             ds[i], rows, width, drafted, tokens = d, rows + d, max(width, d + 1), drafted + d, tokens + sum(gs[:d])
         if self.padded:  # the forward is as wide as its widest: up to that, drafting costs only the drafter
             for i, gs in enumerate(gains):
-                while ds[i] < min(len(gs), width - 1) and gs[ds[i]] >= c * rate:
+                while ds[i] < min(len(gs), width - 1) and gs[ds[i]] >= (1 - phi) * c * rate:
                     ds[i], states[i].plain_run = ds[i] + 1, 0
         return ds
 
@@ -268,11 +265,21 @@ class AdaptiveDepth:
         self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds)
         self.o = step.overhead_seconds if self._steps == 0 else 0.8 * self.o + 0.2 * step.overhead_seconds
         self._steps += 1
-        drafted = sum(s.drafted for s in step.seqs)
-        if drafted > 0:
-            self._learn_cost(sum(s.draft_seconds for s in step.seqs if s.drafted > 0) / drafted)
+        n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
+        if n > 0:  # drafting seconds = c (phi levels + (1 - phi) n): phi is the share a batched drafter pays once
+            y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0)
+            if self.c is not None:
+                y = min(y, 4 * self.c * (self.phi * levels + (1 - self.phi) * n) + 1e-5)  # a catch-up: clipped
+            x = (levels * levels, levels * n, n * n, levels * y, n * y)
+            self._fit = [0.99 * v + u for v, u in zip(self._fit, x)]
+            ll, ln, nn, ly, ny = self._fit  # least squares y = a levels + b n, once they vary apart
+            det = ll * nn - ln * ln
+            if det > 0.01 * ll * nn:
+                a, b = max((ly * nn - ny * ln) / det, 0.0), max((ny * ll - ly * ln) / det, 0.0)
+                self.phi = a / (a + b) if a + b > 0 else self.phi
+            self._learn_cost(y / (self.phi * levels + (1 - self.phi) * n))
         for s in step.seqs:
-            st = self._seq(s.seq)
+            st = self.seqs.get(s.seq) or self._new(s.seq)
             if s.drafted > 0:
                 st.learn(s.drafted, s.accepted, self.decay)
                 if st.probing:  # a probe that paid resets the wait; one that failed doubles it (up to 4x)
@@ -284,12 +291,10 @@ class AdaptiveDepth:
 
     def _learn_cost(self, c: float) -> None:
         self._warm += 1
-        if self.c_ratio is not None:  # a prior: running average, a slow call (catch-up) clipped at 4x it
-            self.c = 0.8 * self._c() + 0.2 * min(c, 4 * self.c_ratio * self.T.table(1)[0] + 1e-5)
-        elif self.c is None or self._warm == 2:  # warm-up: the first draft also read the prompt
+        if self.c_ratio is None and (self.c is None or self._warm == 2):  # the first draft also read the prompt
             self.c = c
-        else:
-            self.c = 0.8 * self.c + 0.2 * min(c, 4 * self.c + 1e-5)
+        else:  # a running mean (from the prior, if any), a slow call (a catch-up) clipped at 4x it
+            self.c = 0.8 * self._c() + 0.2 * min(c, 4 * self._c() + 1e-5)
 
     def drop(self, seq: int) -> None:
         """Sequence `seq` left the batch: forget its acceptance estimates."""

@@ -159,6 +159,16 @@ def test_hopeless_sequence_in_a_batch_is_probed_rarely(padded):
     assert sum(ds[0] for ds in chosen) / len(chosen) >= (3 if padded else 4)  # padded: 2 x 4 positions fit
 
 
+def test_a_batched_drafter_is_charged_per_draft_position_not_per_sequence():
+    """MTP drafts the whole batch's position j in one call: its seconds grow with max D_i, not sum D_i."""
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, target_cost=1e-3)
+    for b in (1, 4, 1, 4) * 10:
+        ds = p.next_depths(list(range(b)), 3)
+        seqs = tuple(SeqStep(i, d, d, 1e-4 * max(ds) / b) for i, d in enumerate(ds))  # the call shared out
+        p.observe(BatchStep(sum(ds) + b, max(ds) + 1, steep(b * (max(ds) + 1)), 0.0, seqs))
+    assert p.phi > 0.8 and p.c == pytest.approx(1e-4, rel=0.2)
+
+
 def test_per_sequence_room_caps_depth():
     for ds in drive_batch(batch_policy(True), 50, [1.0, 1.0], k_max=[1, 8]):
         assert ds[0] <= 1 and ds[1] <= 8
