@@ -31,6 +31,9 @@ from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
 
+MAX_PENDING = 16  # pairs queued before a catch-up runs without a draft (plain steps chosen by --k auto, a long prompt)
+
+
 class MTPDrafter:
     name = "mtp"
 
@@ -62,6 +65,10 @@ class MTPDrafter:
         else:
             self.pending_h = torch.cat([self.pending_h, h])
             self.pending_t = torch.cat([self.pending_t, t])
+        if self.pending_h.shape[0] > MAX_PENDING:  # a long plain stretch: catch up now, so pending stays short
+            self._mtp(self.pending_h[:-1], self.pending_t[:-1], 0)  # (real pairs: their entries are kept)
+            self.committed = self.cache.length
+            self.pending_h, self.pending_t = self.pending_h[-1:], self.pending_t[-1:]
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         self.sampler = sampler
