@@ -247,7 +247,7 @@ class AdaptiveDepth:
                     continue
                 st.plain_run += 1
                 st.fade(self.forget, self.prior_acceptance)
-                st.probe_wait = st.probe_wait or self._probe_base
+                st.probe_wait = st.probe_wait or (self._probe_base if st.long_reached > 8 else self.probe_min)
                 if st.plain_run < st.probe_wait:
                     continue
                 st.probing, st.plain_run = True, 0
