@@ -8,11 +8,12 @@ one row (its slot) of a buffer shaped (L, slots, n_kv, max_len + 1, hd), so the 
 reads the KV of B sequences as one tensor, without copying, when they hold slots 0..B-1. The
 engine keeps them there: when a sequence leaves, the one in the last slot moves into its place.
 
-The batched pass runs the static forward (models/static.py) over (B, W) rows, W = the widest
-sequence's 1 + D_i. A sequence with fewer rows is padded after its real ones; padded rows touch
-nothing the sequence keeps (their keys go past its length, their states past its last slot) and
-position max_len, one past the context, takes those that would not fit. The LM head runs on the
-real rows only.
+The batched pass runs the static forward (models/static.py) over a (B, W) grid, W = the widest
+sequence's 1 + D_i, a sequence with fewer rows padded after its real ones. Only attention and the
+Gated DeltaNet recurrence run on the grid; projections, MLPs and the LM head run on the real rows
+alone, so a forward costs about sum(D_i + 1) rows, not B x W. Padded rows touch nothing the
+sequence keeps (their keys go past its length, their states past its last slot), and position
+max_len, one past the context, takes those that would not fit.
 """
 
 from __future__ import annotations
@@ -77,23 +78,22 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -
         pos[b] = torch.arange(s, s + width).clamp(max=scratch)  # padded rows continue past the real ones
     used = min(int(pos.max()) + 1, scratch + 1)  # keys no query can see are not read
     k_bufs, v_bufs = storage.k[:, :b_n, :, :used], storage.v[:, :b_n, :, :used]  # (L, B, n_kv, S, hd) views
+    real = torch.cat([torch.arange(b * width, b * width + lens[b]) for b in range(b_n)])  # (N,) rows that are not padding
     if isinstance(caches[0], HybridCache):
         n = range(caches[0].n_linear)
         convs = [torch.cat([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
         states = [torch.cat([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv)
-        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False)
+        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False, rows=real)
         for b, c in enumerate(caches):
             for i in n:
                 c.record_window(i, hists[i][b : b + 1], [Window(states=list(slots[i][: lens[b], b : b + 1].unbind(0)))], None)
     else:
-        _, hid, pre = dense_forward(target, toks, pos, k_bufs, v_bufs, head=False)
+        _, hid, pre = dense_forward(target, toks, pos, k_bufs, v_bufs, head=False, rows=real)  # (N, H) each
     for b, c in enumerate(caches):
         c.advance(lens[b])
-    real = torch.cat([torch.arange(b * width, b * width + lens[b]) for b in range(b_n)])  # (N,) rows that are not padding
-    hid_rows, pre_rows = hid.reshape(b_n * width, -1)[real], pre.reshape(b_n * width, -1)[real]  # (N, H)
-    logits = target.head(hid_rows)  # (N, V)
+    logits = target.head(hid)  # (N, V)
     outs, i = [], 0
     for t in lens:
-        outs.append(TargetOutput(logits=logits[i : i + t], hidden=hid_rows[i : i + t], prenorm_hidden=pre_rows[i : i + t]))
+        outs.append(TargetOutput(logits=logits[i : i + t], hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t]))
         i += t
     return outs

@@ -149,7 +149,7 @@ class CompiledStep(_Compiled):
         else:
             logits, hid, pre = self.run(t, kv.max_len, self.module, _inference(tokens[None]), pos, kv.k, kv.v)
         cache.advance(t)
-        return TargetOutput(logits=logits[0], hidden=hid[0], prenorm_hidden=pre[0])
+        return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
 
 
 class CompiledDraftStep(_Compiled):

@@ -130,7 +130,8 @@ class MTPDrafter:
             hid[i, : pend[i]], toks[i, : pend[i]] = d.pending_h, d.pending_t
         pos = (torch.tensor(lens)[:, None] + torch.arange(width)).clamp(max=scratch)  # (B, W) padded rows after the real ones
         target = drafters[0].target
-        out = draft_module_forward(module, hid, target.embed(toks), k_buf, v_buf, pos, 0)  # (B, W, H)
+        real = torch.cat([torch.arange(i * width, i * width + p) for i, p in enumerate(pend)])  # (N,) rows that are pairs
+        out = draft_module_forward(module, hid, target.embed(toks), k_buf, v_buf, pos, 0, rows=real)  # (B, W, H)
         h = out[torch.arange(b_n), torch.tensor(pend) - 1]  # (B, H) at each sequence's last real pair
         tokens: list[list[Tensor]] = [[] for _ in drafters]
         qs: list[list[Tensor]] = [[] for _ in drafters]
@@ -146,7 +147,9 @@ class MTPDrafter:
                 break
             last = torch.stack([t[min(j, len(t) - 1)] for t in tokens])  # (B,) the token each row drafted last
             pos = torch.tensor([e + j if j + 1 < k else scratch for e, k in zip(end, ks)])[:, None]  # (B, 1)
-            h = draft_module_forward(module, h[:, None], target.embed(last[:, None]), k_buf, v_buf, pos, (j + 1) % drafters[0].n_layers)[:, 0]
+            going = torch.tensor([i for i, k in enumerate(ks) if j + 1 < k])  # (N,) sequences drafting another token
+            h = draft_module_forward(module, h[:, None], target.embed(last[:, None]), k_buf, v_buf, pos, (j + 1) % drafters[0].n_layers,
+                                     rows=going)[:, 0]
         drafts = []
         for i, d in enumerate(drafters):
             new_end = end[i] + ks[i] - 1  # the catch-up pairs + the chained steps' entries

@@ -17,6 +17,8 @@ reserves past the context (the buffer's last), which no real query sees.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -62,6 +64,27 @@ def fuse_projections(module) -> None:
             _fuse(m.gate_proj, m.up_proj)
 
 
+class Layout(NamedTuple):
+    """Where the N real rows of a forward sit in its (B, W) grid: `rows` (N,) indexes the flattened grid (None: all
+    B x W rows are real). Projections and MLPs run on the N real rows only; attention and the Gated DeltaNet
+    recurrence, which need each sequence's rows in order, run on the grid."""
+
+    b: int
+    w: int
+    rows: Tensor | None = None
+
+    def grid(self, x: Tensor) -> Tensor:
+        """(N, d) real rows -> (B, W, d), padding rows zero."""
+        if self.rows is None:
+            return x.view(self.b, self.w, x.shape[-1])
+        return x.new_zeros(self.b * self.w, x.shape[-1]).index_copy_(0, self.rows, x).view(self.b, self.w, x.shape[-1])
+
+    def real(self, x: Tensor) -> Tensor:
+        """(B, W, ...) -> (N, d) the real rows, flattened after the grid dims."""
+        x = x.reshape(self.b * self.w, -1)
+        return x if self.rows is None else x[self.rows]
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     """x (B, nh, T, hd), cos / sin (B, 1, T, rot) gathered at the positions -> rotated on the first rot dims."""
     xr, xp = x[..., :rot], x[..., rot:]
@@ -87,56 +110,61 @@ def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: 
     return F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=mask, enable_gqa=q.shape[1] != k_buf.shape[1])
 
 
-def _gated_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
-    """models.qwen35.GatedAttention.forward with the position as a tensor."""
-    b, t, _ = x.shape
-    qg, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
+def _rotary(att, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin (B, 1, T, rot) at the positions (padding rows past the table read its last entry)."""
+    return tuple(tab[pos.clamp(max=tab.shape[0] - 1)][:, None].to(dtype) for tab in att.rotary[0].tables(dtype))
+
+
+def _gated_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, lay: Layout) -> Tensor:
+    """models.qwen35.GatedAttention.forward with the positions as a tensor: x (N, H) real rows -> (N, H)."""
+    b, t = lay.b, lay.w
+    qg, k, v = (lay.grid(y) for y in _proj(x, att.q_proj, att.k_proj, att.v_proj))  # (B, W, .) each
     q, gate = qg.reshape(b, t, att.nh, 2 * att.hd).chunk(2, dim=-1)
     k = k.reshape(b, t, att.nkv, att.hd)
     v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
-    rope = att.rotary[0]
-    cos, sin = (tab[pos.clamp(max=tab.shape[0] - 1)][:, None].to(x.dtype) for tab in rope.tables(x.dtype))  # (B, 1, T, rot)
-    q = _rope(att.q_norm(q).transpose(1, 2), cos, sin, rope.rot_dim)
-    k = _rope(att.k_norm(k).transpose(1, 2), cos, sin, rope.rot_dim)
+    cos, sin = _rotary(att, pos, x.dtype)
+    rot = att.rotary[0].rot_dim
+    q = _rope(att.q_norm(q).transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
+    k = _rope(att.k_norm(k).transpose(1, 2), cos, sin, rot)
     y = _attend(q, k_buf, v_buf, k, v, pos, 0).transpose(1, 2).reshape(b, t, att.nh * att.hd)
-    return att.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
+    return att.o_proj(lay.real(y * torch.sigmoid(gate.reshape(b, t, -1))))
 
 
-def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor) -> Tensor:
-    """models.dense.Attention.forward with the position as a tensor."""
-    b, t, _ = x.shape
-    q, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)
+def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, lay: Layout) -> Tensor:
+    """models.dense.Attention.forward with the positions as a tensor: x (N, H) real rows -> (N, H)."""
+    b, t = lay.b, lay.w
+    q, k, v = (lay.grid(y) for y in _proj(x, att.q_proj, att.k_proj, att.v_proj))
     q = q.reshape(b, t, att.nh, att.hd)
     k = k.reshape(b, t, att.nkv, att.hd)
     v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
     if att.qk_norm:
         q, k = att.q_norm(q), att.k_norm(k)
-    rope = att.rotary[0]
-    cos, sin = (tab[pos.clamp(max=tab.shape[0] - 1)][:, None].to(x.dtype) for tab in rope.tables(x.dtype))  # (B, 1, T, rot)
-    q = _rope(q.transpose(1, 2), cos, sin, rope.rot_dim)
-    k = _rope(k.transpose(1, 2), cos, sin, rope.rot_dim)
+    cos, sin = _rotary(att, pos, x.dtype)
+    rot = att.rotary[0].rot_dim
+    q = _rope(q.transpose(1, 2), cos, sin, rot)
+    k = _rope(k.transpose(1, 2), cos, sin, rot)
     y = _attend(q, k_buf, v_buf, k, v, pos, att.window)
-    return att.o_proj(y.transpose(1, 2).reshape(b, t, att.nh * att.hd))
+    return att.o_proj(lay.real(y.transpose(1, 2)))
 
 
-def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout) -> tuple[Tensor, Tensor, Tensor]:
     """models.gated_deltanet.GatedDeltaNet.forward in its exact (position by position) form.
 
-    x (B, T, H), conv_window (B, C, K-1), s0 (B, nv, dk, dv) -> out (B, T, H), the widened conv window
-    (B, C, K-1+T) and the states after each position (T, B, nv, dk, dv)."""
-    b, t, _ = x.shape
+    x (N, H) real rows, conv_window (B, C, K-1), s0 (B, nv, dk, dv) -> out (N, H), the widened conv window
+    (B, C, K-1+W) and the states after each position (W, B, nv, dk, dv)."""
+    b, t = lay.b, lay.w
     mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
-    mixed = mixed.transpose(1, 2)  # (B, C, T)
+    mixed, b_in, a_in = lay.grid(mixed).transpose(1, 2), lay.grid(b_in), lay.grid(a_in)  # (B, C, W), (B, W, nv) x 2
     hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)
-    conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (B, T, C)
+    conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (B, W, C)
     q, k, v = conv.split([dn.key_dim, dn.key_dim, dn.value_dim], dim=-1)
     r, dt = dn.nv // dn.nk, wide(x.dtype)
-    q = q.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, T, dk)
+    q = q.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, W, dk)
     k = k.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
-    v = v.reshape(b, t, dn.nv, dn.dv).transpose(1, 2).to(dt)  # (B, nv, T, dv)
+    v = v.reshape(b, t, dn.nv, dn.dv).transpose(1, 2).to(dt)  # (B, nv, W, dv)
     q = _l2norm(q) * dn.dk**-0.5
     k = _l2norm(k)
-    beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, T)
+    beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, W)
     decay = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2).exp()
     outs, states, s = [], [], s0
     for i in range(t):  # unrolled: T is fixed per compiled graph
@@ -145,9 +173,8 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor) -> tuple[Tensor, 
         s = s + k_i * ((v[:, :, i] - (k_i * s).sum(-2)) * beta[:, :, i, None]).unsqueeze(-2)
         outs.append((q[:, :, i, :, None] * s).sum(-2))  # (B, nv, dv)
         states.append(s)
-    o = torch.stack(outs, dim=1).to(x.dtype)  # (B, T, nv, dv)
-    z = z.reshape(b, t, dn.nv, dn.dv)
-    y = dn.norm(o, z).reshape(b, t, dn.value_dim)
+    o = lay.real(torch.stack(outs, dim=1).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
+    y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)  # (N, nv dv)
     return dn.out_proj(y), hist, torch.stack(states)
 
 
@@ -166,54 +193,61 @@ def _check_threads(threads: int) -> None:
 
 
 def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor,
-                   convs: list[Tensor], states: list[Tensor], threads: int = 1, head: bool = True):
+                   convs: list[Tensor], states: list[Tensor], threads: int = 1, head: bool = True, rows: Tensor | None = None):
     """HybridLM.forward_tokens as a function of tensors: tokens (B, T), pos (B, T) their positions,
     k_bufs / v_bufs (L_full, B, nkv, S, hd) the KV buffers (written in place), convs (B, C, K-1) / states
-    (B, nv, dk, dv) per linear layer. Returns logits (B, T, V) (None when head=False), hidden (B, T, H),
-    prenorm (B, T, H), and per linear layer the widened conv window (B, C, K-1+T) and T states (T, B, nv, dk, dv).
+    (B, nv, dk, dv) per linear layer; rows (N,): the real rows of the flattened (B, T) grid (None: all).
+    Returns logits (N, V) (None when head=False), hidden (N, H), prenorm (N, H) of the real rows, and per
+    linear layer the widened conv window (B, C, K-1+T) and T states (T, B, nv, dk, dv).
     `threads` only keys the graph: compiled kernels keep the thread count they were built with."""
     _check_threads(threads)
-    x = model.embed(tokens)  # (B, T, H)
+    lay = Layout(*tokens.shape, rows)
+    x = lay.real(model.embed(tokens))  # (N, H)
     hists, slots = [], []
     for layer in model.model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == "linear_attention":
             dn = layer.linear_attn
-            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot])
+            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot], lay)
             hists.append(hist)
             slots.append(st)
         else:
             kv = layer.self_attn.kv_index
-            o = _gated_attention(layer.self_attn, h, k_bufs[kv], v_bufs[kv], pos)
+            o = _gated_attention(layer.self_attn, h, k_bufs[kv], v_bufs[kv], pos, lay)
         x = x + o
         x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
     hid = model.model.norm(x)
     return (model.head(hid) if head else None), hid, x, hists, slots
 
 
-def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1, head: bool = True):
-    """DenseLM.forward_tokens as a function of tensors (see hybrid_forward): logits (B, T, V) or None, hidden, prenorm."""
+def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1, head: bool = True,
+                  rows: Tensor | None = None):
+    """DenseLM.forward_tokens as a function of tensors (see hybrid_forward): logits (N, V) or None, hidden, prenorm."""
     _check_threads(threads)
-    x = model.embed(tokens)  # (B, T, H)
+    lay = Layout(*tokens.shape, rows)
+    x = lay.real(model.embed(tokens))  # (N, H)
     for i, layer in enumerate(model.model.layers):
-        x = x + _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos)
+        x = x + _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos, lay)
         x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
     hid = model.model.norm(x)
     return (model.head(hid) if head else None), hid, x
 
 
 def draft_module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, layer: int,
-                         threads: int = 1) -> Tensor:
+                         threads: int = 1, rows: Tensor | None = None) -> Tensor:
     """MTPModule.forward / EagleModule.forward as a function of tensors: hidden, emb (B, T, H) at positions
-    pos (B, T) of its own KV buffers (L, B, nkv, S, hd) -> (B, T, H) (after mtp.norm for an MTP module)."""
+    pos (B, T) of its own KV buffers (L, B, nkv, S, hd) -> (B, T, H) (after mtp.norm for an MTP module);
+    rows (N,): the real rows of the flattened grid (the others are not computed and come back zero)."""
     _check_threads(threads)
     mtp = hasattr(module, "pre_fc_norm_hidden")
+    lay = Layout(*pos.shape, rows)
+    hidden, emb = lay.real(hidden), lay.real(emb)  # (N, H)
     if mtp:
         x = module.fc(torch.cat([module.pre_fc_norm_embedding(emb), module.pre_fc_norm_hidden(hidden)], dim=-1))
     else:  # EAGLE: fc([e, h]) with a bias, no norms
         x = module.fc(torch.cat([emb, hidden], dim=-1))
     block = module.layers[layer]
     kv = block.self_attn.kv_index
-    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf[kv], v_buf[kv], pos)
+    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf[kv], v_buf[kv], pos, lay)
     x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
-    return module.norm(x) if mtp else x
+    return lay.grid(module.norm(x) if mtp else x)  # (B, T, H)
