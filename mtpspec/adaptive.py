@@ -177,7 +177,7 @@ class AdaptiveDepth:
         probe_min: int = 4,  # fewest plain steps between probes
         margin: float = 0.03,  # speculation must promise this much over plain decoding to be chosen ...
         cost_margin: float = 0.1,  # ... plus this times c / T(1): a costly drafter's hidden costs
-        padded: bool = True,  # the engine pads each sequence's rows to the batch's widest: T(B x width)
+        padded: bool = False,  # True: price a forward as B x its widest rows (a padded engine); ours runs real rows only
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")

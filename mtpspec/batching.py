@@ -83,10 +83,16 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -
         n = range(caches[0].n_linear)
         convs = [torch.cat([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
         states = [torch.cat([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv)
-        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False, rows=real)
+        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False, rows=real, chunk=True)
         for b, c in enumerate(caches):
+            t = lens[b]
             for i in n:
-                c.record_window(i, hists[i][b : b + 1], [Window(states=list(slots[i][: lens[b], b : b + 1].unbind(0)))], None)
+                if isinstance(slots[i], tuple):  # one exact chunk: the slot after any position is rebuilt from it
+                    gc, k, u = (x[b : b + 1, :, :t] for x in slots[i])
+                    window = Window(gc, k, u)
+                else:  # position by position: the states themselves
+                    window = Window(states=list(slots[i][:t, b : b + 1].unbind(0)))
+                c.record_window(i, hists[i][b : b + 1], [window], None)
     else:
         _, hid, pre = dense_forward(target, toks, pos, k_bufs, v_bufs, head=False, rows=real)  # (N, H) each
     for b, c in enumerate(caches):

@@ -161,7 +161,7 @@ def test_hopeless_sequence_in_a_batch_is_probed_rarely(padded):
 
 def test_a_batched_drafter_is_charged_per_draft_position_not_per_sequence():
     """MTP drafts the whole batch's position j in one call: its seconds grow with max D_i, not sum D_i."""
-    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, target_cost=1e-3)
+    p = AdaptiveDepth(k_max=8, verify_cost=STEEP, target_cost=1e-3, padded=True)
     for b in (1, 4, 1, 4) * 10:
         ds = p.next_depths(list(range(b)), 3)
         seqs = tuple(SeqStep(i, d, d, 1e-4 * max(ds) / b) for i, d in enumerate(ds))  # the call shared out

@@ -137,12 +137,11 @@ class MTPDrafter:
         qs: list[list[Tensor]] = [[] for _ in drafters]
         end = [n + p for n, p in zip(lens, pend)]  # (B,) each sequence's next MTP position
         for j in range(max(ks)):
-            for i, d in enumerate(drafters):
-                if j < ks[i]:
-                    x, q = d._next(h[i : i + 1])
-                    tokens[i].append(x)
-                    if q is not None:
-                        qs[i].append(q)
+            idx = [i for i in range(b_n) if j < ks[i]]
+            for i, (x, q) in zip(idx, cls._next_many([drafters[i] for i in idx], h[idx])):
+                tokens[i].append(x)
+                if q is not None:
+                    qs[i].append(q)
             if j + 1 >= max(ks):
                 break
             last = torch.stack([t[min(j, len(t) - 1)] for t in tokens])  # (B,) the token each row drafted last
@@ -171,6 +170,16 @@ class MTPDrafter:
         out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer)
         self.cache.advance(tokens.shape[0])
         return out
+
+    @staticmethod
+    def _next_many(drafters: list["MTPDrafter"], h: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+        """_next for each drafter's row of h (n, H): one head product for all of them when they are greedy and
+        share a head (the target's, or the same draft-vocabulary head)."""
+        head = drafters[0].head
+        if all(d.sampler.params.greedy and d.head is head for d in drafters):
+            tokens = head.token(head.logits(h).argmax(-1)) if head is not None else drafters[0].target.head(h).argmax(-1)  # (n,)
+            return [(x, None) for x in tokens]
+        return [d._next(h[i : i + 1]) for i, d in enumerate(drafters)]
 
     def _next(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """h (1, H) MTP output -> the drafted token and q (V,) (None when greedy)."""

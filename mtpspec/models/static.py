@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import SwiGLU, wide
-from .gated_deltanet import _l2norm, causal_conv
+from .gated_deltanet import CHUNK, _l2norm, causal_conv, window_delta_rule
 
 
 def _proj(x: Tensor, *linears) -> list[Tensor]:
@@ -147,11 +147,14 @@ def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, 
     return att.o_proj(lay.real(y.transpose(1, 2)))
 
 
-def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout) -> tuple[Tensor, Tensor, Tensor]:
-    """models.gated_deltanet.GatedDeltaNet.forward in its exact (position by position) form.
+def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout, chunk: bool = False):
+    """models.gated_deltanet.GatedDeltaNet.forward: x (N, H) real rows, conv_window (B, C, K-1), s0 (B, nv, dk, dv)
+    -> out (N, H), the widened conv window (B, C, K-1+W) and what rebuilds the state after each position:
 
-    x (N, H) real rows, conv_window (B, C, K-1), s0 (B, nv, dk, dv) -> out (N, H), the widened conv window
-    (B, C, K-1+W) and the states after each position (W, B, nv, dk, dv)."""
+    - position by position (the recurrent form, unrolled in a compiled graph): the states (W, B, nv, dk, dv);
+    - chunk=True and 1 < W <= 64 (the eager batched forward): the window as one exact chunk
+      (gated_deltanet.window_delta_rule), a tuple (gc, k, u) (B, nv, W), (B, nv, W, dk), (B, nv, W, dv), a
+      fixed number of operations whatever W (the recurrent form's grow with W, for every sequence of the grid)."""
     b, t = lay.b, lay.w
     mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
     mixed, b_in, a_in = lay.grid(mixed).transpose(1, 2), lay.grid(b_in), lay.grid(a_in)  # (B, C, W), (B, W, nv) x 2
@@ -165,7 +168,13 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout) -> t
     q = _l2norm(q) * dn.dk**-0.5
     k = _l2norm(k)
     beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, W)
-    decay = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2).exp()
+    g = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2)  # (B, nv, W) log decay
+    if chunk and 1 < t <= CHUNK:
+        o, gc, u = window_delta_rule(q, k, v, g, beta, s0)  # (B, nv, W, dv)
+        o = lay.real(o.transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
+        y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)
+        return dn.out_proj(y), hist, (gc, k, u)
+    decay = g.exp()
     outs, states, s = [], [], s0
     for i in range(t):  # unrolled: T is fixed per compiled graph
         k_i = k[:, :, i, :, None]  # (B, nv, dk, 1)
@@ -193,13 +202,14 @@ def _check_threads(threads: int) -> None:
 
 
 def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor,
-                   convs: list[Tensor], states: list[Tensor], threads: int = 1, head: bool = True, rows: Tensor | None = None):
+                   convs: list[Tensor], states: list[Tensor], threads: int = 1, head: bool = True, rows: Tensor | None = None,
+                   chunk: bool = False):
     """HybridLM.forward_tokens as a function of tensors: tokens (B, T), pos (B, T) their positions,
     k_bufs / v_bufs (L_full, B, nkv, S, hd) the KV buffers (written in place), convs (B, C, K-1) / states
     (B, nv, dk, dv) per linear layer; rows (N,): the real rows of the flattened (B, T) grid (None: all).
     Returns logits (N, V) (None when head=False), hidden (N, H), prenorm (N, H) of the real rows, and per
-    linear layer the widened conv window (B, C, K-1+T) and T states (T, B, nv, dk, dv).
-    `threads` only keys the graph: compiled kernels keep the thread count they were built with."""
+    linear layer the widened conv window (B, C, K-1+T) and T states (T, B, nv, dk, dv) (chunk=True: (gc, k, u), see
+    _delta_net). `threads` only keys the graph: compiled kernels keep the thread count they were built with."""
     _check_threads(threads)
     lay = Layout(*tokens.shape, rows)
     x = lay.real(model.embed(tokens))  # (N, H)
@@ -208,7 +218,7 @@ def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: T
         h = layer.input_layernorm(x)
         if layer.layer_type == "linear_attention":
             dn = layer.linear_attn
-            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot], lay)
+            o, hist, st = _delta_net(dn, h, convs[dn.slot], states[dn.slot], lay, chunk)
             hists.append(hist)
             slots.append(st)
         else:
