@@ -193,6 +193,7 @@ class AdaptiveDepth:
         self._steps, self._probe_base = 0, probe_min
         self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
         self.seqs: dict[int, SeqAcceptance] = {}
+        self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
 
     def _c(self) -> float:
         """Drafter seconds per drafted token: observed, else the prior ratio x T(1), else half a forward."""
@@ -212,8 +213,8 @@ class AdaptiveDepth:
             return []
         if self.T.scale is None or (self.c is None and self.c_ratio is None) or self._warm < 2:
             ds = [max(min(max(3 // len(caps), 1), k), 0) for k in caps]  # warm-up (learn T and c), cheap in a batch
-        else:
-            ds = self._choose(states, caps)
+        else:  # never more than one draft position deeper than any step so far: T is known only where it was seen
+            ds = [min(d, self._width_seen) for d in self._choose(states, caps)]
         for st, d in zip(states, ds):
             st.asked = d
         return ds
@@ -264,6 +265,7 @@ class AdaptiveDepth:
         """After each engine step: learn T, c, o and each sequence's acceptance."""
         self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds)
         self.o = step.overhead_seconds if self._steps == 0 else 0.8 * self.o + 0.2 * step.overhead_seconds
+        self._width_seen = max(self._width_seen, step.width)
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
         if n > 0:  # drafting seconds = c (phi levels + (1 - phi) n): phi is the share a batched drafter pays once
