@@ -280,6 +280,7 @@ class Engine:
         self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
         self.next_id = 0
 
+    @torch.inference_mode()  # the caches are inference tensors: in-place writes then skip autograd's version counting
     def add(self, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4, max_new_tokens: int = 256,
             stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False) -> int:
         """Queue a generation; returns its id."""
@@ -302,6 +303,7 @@ class Engine:
     def active(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @torch.inference_mode()
     def step(self) -> BatchStep | None:
         """One prefill chunk for the first waiting sequence (when a slot is free), then one decode step."""
         if self.waiting and len(self.running) < self.max_batch:
@@ -383,6 +385,7 @@ class Session:
     def done(self) -> bool:
         return self.seq.done
 
+    @torch.inference_mode()
     def prefill(self) -> None:
         """The prompt into the target's cache and the drafter (all but its last token: that one is `last`)."""
         if self.engine.waiting:
@@ -390,6 +393,7 @@ class Session:
             self.engine.waiting.pop(0)
             self.engine._join(self.seq)
 
+    @torch.inference_mode()
     def step(self, depth: int | None = None) -> StepRecord:
         """One draft -> verify -> accept -> roll back -> commit round with `depth` drafts (None: k), within the room left."""
         self.prefill()
