@@ -4,7 +4,8 @@ whole batch's cost, so that speculation steps aside, smoothly, as the batch fill
     tokens_i(D) = 1 + a_i1 + a_i1 a_i2 + ... + a_i1 ... a_iD   (a_ij = P(draft j ok | drafts before it ok))
     rate        = sum_i tokens_i(D_i) / (T(size) + c (phi max_i D_i + (1 - phi) sum_i D_i) + o)
 
-T(size): a target forward over B x max_i(D_i + 1) positions (`padded`, as the batched engine pads), else
+T(size): a target forward over B x max_i(D_i + 1) positions (`padded`: the batched forward computes attention and
+the DeltaNet on that grid, and on the demo model its cost follows the grid more than the real rows), else
 sum_i (D_i + 1); c: drafter seconds per draft token, phi: the share of it a batched drafter (MTP, EAGLE)
 pays once for the batch; o: engine seconds per step. All are learned from observe() alone (no clock); T
 per size seen, pulled toward a prior curve where given, non-decreasing, and optimistic where unseen so
@@ -177,7 +178,7 @@ class AdaptiveDepth:
         probe_min: int = 4,  # fewest plain steps between probes
         margin: float = 0.03,  # speculation must promise this much over plain decoding to be chosen ...
         cost_margin: float = 0.1,  # ... plus this times c / T(1): a costly drafter's hidden costs
-        padded: bool = False,  # True: price a forward as B x its widest rows (a padded engine); ours runs real rows only
+        padded: bool = True,  # price a forward by its grid, B x its widest rows (measured: the batched forward's cost follows it)
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
