@@ -28,6 +28,16 @@ class CausalLM(nn.Module):
     def embed(self, tokens: Tensor) -> Tensor:
         return self.model.embed_tokens(tokens)
 
+    def shortcut(self, tokens: Tensor, cache, exact: bool):
+        """The forward when it does not run the eager layers at once: exact mode's one-position forwards
+        (by_position), or the compiled step (mtpspec.compiled.compile_model); else None."""
+        if exact and tokens.shape[0] > 1 and not cache.prefill:
+            return by_position(self, tokens, cache)
+        step = self.__dict__.get("compiled_step")
+        if step is not None and step.handles(tokens.shape[0], cache):
+            return step(tokens, cache)
+        return None
+
     def head(self, hidden: Tensor) -> Tensor:
         """Logits in at least fp32: fp32 for fp32 / bf16 models, fp64 for fp64 ones."""
         logits = self.lm_head(hidden)

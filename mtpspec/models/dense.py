@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, by_position, causal_attention
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,9 @@ class DenseLM(CausalLM):
         """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H).
 
         exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
-        if exact and tokens.shape[0] > 1 and not cache.prefill:
-            return by_position(self, tokens, cache)
-        step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
-        if step is not None and step.handles(tokens.shape[0], cache):
-            return step(tokens, cache)
+        out = self.shortcut(tokens, cache, exact)
+        if out is not None:
+            return out
         start = cache.length
         x = self.embed(tokens[None])  # (1, T, H)
         for layer in self.model.layers:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, by_position, causal_attention, wide
+from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention, wide
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
 
@@ -236,11 +236,9 @@ class HybridLM(CausalLM):
         """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm.
 
         exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
-        if exact and tokens.shape[0] > 1 and not cache.prefill:
-            return by_position(self, tokens, cache)
-        step = self.__dict__.get("compiled_step")  # set by mtpspec.compiled.compile_model
-        if step is not None and step.handles(tokens.shape[0], cache):
-            return step(tokens, cache)
+        out = self.shortcut(tokens, cache, exact)
+        if out is not None:
+            return out
         t = tokens.shape[0]
         start = cache.begin(t)
         x = self.embed(tokens[None])  # (1, T, H)
