@@ -139,7 +139,7 @@ class Sequence:
             self.prefilled = end
         if self.prefilled >= len(self.prompt) - 1:
             outs = self.prefill_outs
-            out = outs[0] if len(outs) == 1 else (_cat(outs) if outs else None)
+            out = TargetOutput.cat(outs) if outs else None
             self.drafter.prefill(self.context, out, self.sampler)
             self.prefill_outs = []
             self.prefilled_all = True
@@ -173,12 +173,6 @@ class Sequence:
         stats = self.metrics.finish(len(self.new))
         return GenerationResult(tokens=self.new, prompt_tokens=self.prompt, text="", finish_reason=self.finish_reason or "length",
                                 stats=stats, steps=self.steps)
-
-
-def _cat(outs: list[TargetOutput]) -> TargetOutput:
-    pre = [o.prenorm_hidden for o in outs]
-    return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
-                        prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
 
 
 def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:

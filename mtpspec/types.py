@@ -55,6 +55,15 @@ class TargetOutput:
     hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
     prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
 
+    @staticmethod
+    def cat(outs: list["TargetOutput"]) -> "TargetOutput":
+        """Forwards over consecutive positions (prefill chunks, one-position passes) as one output."""
+        if len(outs) == 1:
+            return outs[0]
+        pre = [o.prenorm_hidden for o in outs]
+        return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
+                            prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
+
 
 @dataclass(frozen=True)
 class StepRecord:

@@ -77,9 +77,7 @@ def by_position(model, tokens: Tensor, cache) -> "TargetOutput":
             cache.stitch_add(stitch)
     if stitch is not None:
         cache.stitch_end(stitch)
-    pre = [o.prenorm_hidden for o in outs]
-    return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
-                        prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
+    return TargetOutput.cat(outs)
 
 
 class RMSNorm(nn.Module):
