@@ -21,7 +21,7 @@ the other rows (see models/common.row_invariant), so exact mode trades batching 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from numbers import Integral
 from time import perf_counter
 from typing import Callable, Protocol, runtime_checkable
@@ -96,10 +96,10 @@ class Sequence:
 
     def __init__(self, sid: int, target: Target, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int,
                  max_new_tokens: int, stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
-                 trace: bool = False) -> None:
+                 trace: bool = False, logprobs: int | None = None) -> None:
         self.id, self.drafter, self.sampler, self.k = sid, drafter, sampler, min(k, target.max_seq_len)
         self.prompt, self.max_new_tokens, self.stop_ids = list(prompt), max_new_tokens, stop_ids
-        self.on_tokens, self.trace = on_tokens, trace
+        self.on_tokens, self.trace, self.logprobs = on_tokens, trace, logprobs
         self.cache = target.new_cache()
         self.max_seq_len = target.max_seq_len
         # the context never outgrows the model's: max_seq_len tokens in the cache + the last one emitted
@@ -111,6 +111,7 @@ class Sequence:
         self.prefilled_all = False  # the whole prompt is in and the drafter was told
         self.new: list[int] = []
         self.pending: list[int] = []  # emitted by the last step, not yet given to on_tokens
+        self.pending_logprobs: list[TokenLogprob] = []  # with logprobs: one per pending token
         self.steps: list[StepRecord] = []
         self.finish_reason: str | None = None
         self.metrics = Metrics(self.k)
@@ -161,6 +162,8 @@ class Sequence:
             step = _traced(step, out.logits, draft.tokens, t0 - self.metrics.start, self.sampler)
         self.steps.append(step)
         self.pending = emitted  # handed to on_tokens once the step's clock has stopped (a slow reader is not engine time)
+        if self.logprobs is not None:
+            self.pending_logprobs = token_logprobs(out.logits[: len(emitted)], emitted, self.logprobs)
         if stop is not None:
             self.finish_reason = stop
         elif len(self.new) >= self.max_new_tokens:
@@ -173,6 +176,30 @@ class Sequence:
         stats = self.metrics.finish(len(self.new))
         return GenerationResult(tokens=self.new, prompt_tokens=self.prompt, text="", finish_reason=self.finish_reason or "length",
                                 stats=stats, steps=self.steps)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p(token) under the target's distribution at its position (softmax of the raw logits, temperature 1),
+    and the `top` most likely tokens there as (id, log p)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row j of `logits` (n, V) is the distribution token j was drawn from (row 0 follows `last`)."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()  # (n,)
+    if top > 0:
+        vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)  # (n, top)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops)]
 
 
 def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[list[int], str | None]:
@@ -276,12 +303,14 @@ class Engine:
 
     @torch.inference_mode()  # the caches are inference tensors: in-place writes then skip autograd's version counting
     def add(self, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4, max_new_tokens: int = 256,
-            stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False) -> int:
-        """Queue a generation; returns its id."""
+            stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False,
+            logprobs: int | None = None) -> int:
+        """Queue a generation; returns its id. logprobs=n: each step's emitted tokens also get their log p under the
+        target and the n most likely tokens (Sequence.pending_logprobs, beside `pending`)."""
         k = check_count("k (draft length)", k, 1)
         max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
         check_prompt(prompt, self.target.max_seq_len, getattr(self.target, "vocab_size", None))
-        seq = Sequence(self.next_id, self.target, prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace)
+        seq = Sequence(self.next_id, self.target, prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace, logprobs)
         self.next_id += 1
         self.waiting.append(seq)
         return seq.id

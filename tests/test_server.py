@@ -128,7 +128,7 @@ def test_prefix_at_the_context_edge(client, stories):
     assert r.status_code == 200 and r.json()["identical_to_plain"]
     for path, body in [("/api/verify", {"prefix": full, "draft": " a"}), ("/api/step", {"prefix": full})]:
         r = client.post(path, json=body)
-        assert r.status_code == 400 and r.json()["error"].startswith("prefix: ")
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("prefix: ")
 
 
 BIG = 10**30
@@ -136,28 +136,28 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/verify", {"prefix": "", "draft": " hi"}, 400, "prefix"),
     ("/api/verify", {"prefix": "   ", "draft": " hi"}, 400, "prefix"),
     ("/api/verify", {"prefix": "Once upon a time. " * 200, "draft": " hi"}, 400, "prefix"),
-    ("/api/verify", {"prefix": "a" * 50_001, "draft": " hi"}, 422, "prefix"),
-    ("/api/verify", {"draft": " a"}, 422, "prefix"),
-    ("/api/verify", {"prefix": 5, "draft": " a"}, 422, "prefix"),
-    ("/api/verify", {"prefix": None, "draft": " a"}, 422, "prefix"),
+    ("/api/verify", {"prefix": "a" * 50_001, "draft": " hi"}, 400, "prefix"),
+    ("/api/verify", {"draft": " a"}, 400, "prefix"),
+    ("/api/verify", {"prefix": 5, "draft": " a"}, 400, "prefix"),
+    ("/api/verify", {"prefix": None, "draft": " a"}, 400, "prefix"),
     ("/api/verify", {"prefix": "Hi", "draft": " a" * 600}, 400, "draft"),
-    ("/api/verify", {"prefix": "Hi", "draft": "a" * 2001}, 422, "draft"),
-    ("/api/verify", {"prefix": "Hi", "draft": ["a"]}, 422, "draft"),
+    ("/api/verify", {"prefix": "Hi", "draft": "a" * 2001}, 400, "draft"),
+    ("/api/verify", {"prefix": "Hi", "draft": ["a"]}, 400, "draft"),
     ("/api/verify", {"prefix": "Hi"}, 400, "draft"),
-    ("/api/verify", {"prefix": "Hi", "draft_ids": [1] * (MAX_DRAFT + 1)}, 422, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [1] * (MAX_DRAFT + 1)}, 400, "draft_ids"),
     ("/api/verify", {"prefix": "Hi", "draft_ids": [9999]}, 400, "draft_ids"),
     ("/api/verify", {"prefix": "Hi", "draft_ids": [-1]}, 400, "draft_ids"),
     ("/api/verify", {"prefix": "Hi", "draft_ids": [BIG]}, 400, "draft_ids"),
-    ("/api/verify", {"prefix": "Hi", "draft_ids": ["a"]}, 422, "draft_ids.0"),
-    ("/api/verify", {"prefix": "Hi", "draft_ids": [1.5]}, 422, "draft_ids.0"),
-    ("/api/verify", {"prefix": "Hi", "draft_ids": 3}, 422, "draft_ids"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": ["a"]}, 400, "draft_ids.0"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [1.5]}, 400, "draft_ids.0"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": 3}, 400, "draft_ids"),
     ("/api/verify", {"model": "/no/such/model.bin", "prefix": "Hi", "draft": " a"}, 404, "model"),
     ("/api/verify", {"model": "", "prefix": "Hi", "draft": " a"}, 404, "model"),
-    ("/api/verify", {"model": 3, "prefix": "Hi", "draft": " a"}, 422, "model"),
+    ("/api/verify", {"model": 3, "prefix": "Hi", "draft": " a"}, 400, "model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "nope"}, 400, "drafter"),
     ("/api/verify", {"prefix": "Hi", "drafter": "none"}, 400, "drafter"),
     ("/api/verify", {"prefix": "Hi", "drafter": "mtp"}, 400, "draft_model"),  # stories260K has no MTP module of its own
-    ("/api/verify", {"prefix": "Hi", "drafter": 7}, 422, "drafter"),
+    ("/api/verify", {"prefix": "Hi", "drafter": 7}, 400, "drafter"),
     ("/api/verify", {"prefix": "Hi", "drafter": "draft"}, 400, "draft_model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "draft", "draft_model": "nope"}, 404, "draft_model"),
@@ -166,49 +166,49 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/verify", {"prefix": "Hi", "drafter": "eagle", "draft_model": "stories260K_q80"}, 400, "draft_model"),
     ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "draft_model": "stories260K_q80"}, 400, "draft_model"),
     ("/api/verify", {"prefix": "Hi", "draft": " a", "draft_model": "stories260K_q80"}, 400, "draft_model"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": -3}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": MAX_DRAFT + 1}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 2.5}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": "4"}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": True}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": None}, 422, "k"),
-    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 0}, 422, "top_k"),
-    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 51}, 422, "top_k"),
-    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 2.5}, 422, "top_k"),
-    ("/api/verify", {"prefix": "Hi", "draft": " a", "temperature": 1.0}, 422, "temperature"),  # greedy only: no such field
-    ("/api/verify", {"prefix": "Hi", "draft": " a", "tokenizer": "/etc/passwd"}, 422, "tokenizer"),
-    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": NaN}', 422, "top_k"),
-    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": Infinity}', 422, "top_k"),
-    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "temperature": -Infinity}', 422, "temperature"),
-    ("/api/verify", "raw:" + '{"prefix": "\\ud800", "draft": " a"}', 422, "prefix"),
-    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": "x\\udfff"}', 422, "draft"),
-    ("/api/verify", "raw:" + '{"prefix": "Hi", "drafter": "\\ud83d"}', 422, "drafter"),
-    ("/api/verify", "raw:" + '{"model": "\\udc00", "prefix": "Hi", "draft": " a"}', 422, "model"),
-    ("/api/verify", "raw:" + '{"\\ud800": 1, "prefix": "Hi", "draft": " a"}', 422, "body"),
-    ("/api/verify", "raw:" + "{not json", 422, "body"),
-    ("/api/verify", "raw:" + "", 422, "body"),
-    ("/api/verify", "raw:" + "[1, 2]", 422, "body"),
-    ("/api/verify", "raw:" + '"prefix"', 422, "body"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": -3}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": MAX_DRAFT + 1}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": 2.5}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": "4"}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": True}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "k": None}, 400, "k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 0}, 400, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 51}, 400, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "top_k": 2.5}, 400, "top_k"),
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "temperature": 1.0}, 400, "temperature"),  # greedy only: no such field
+    ("/api/verify", {"prefix": "Hi", "draft": " a", "tokenizer": "/etc/passwd"}, 400, "tokenizer"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": NaN}', 400, "top_k"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "top_k": Infinity}', 400, "top_k"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": " a", "temperature": -Infinity}', 400, "temperature"),
+    ("/api/verify", "raw:" + '{"prefix": "\\ud800", "draft": " a"}', 400, "prefix"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "draft": "x\\udfff"}', 400, "draft"),
+    ("/api/verify", "raw:" + '{"prefix": "Hi", "drafter": "\\ud83d"}', 400, "drafter"),
+    ("/api/verify", "raw:" + '{"model": "\\udc00", "prefix": "Hi", "draft": " a"}', 400, "model"),
+    ("/api/verify", "raw:" + '{"\\ud800": 1, "prefix": "Hi", "draft": " a"}', 400, "body"),
+    ("/api/verify", "raw:" + "{not json", 400, "body"),
+    ("/api/verify", "raw:" + "", 400, "body"),
+    ("/api/verify", "raw:" + "[1, 2]", 400, "body"),
+    ("/api/verify", "raw:" + '"prefix"', 400, "body"),
     ("/api/verify", "raw:" + '{"prefix": "' + "a" * (1 << 20) + '"}', 413, "body"),
     ("/api/verify", '{"prefix": "caf\xe9", "draft": " a"}'.encode("latin-1"), 400, "body"),  # not UTF-8
     ("/api/load", {"model": "nope"}, 404, "model"),
     ("/api/load", {"model": "/etc/passwd"}, 404, "model"),
-    ("/api/load", {"model": "stories", "dtype": "bf16"}, 422, "dtype"),
+    ("/api/load", {"model": "stories", "dtype": "bf16"}, 400, "dtype"),
     ("/api/step", {"prefix": "", "drafter": "ngram"}, 400, "prefix"),
     ("/api/step", {"prefix": "Once upon a time. " * 200, "drafter": "ngram"}, 400, "prefix"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 422, "k"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 422, "k"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 0}, 422, "max_new_tokens"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": -5}, 422, "max_new_tokens"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 10**12}, 422, "max_new_tokens"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": "32"}, 422, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": 0}, 400, "k"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "k": BIG}, 400, "k"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 0}, 400, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": -5}, 400, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": 10**12}, 400, "max_new_tokens"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "max_new_tokens": "32"}, 400, "max_new_tokens"),
     ("/api/step", {"prefix": "Hi", "drafter": "none"}, 400, "drafter"),
     ("/api/step", {"prefix": "Hi", "drafter": "nope"}, 400, "drafter"),
     ("/api/step", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),
     ("/api/step", {"prefix": "Hi", "drafter": "draft", "draft_model": "/etc/passwd"}, 404, "draft_model"),
-    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "seed": 2**64}, 422, "seed"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "seed": 2**64}, 400, "seed"),
 ]
 
 
@@ -220,7 +220,7 @@ def test_bad_input_is_a_4xx_json_error_naming_the_field(client, path, body, stat
     else:
         r = client.post(path, json=body)
     assert r.status_code == status, r.text
-    assert r.json()["error"].startswith(f"{field}: "), r.text
+    assert r.json()["error"]["message"].startswith(f"{field}: "), r.text
     assert client.post("/api/verify", json={"prefix": "Hi", "draft": " there"}).status_code == 200  # still serving
 
 
@@ -228,7 +228,7 @@ def test_an_oversized_body_without_a_length_is_413(client):
     """A chunked body (no Content-Length) is counted as it arrives: over 1 MiB is a 413 before the app parses it."""
     chunks = (b"x" * 100_000 for _ in range(12))
     r = client.post("/api/verify", content=chunks, headers={"Content-Type": "application/json"})
-    assert r.status_code == 413 and r.json()["error"].startswith("body: ")
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("body: ")
 
 
 def test_a_named_path_is_never_opened(client, tmp_path):
@@ -250,14 +250,14 @@ def test_a_named_path_is_never_opened(client, tmp_path):
     first = int.from_bytes(b"TOP-", "little")  # what a loader reading the header would have echoed
     for r in answers:
         assert "TOP-SECRET" not in r.text and str(first) not in r.text
-        assert "stories" in r.json()["error"]  # the error lists the names that are served
+        assert "stories" in r.json()["error"]["message"]  # the error lists the names that are served
 
 
 @pytest.mark.parametrize("method, path, status", [("get", "/nope", 404), ("post", "/api/nope", 404), ("get", "/api/verify", 405),
                                                   ("delete", "/api/models", 405), ("post", "/api/health", 405)])
 def test_unknown_routes_and_methods_answer_error_json(client, method, path, status):
     r = client.request(method.upper(), path)
-    assert r.status_code == status and set(r.json()) == {"error"} and path in r.json()["error"]
+    assert r.status_code == status and set(r.json()) == {"error"} and path in r.json()["error"]["message"]
 
 
 def test_a_failing_request_leaves_the_server_working(served, monkeypatch):
@@ -272,7 +272,7 @@ def test_a_failing_request_leaves_the_server_working(served, monkeypatch):
 
     monkeypatch.setattr(module, "forward_tokens", broken)
     r = client.post("/api/verify", json=body)
-    assert r.status_code == 500 and "injected failure" in r.json()["error"]
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
     monkeypatch.undo()
     assert client.post("/api/verify", json=body).json() == before
 
@@ -385,9 +385,9 @@ def test_mtpspec_serve_command_runs_a_real_server(assets):
             time.sleep(0.2)
         assert [x["name"] for x in httpx.get(url + "/api/models", timeout=10).json()["models"]] == ["stories"]
         r = httpx.post(url + "/api/verify", json={"model": str(m / "stories260K.bin"), "prefix": "a", "draft": " b"}, timeout=30)
-        assert r.status_code == 404 and r.json()["error"].startswith("model: ")
+        assert r.status_code == 404 and r.json()["error"]["message"].startswith("model: ")
         assert httpx.post(url + "/api/verify", json={"prefix": "", "draft": " b"}, timeout=30).status_code == 400
-        assert httpx.get(url + "/nope", timeout=10).json()["error"].startswith("no such route")
+        assert httpx.get(url + "/nope", timeout=10).json()["error"]["message"].startswith("no such route")
         r = httpx.post(url + "/api/verify", json={"model": "stories", "prefix": "Once upon a time", "draft": ", there was"}, timeout=30)
         assert r.status_code == 200 and r.json()["num_accepted"] == 3
         r = httpx.post(url + "/api/verify", json={"prefix": PREFIX, "drafter": "draft", "draft_model": "stories260K_q80"}, timeout=30)
@@ -454,7 +454,7 @@ def test_fuzzed_bodies_never_a_500(client):
         r = client.post(path, content=json.dumps(body, allow_nan=True).encode(), headers={"Content-Type": "application/json"})
         assert r.status_code in (200, 400, 404, 413, 422), (body, r.text)
         if r.status_code != 200:
-            error = r.json()["error"]
+            error = r.json()["error"]["message"]
             assert error.split(":")[0] in set(fields) | {"body"} or error.split(".")[0] in fields, (body, error)
 
     check()

@@ -13,23 +13,31 @@ Requests name models by NAME only; no request makes the server open a path. Ever
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import MtpspecError
+from ..drafters import KNOWN
+from ..errors import ConfigError, MtpspecError
+from .metrics import ServerMetrics
+from .openai_api import Busy, create_router, error_body
+from .options import ServeOptions
 from .registry import Served
+from .scheduler import Scheduler, Speculation
 from .verify_page import MAX_DRAFT, MAX_NEW_TOKENS, MAX_TOP_K, FieldError, step_through, verify_draft
 
 MAX_BODY = 1 << 20  # bytes in a request body
 MAX_PREFIX_CHARS = 50_000  # then tokenised and checked against the model's context
 MAX_DRAFT_CHARS = 2_000  # a draft is at most MAX_DRAFT tokens
+RETRY_AFTER_S = 1  # seconds a refused (429) client is told to wait
 
 
 def _unicode(text: str) -> str:
@@ -76,23 +84,51 @@ class StepRequest(ModelRef):
     max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
 
 
-def create_app(served: Served) -> FastAPI:
-    """The app over `served` (registry.load_served); model work runs one request at a time under one lock."""
-    app = FastAPI(title="mtpspec verify page", description="Greedy verification of drafts, one target forward each.")
+def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
+    """The app over `served` (registry.load_served): one engine thread per model (scheduler.Scheduler) serving the
+    OpenAI API in continuous batches, and the verify page's work run on the same thread between steps."""
+    options = options or ServeOptions()
+    metrics = ServerMetrics()
+    schedulers = {name: Scheduler(name, model, speculation(served, name, options), options.max_batch, options.max_queue,
+                                  options.prefill_chunk, metrics)
+                  for name, model in served.models.items()}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        for s in schedulers.values():
+            s.close()
+
+    app = FastAPI(title="mtpspec", description="Lossless speculative decoding: an OpenAI-compatible API and the verify page.",
+                  lifespan=lifespan)
+    app.state.schedulers, app.state.metrics, app.state.options = schedulers, metrics, options
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(ApiKey, key=options.api_key)
     app.add_middleware(BodyLimit, limit=MAX_BODY)
-    lock = threading.Lock()  # released by `with` whatever a request raises; the served models are never replaced
     _error_handlers(app)
+    app.include_router(create_router(served, schedulers, options))
+
+    async def on_worker(name: str, fn):
+        """fn() on model `name`'s engine thread, between two decode steps."""
+        return await asyncio.wrap_future(schedulers[name].run_job(fn))
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
-    def page() -> HTMLResponse:
+    async def page() -> HTMLResponse:
         return HTMLResponse(resources.files("mtpspec.server").joinpath("static/verify.html").read_text(encoding="utf-8"))
 
     @app.api_route("/api/health", methods=["GET", "HEAD"])
-    def health() -> dict:
+    async def health() -> dict:
         return {"ok": True}
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.queue(sum(s.queue_length() for s in schedulers.values()))  # gauges read at scrape time, over every model
+        metrics.running(sum(len(s.engine.running) for s in schedulers.values()))
+        body, kind = metrics.render()
+        return Response(body, media_type=kind)
+
     @app.get("/api/models")
-    def models() -> dict:
+    async def models() -> dict:
         return {
             "models": [{"name": n, "vocab_size": m.module.vocab_size, "max_seq_len": m.module.max_seq_len} for n, m in served.models.items()],
             "draft_models": [{"name": e.name, "kind": e.kind} for e in served.drafts.values()],
@@ -100,30 +136,53 @@ def create_app(served: Served) -> FastAPI:
         }
 
     @app.post("/api/load")
-    def model_info(req: ModelRef) -> dict:
+    async def model_info(req: ModelRef) -> dict:
         name, model = served.model(req.model)
         return {"model": name, "vocab_size": model.module.vocab_size, "max_seq_len": model.module.max_seq_len,
                 "drafters": served.menus[name], "max_draft": MAX_DRAFT}
 
     @app.post("/api/verify")
-    def verify(req: VerifyRequest) -> dict:
+    async def verify(req: VerifyRequest) -> dict:
         name, model = served.model(req.model)
         proposing = req.draft_ids is None and not req.draft and req.drafter
         if req.draft_model is not None and not proposing:
             raise FieldError("draft_model", "is used only when a drafter proposes the draft (no draft, no draft_ids)")
-        with lock:
+
+        def work():
             dm = served.draft_for(name, req.drafter, req.draft_model) if proposing else None
             return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter or None,
                                 k=req.k, draft_model=dm, top_k=req.top_k)
 
+        return await on_worker(name, work)
+
     @app.post("/api/step")
-    def step(req: StepRequest) -> dict:
+    async def step(req: StepRequest) -> dict:
         name, model = served.model(req.model)
-        with lock:
+
+        def work():
             dm = served.draft_for(name, req.drafter, req.draft_model)
             return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm)
 
+        return await on_worker(name, work)
+
     return app
+
+
+def speculation(served: Served, name: str, options: ServeOptions) -> Speculation:
+    """What model `name` drafts with: --drafter (auto: its own MTP head, else n-gram lookup) and the first
+    served draft model or head that fits it; a drafter that fits no served draft model is a start-up error."""
+    drafter = options.drafter
+    if drafter not in KNOWN + ("auto",):
+        raise ConfigError(f"--drafter: unknown drafter {drafter!r} (choose from: auto, {', '.join(KNOWN)})")
+    menu = {d["name"]: d for d in served.menus[name]}
+    if drafter == "auto":
+        drafter = "mtp" if menu["mtp"]["own"] else "ngram"
+    if drafter in ("none", "ngram") or menu[drafter]["own"]:
+        return Speculation(drafter, None, options.k)
+    fits = menu[drafter]["draft_models"]
+    if not fits:
+        raise ConfigError(f"--drafter {drafter}: model {name!r}: {menu[drafter]['reason']}")
+    return Speculation(drafter, served.drafts[fits[0]].obj, options.k)
 
 
 def _one_line(text: str, limit: int = 500) -> str:
@@ -132,18 +191,31 @@ def _one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": _one_line(message)}, status_code=status, headers=headers)
+_KIND = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+         413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _error(message: str, status: int, headers: dict | None = None, param: str | None = None) -> JSONResponse:
+    """Every error, on every route: OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse(error_body(message, _KIND.get(status, "server_error"), param, str(status)), status_code=status, headers=headers)
 
 
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MtpspecError)
     async def _bad_input(request: Request, exc: MtpspecError) -> JSONResponse:
-        return _error(str(exc), exc.status if isinstance(exc, FieldError) else 400)
+        if isinstance(exc, FieldError):
+            return _error(str(exc), exc.status, param=exc.field)
+        return _error(str(exc), 400)
+
+    @app.exception_handler(Busy)
+    async def _busy(request: Request, exc: Busy) -> JSONResponse:
+        return _error(f"server busy: {exc}; retry later", 429, headers={"retry-after": str(RETRY_AFTER_S)})
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error("; ".join(_validation_message(e) for e in exc.errors()) or "invalid request", 422)
+        errors = exc.errors()
+        param = ".".join(str(x) for x in errors[0].get("loc", ())[1:]) or None if errors else None
+        return _error("; ".join(_validation_message(e) for e in errors) or "invalid request", 400, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -201,3 +273,45 @@ class BodyLimit:
 
     async def _too_large(self, scope, receive, send) -> None:
         await _error(f"body: larger than {self.limit} bytes", 413)(scope, receive, send)
+
+
+class ApiKey:
+    """ASGI middleware: with a key set, every request but the static page needs `Authorization: Bearer KEY` (401)."""
+
+    def __init__(self, app, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.key is None or (scope["path"] == "/" and scope["method"] in ("GET", "HEAD")):
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, given = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key.encode("utf-8")):
+            what = "no API key given" if not auth else "wrong API key"
+            return await _error(f"{what}: send the server's key as 'Authorization: Bearer KEY'", 401,
+                                headers={"www-authenticate": "Bearer"})(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class RequestCounter:
+    """ASGI middleware: every answered request counted by route and status (mtpspec_requests_total)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.request(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+          "/api/health", "/api/models", "/api/load", "/api/verify", "/api/step")

@@ -1,11 +1,13 @@
-"""`mtpspec serve`: the HTTP server (live verify page at /, JSON API under /api).
+"""`mtpspec serve`: the HTTP server (an OpenAI-compatible API under /v1, the live verify page at /, /metrics).
 
-Every model is loaded before the server listens: a missing or bad file is `mtpspec: error: ...`, exit 2.
+Every model is loaded, and the speculation for each is checked, before the server listens: a missing or
+bad file, or a drafter that fits no served model, is `mtpspec: error: ...`, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 from ..cli import add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
@@ -19,7 +21,24 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", action="append", metavar="[NAME=]PATH",
                    help="tokenizer file for model NAME when it does not carry one (repeatable; a bare PATH when one model is served)")
     p.add_argument("--draft-model", action="append", metavar="[NAME=]PATH",
-                   help="a draft model (drafter 'draft') or a trained head folder (mtp / eagle / medusa) to offer (repeatable)")
+                   help="a draft model (drafter 'draft') or a trained head folder (mtp / eagle / medusa) to serve (repeatable): "
+                        "the verify page offers each; --drafter uses the first that fits each model")
+    p.add_argument("--drafter", default="auto",
+                   help="what generation drafts with: auto (default: the model's own MTP head, else ngram), none (no "
+                        "speculation), ngram, mtp, draft, eagle or medusa (these three need a fitting --draft-model)")
+    p.add_argument("--k", default="auto", metavar="N|auto",
+                   help="draft length D, or auto (default): chosen per sequence from acceptance and the whole batch's "
+                        "measured cost, so speculation steps aside as the batch fills")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences sharing one target forward (default 16)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a free slot, per model (default 64); more are answered 429 with Retry-After")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt positions prefilled per engine step, so running sequences keep decoding (default 512)")
+    p.add_argument("--max-prompt-chars", type=int, default=200_000, help="characters of one prompt or chat (default 200000)")
+    p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens of a request that gives none (default 256)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but the static page (default: $MTPSPEC_API_KEY, "
+                        "else no key)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16, for every model")
     add_quant_args(p)
     add_compile_arg(p)
@@ -35,7 +54,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .registry import load_served
 
+    from .options import ServeOptions
+
     use_threads(args.threads)
+    k = args.k if args.k == "auto" else _int_k(args.k)
+    options = ServeOptions(drafter=args.drafter, k=k, max_batch=args.max_batch, max_queue=args.max_queue,
+                           prefill_chunk=args.prefill_chunk, max_prompt_chars=args.max_prompt_chars,
+                           max_tokens_default=args.max_tokens_default,
+                           api_key=args.api_key if args.api_key is not None else os.environ.get("MTPSPEC_API_KEY") or None)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     from ..loading import parse_dtype
@@ -54,11 +80,13 @@ def run_serve(args: argparse.Namespace) -> int:
         model.threads = resolve_threads(args.threads, model.module)
         if args.compile:
             compile_model(model.module)
+    app = create_app(served, options)  # checks each model's speculation before binding
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"mtpspec: serving {', '.join(served.models)} on http://{args.host}:{port}/  (JSON API under /api, Ctrl-C to stop)",
-          flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning"))
+    spec = ", ".join(f"{n}: {s.spec.drafter} k={s.spec.k}" for n, s in app.state.schedulers.items())
+    print(f"mtpspec: serving {', '.join(served.models)} on http://{args.host}:{port}/  (OpenAI API under /v1, verify page at /; "
+          f"{spec}; Ctrl-C to stop)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0
 
@@ -74,3 +102,10 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def _int_k(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--k must be an integer >= 1 or 'auto', got {text!r}") from None

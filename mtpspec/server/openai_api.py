@@ -1,0 +1,383 @@
+"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+Requests and responses follow OpenAI's shapes, so its client libraries work unchanged. Sampling,
+length, stops, seed and logprobs are the request's; the speculation (drafter, k or auto) is the
+server's, and each response reports what it did in the extension field `mtpspec`. Every request joins
+its model's running batch (scheduler.Scheduler); `stream: true` answers with server-sent events.
+A client that disconnects cancels its sequence. Errors are OpenAI's shape (app.error_body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, AfterValidator
+
+from ..api import Model
+from ..engine import TokenLogprob
+from ..errors import ConfigError
+from ..metrics import Acceptance
+from ..sampling import SamplingParams
+from .chat import ChatTemplate
+from .options import ServeOptions
+from .scheduler import Chunk, Failed, Finished, GenRequest, Handle, QueueFull, Scheduler
+from .verify_page import FieldError
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 200
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 1024
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode text (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+
+
+class Body(BaseModel):
+    """Unknown fields are errors (a misspelt `max_token` is not silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Sampling(Body):
+    """The fields both endpoints share."""
+
+    model: Annotated[str, StringConstraints(max_length=200)] | None = Field(None, description="a served model (GET /v1/models); default: the first")
+    max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's, clipped by the context)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (equals `mtpspec generate`)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens (0 or -1 = off)")
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS)] | None = Field(None, description="extension: token ids that end the text")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not supported: only empty")
+    user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: Text | Annotated[list[int], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the n most likely")
+    echo: Literal[False] = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: None = None
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Text | list[dict] | None = None
+    name: Annotated[str, StringConstraints(max_length=200)] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+@dataclass
+class Output:
+    """What the HTTP side has made of a request's tokens so far: text (stops applied), tokens, logprobs."""
+
+    model: Model
+    prompt: list[int]
+    stops: tuple[str, ...]
+    want_logprobs: bool
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[tuple[TokenLogprob, str, int]] = field(default_factory=list)  # (log-probs, token text, text offset)
+    held: str = ""  # decoded text not yet sent: it may be the start of a stop string
+    stopped: bool = False
+
+    def __post_init__(self) -> None:
+        self.stream = self.model.tokenizer.stream(prev=self.prompt[-1])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.prev = self.prompt[-1]
+
+    def push(self, chunk: Chunk) -> str:
+        """The chunk's tokens in; returns the text that may be sent now (never part of a stop string)."""
+        for i, t in enumerate(chunk.tokens):
+            if self.stopped:
+                break
+            self.tokens.append(t)
+            if self.want_logprobs:
+                self.logprobs.append((chunk.logprobs[i], self.model.tokenizer.decode([t], prev=self.prev), len(self.text) + len(self.held)))
+            self.prev = t
+            self.held += self.stream.push([t])
+            self._scan()
+        return self._release()
+
+    def flush(self) -> str:
+        if not self.stopped:
+            self.held += self.stream.flush()
+            self._scan()
+        if not self.stopped:
+            out, self.held = self.held, ""
+            self.text += out
+            return out
+        return self._release()
+
+    def _scan(self) -> None:
+        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held, self.stopped = self.held[:cut], True
+
+    def _release(self) -> str:
+        keep = 0 if self.stopped else min(self.hold, len(self.held))
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(out):]
+        self.text += out
+        return out
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def stats_field(result, spec) -> dict:
+    """The extension field `mtpspec`: what speculation did for this request."""
+    acc = Acceptance.from_steps(result.steps)
+    return {**spec.describe(), "target_forwards": acc.forwards, "drafted": acc.drafted, "accepted": acc.accepted,
+            "mean_accepted_length": round(acc.mean_accepted_length, 4) if acc.forwards else None,
+            "acceptance_by_position": [None if a is None else round(a, 4) for a in acc.by_position()],
+            "engine_finish_reason": result.finish_reason}
+
+
+def _finish_reason(out: Output, reason: str) -> str:
+    return "stop" if out.stopped or reason == "stop" else "length"
+
+
+def _completion_logprobs(out: Output, start: int) -> dict | None:
+    if not out.want_logprobs:
+        return None
+    rows = [r for r in out.logprobs[start:] if r[2] < len(out.text) or not out.stopped]
+    tok = out.model.tokenizer
+    return {"tokens": [text for _, text, _ in rows], "token_logprobs": [lp.logprob for lp, _, _ in rows],
+            "top_logprobs": [{tok.decode([i], prev=None): v for i, v in lp.top} for lp, _, _ in rows],
+            "text_offset": [off for _, _, off in rows]}
+
+
+def _chat_logprobs(out: Output, start: int) -> dict | None:
+    if not out.want_logprobs:
+        return None
+    rows = [r for r in out.logprobs[start:] if r[2] < len(out.text) or not out.stopped]
+    tok = out.model.tokenizer
+
+    def entry(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(text, lp.logprob), "top_logprobs": [entry(tok.decode([i], prev=None), v) for i, v in lp.top]}
+                        for lp, text, _ in rows]}
+
+
+def _usage(out: Output) -> dict:
+    return {"prompt_tokens": len(out.prompt), "completion_tokens": len(out.tokens), "total_tokens": len(out.prompt) + len(out.tokens)}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+def create_router(served, schedulers: dict[str, Scheduler], options: ServeOptions) -> APIRouter:
+    router = APIRouter()
+    templates = {name: ChatTemplate.for_tokenizer(m.tokenizer) for name, m in served.models.items()}  # a broken one stops start-up
+
+    def model_of(name: str | None) -> tuple[str, Model, Scheduler]:
+        name, model = served.model(name)
+        return name, model, schedulers[name]
+
+    def request_of(req: Sampling, model: Model, prompt: list[int], logprobs: int | None, max_tokens: int | None) -> GenRequest:
+        ctx = model.max_seq_len
+        if len(prompt) >= ctx:
+            raise FieldError("prompt" if isinstance(req, CompletionRequest) else "messages",
+                             f"{len(prompt)} tokens, the model's context is {ctx}: no room for a new token", status=400)
+        vocab = model.module.vocab_size
+        for t in req.stop_token_ids or ():
+            if not 0 <= t < vocab:
+                raise FieldError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        top_k = max(req.top_k, 0)
+        params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p))
+        want = max_tokens if max_tokens is not None else options.max_tokens_default
+        return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs)
+
+    async def run(request: Request, req: Sampling, name: str, model: Model, sched: Scheduler, gen: GenRequest, chat: bool):
+        try:
+            handle = sched.submit(gen)
+        except QueueFull as e:
+            raise Busy(str(e)) from None
+        out = Output(model, gen.prompt, _stops(req.stop), gen.logprobs is not None)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(_stream(request, handle, out, sched, rid, created, name, chat, req),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return await _whole(request, handle, out, sched, rid, created, name, chat)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest):
+        name, model, sched = model_of(req.model)
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, str):
+            if len(prompt) > options.max_prompt_chars:
+                raise FieldError("prompt", f"{len(prompt)} characters, the server's limit is {options.max_prompt_chars}", status=400)
+            ids = model.encode(prompt)
+        else:
+            vocab = model.module.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise FieldError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            ids = list(prompt)
+        if not ids:
+            raise FieldError("prompt", "holds no token")
+        return await run(request, req, name, model, sched, request_of(req, model, ids, req.logprobs, req.max_tokens), chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request, req: ChatRequest):
+        name, model, sched = model_of(req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else len(json.dumps(m.get("content"))) for m in messages)
+        if chars > options.max_prompt_chars:
+            raise FieldError("messages", f"{chars} characters, the server's limit is {options.max_prompt_chars}", status=400)
+        try:
+            ids = templates[name].prompt_ids(model, messages)
+        except ConfigError as e:
+            raise FieldError("messages", str(e).removeprefix("messages: ")) from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs and not req.logprobs:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await run(request, req, name, model, sched, request_of(req, model, ids, top, max_tokens), chat=True)
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "mtpspec",
+                                             "max_model_len": m.max_seq_len, "mtpspec": schedulers[n].spec.describe()}
+                                            for n, m in served.models.items()]}
+
+    @router.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> dict:
+        return {"status": "ok", "models": {n: {"running": len(s.engine.running), "waiting": s.queue_length()} for n, s in schedulers.items()}}
+
+    async def _events(request: Request, handle: Handle):
+        """The request's events; a disconnected client cancels its sequence (checked while waiting)."""
+        while True:
+            try:
+                event = await asyncio.wait_for(handle.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    handle.cancel()
+                    return
+                continue
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    async def _whole(request, handle, out: Output, sched, rid, created, name, chat):
+        result = None
+        try:
+            async for event in _events(request, handle):
+                if isinstance(event, Chunk):
+                    out.push(event)
+                    if out.stopped:
+                        handle.cancel()
+                elif isinstance(event, Failed):
+                    return JSONResponse(error_body(f"generation failed: {event.message}", "server_error"), status_code=500)
+                else:
+                    result = event
+        finally:
+            if result is None:
+                handle.cancel()
+        if result is None:  # the client went away: nobody reads this
+            return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
+        out.flush()
+        reason = _finish_reason(out, result.reason)
+        body = {"id": rid, "created": created, "model": name, "usage": _usage(out), "mtpspec": stats_field(result.result, sched.spec)}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": _chat_logprobs(out, 0), "finish_reason": reason}
+            return {"object": "chat.completion", **body, "choices": [choice]}
+        choice = {"index": 0, "text": out.text, "logprobs": _completion_logprobs(out, 0), "finish_reason": reason}
+        return {"object": "text_completion", **body, "choices": [choice]}
+
+    async def _stream(request, handle, out: Output, sched, rid, created, name, chat, req):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": created, "model": name}
+
+        def chunk(text: str, start: int, reason=None, extra=None) -> bytes:
+            if chat:
+                choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
+                          "logprobs": _chat_logprobs(out, start), "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(out, start), "finish_reason": reason}
+            return _sse({**head, "choices": [choice], **(extra or {})})
+
+        done = False
+        try:
+            if chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            sent = 0  # logprob rows already sent
+            async for event in _events(request, handle):
+                if isinstance(event, Chunk):
+                    text = out.push(event)
+                    if out.stopped:
+                        handle.cancel()
+                    if text:
+                        yield chunk(text, sent)
+                        sent = len(out.logprobs)
+                elif isinstance(event, Failed):
+                    yield _sse(error_body(f"generation failed: {event.message}", "server_error"))
+                    done = True
+                    return
+                else:
+                    text = out.flush()
+                    extra = {"mtpspec": stats_field(event.result, sched.spec)}
+                    if not (req.stream_options and req.stream_options.include_usage):
+                        extra["usage"] = _usage(out)
+                    yield chunk(text, sent, _finish_reason(out, event.reason), extra)
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(out)})
+                    yield b"data: [DONE]\n\n"
+                    done = True
+        finally:
+            if not done:  # the client went away mid-stream (the generator is closed): free the slot
+                handle.cancel()
+
+    return router
+
+
+class Busy(Exception):
+    """The model's queue is full: 429 with Retry-After."""
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    text = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > 500:
+        text = text[:497] + "..."
+    return {"error": {"message": text, "type": kind, "param": param, "code": code}}
