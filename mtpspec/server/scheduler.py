@@ -75,7 +75,10 @@ class Handle:
     last_emit: float | None = None
 
     def post(self, event) -> None:  # from the worker thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the request's event loop has closed (server shutting down): nobody is listening
+            pass
 
     def cancel(self) -> None:
         self.scheduler.inbox.put(("cancel", self))
