@@ -90,6 +90,8 @@ class Message(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict] | None = None
     name: Annotated[str, StringConstraints(max_length=200)] | None = None
+    tool_calls: Annotated[list[dict], Field(max_length=64)] | None = None  # given to the template as they are
+    tool_call_id: Annotated[str, StringConstraints(max_length=200)] | None = None
 
 
 class ChatRequest(Sampling):
