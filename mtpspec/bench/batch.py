@@ -2,13 +2,15 @@
 
 For each batch size B, the first B prompts of the set (cycled when B exceeds it) start together in
 one Engine(max_batch=B), once per method: plain (drafter none), each fixed depth D of each drafter,
-and `--k auto` (one AdaptiveDepth for the batch). Within a round the methods take turns (their order
-rotates from round to round); each figure is the median over `rounds` rounds.
+and `--k auto` (one AdaptiveDepth for the batch). Within a round every method's engine runs at once,
+stepped in turn (one step each, the order rotating from round to round), so a slow spell of the
+machine falls on every method alike; each method's clock is the sum of its own steps' durations.
+Each figure is the median over `rounds` rounds.
 
 What is timed is decode only: Engine.step() prefills one waiting prompt per call (and decodes the
-sequences already running in the same call), so the clock starts when the step that prefilled the last
-prompt returns, and everything emitted before it is left out. From there:
-    throughput           = tokens emitted / seconds until the last sequence finished
+sequences already running in the same call), so a method's clock starts after the step that prefilled
+its last prompt, and everything emitted before it is left out. From there:
+    throughput           = tokens emitted / its steps' seconds until the last sequence finished
     seconds per token    = per sequence, seconds from the start to its last token / its tokens; mean over sequences
     per-token latency    = a step that gives a sequence n tokens, g seconds after its previous ones, counts n
                            tokens of g / n seconds each; p50 / p99 over all tokens of all sequences
@@ -92,74 +94,87 @@ def _quantile(xs: list[float], q: float) -> float | None:
     return s[min(int(q * len(s)), len(s) - 1)]
 
 
-def run_once(model, method: BatchMethod, prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
-             temperature: float = 0.0, seed: int = 0, round_: int = 0) -> BatchRun:
-    """All `prompts` start together in one Engine(max_batch=len(prompts)); run to the end, timing decode only."""
-    from ..adaptive import AdaptiveDepth
-    from ..drafters import make_drafter
-    from ..engine import Engine
-    from ..sampling import Sampler, SamplingParams
+class _Run:
+    """One method's engine in a round, and its own clock: the sum of its steps' durations."""
 
-    b_n = len(prompts)
-    auto = method.k == "auto"
-    engine = Engine(model.module, max_batch=b_n, depth=AdaptiveDepth(k_max=K_MAX_AUTO) if auto else None)
-    k = K_MAX_AUTO if auto else (1 if method.drafter == "none" else method.k)
-    got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
+    def __init__(self, model, method: BatchMethod, prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
+                 temperature: float, seed: int) -> None:
+        from ..adaptive import AdaptiveDepth
+        from ..drafters import make_drafter
+        from ..engine import Engine
+        from ..sampling import Sampler, SamplingParams
 
-    def counter(i: int):
-        return lambda toks: got.__setitem__(i, got.get(i, 0) + len(toks))
+        self.method, self.b = method, len(prompts)
+        auto = method.k == "auto"
+        self.engine = Engine(model.module, max_batch=self.b, depth=AdaptiveDepth(k_max=K_MAX_AUTO) if auto else None)
+        k = K_MAX_AUTO if auto else (1 if method.drafter == "none" else method.k)
+        self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
+        params = SamplingParams(temperature=temperature)
+        self.sids = []
+        for i, ids in enumerate(prompts):
+            drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter))
+            self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k, max_new_tokens, model.tokenizer.stop_ids,
+                                             lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
+        self.clock = self.cpu = self.prefill = 0.0
+        self.last, self.n_tok, self.lat = [0.0] * self.b, [0] * self.b, []
+        self.drafted = self.seq_steps = self.steps = 0
 
-    params = SamplingParams(temperature=temperature)
-    sids = []
-    for i, ids in enumerate(prompts):
-        drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter))
-        sids.append(engine.add(ids, drafter, Sampler(params, seed + i), k, max_new_tokens, model.tokenizer.stop_ids, counter(i)))
-    t_start = perf_counter()
-    while engine.waiting:  # the prefill phase: not timed
-        engine.step()
-    t0, c0 = perf_counter(), process_time()
-    got.clear()
-    last = [t0] * b_n  # when each sequence last received tokens
-    n_tok = [0] * b_n
-    lat: list[float] = []
-    drafted = seq_steps = steps = 0
-    while engine.active:
-        rec = engine.step()
-        now = perf_counter()
+    def step(self) -> None:
+        """One engine step, timed; before the last prompt is in, prefill time (its tokens are not counted)."""
+        decoding = not self.engine.waiting
+        t0, c0 = perf_counter(), process_time()
+        rec = self.engine.step()
+        dt, dc = perf_counter() - t0, process_time() - c0
+        if not decoding:
+            self.prefill += dt
+            self.got.clear()
+            return
+        self.clock, self.cpu = self.clock + dt, self.cpu + dc
         if rec is not None:
-            steps += 1
-            seq_steps += len(rec.seqs)
-            drafted += sum(s.drafted for s in rec.seqs)
-        for i, n in got.items():
-            lat += [(now - last[i]) / n] * n
-            last[i], n_tok[i] = now, n_tok[i] + n
-        got.clear()
-    t_end, c_end = perf_counter(), process_time()
-    per_seq = [(last[i] - t0) / n_tok[i] for i in range(b_n) if n_tok[i]]
-    return BatchRun(
-        method=method.label, batch=b_n, round=round_, decode_tokens=sum(n_tok), decode_seconds=t_end - t0,
-        decode_cpu_seconds=c_end - c0,
-        prefill_seconds=t0 - t_start, seconds_per_token=statistics.mean(per_seq) if per_seq else 0.0,
-        p50_token_latency=_quantile(lat, 0.5), p99_token_latency=_quantile(lat, 0.99),
-        mean_depth=drafted / seq_steps if seq_steps else 0.0, steps=steps,
-        tokens=[engine.finished[s].result().tokens for s in sids],
-    )
+            self.steps, self.seq_steps = self.steps + 1, self.seq_steps + len(rec.seqs)
+            self.drafted += sum(s.drafted for s in rec.seqs)
+        for i, n in self.got.items():
+            self.lat += [(self.clock - self.last[i]) / n] * n
+            self.last[i], self.n_tok[i] = self.clock, self.n_tok[i] + n
+        self.got.clear()
+
+    def result(self, round_: int) -> BatchRun:
+        per_seq = [self.last[i] / self.n_tok[i] for i in range(self.b) if self.n_tok[i]]
+        return BatchRun(
+            method=self.method.label, batch=self.b, round=round_, decode_tokens=sum(self.n_tok), decode_seconds=self.clock,
+            decode_cpu_seconds=self.cpu, prefill_seconds=self.prefill,
+            seconds_per_token=statistics.mean(per_seq) if per_seq else 0.0,
+            p50_token_latency=_quantile(self.lat, 0.5), p99_token_latency=_quantile(self.lat, 0.99),
+            mean_depth=self.drafted / self.seq_steps if self.seq_steps else 0.0, steps=self.steps,
+            tokens=[self.engine.finished[s].result().tokens for s in self.sids],
+        )
+
+
+def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
+              temperature: float = 0.0, seed: int = 0, round_: int = 0) -> list[BatchRun]:
+    """Every method's engine over the same `prompts`, stepped in turn (one step each, order rotating by round), so
+    the machine's drift falls on every method alike, step by step; each method is timed by its own steps only."""
+    runs = [_Run(model, m, prompts, max_new_tokens, draft_models, temperature, seed) for m in methods]
+    r = round_ % len(runs)
+    runs = runs[r:] + runs[:r]
+    while any(x.engine.active for x in runs):
+        for x in runs:
+            if x.engine.active:
+                x.step()
+    return [x.result(round_) for x in sorted(runs, key=lambda x: methods.index(x.method))]
 
 
 def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: list[int], max_new_tokens: int,
             draft_models: dict, rounds: int = 3, temperature: float = 0.0, seed: int = 0, tick=None) -> list[BatchRun]:
-    """Every method at every batch size, `rounds` times; within a round the methods take turns."""
+    """Every method at every batch size, `rounds` times, the methods interleaved step by step (run_round)."""
     runs = []
     for b_n in batches:
         prompts = [ids[i % len(ids)] for i in range(b_n)]
-        for m in methods:  # untimed warm-up: first-call costs at this batch shape
-            run_once(model, m, prompts, min(max_new_tokens, 4), draft_models, temperature, seed)
+        run_round(model, methods, prompts, min(max_new_tokens, 4), draft_models, temperature, seed)  # untimed warm-up
         for r in range(rounds):
-            order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate: no method always runs first
-            for m in order:
-                runs.append(run_once(model, m, prompts, max_new_tokens, draft_models, temperature, seed, r))
-                if tick is not None:
-                    tick(f"B={b_n} {m.label}")
+            runs += run_round(model, methods, prompts, max_new_tokens, draft_models, temperature, seed, r)
+            if tick is not None:
+                tick(f"B={b_n} round {r + 1}")
     return runs
 
 
@@ -373,7 +388,7 @@ def run_batch_bench(model_path: str, prompts: str, drafters: list[str], ks: list
 
         from tqdm import tqdm
 
-        bar = tqdm(total=len(batches) * rounds * len(methods), desc="bench --batch", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(batches) * rounds, desc="bench --batch", unit="round", file=sys.stderr)
         tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
     runs = measure(model, methods, ids, batches, max_new_tokens, draft_models, rounds, temperature, seed, tick)
     if bar is not None:
