@@ -17,7 +17,9 @@ from typing import Any, Callable
 from ..errors import ConfigError
 from .base import BatchDrafter, Drafter, DrafterOptions, MTPSource, NoDrafter, option
 from .draft_model import DraftModelDrafter
+from .lookahead import LookaheadDrafter, LookaheadOptions
 from .ngram import NgramDrafter, NgramOptions
+from .suffix import SuffixDrafter, SuffixOptions, shared_pool
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,18 @@ def _none(target, draft_model, options: NoDrafterOptions) -> Drafter:
 def _ngram(target, draft_model, options: NgramOptions) -> Drafter:
     _no_draft_model("ngram", draft_model)
     return NgramDrafter(n_min=options.n_min, n_max=options.n_max)
+
+
+@register("lookahead", LookaheadOptions)
+def _lookahead(target, draft_model, options: LookaheadOptions) -> Drafter:
+    _no_draft_model("lookahead", draft_model)
+    return LookaheadDrafter(n=options.n, jacobi=options.jacobi)
+
+
+@register("suffix", SuffixOptions)
+def _suffix(target, draft_model, options: SuffixOptions) -> Drafter:
+    _no_draft_model("suffix", draft_model)
+    return SuffixDrafter(depth=options.depth, pool=shared_pool(target, options.depth) if options.shared else None)
 
 
 def _is_path(x) -> bool:
@@ -159,7 +173,7 @@ def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     return MedusaDrafter(target, _head(draft_model, "medusa", target))
 
 
-KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle")
+KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "lookahead", "suffix")
 
 # keyword -> (the flag its errors name, its type); drafter -> the keywords it reads (derived from the classes)
 OPTION_TYPES: dict[str, tuple[str, type]] = {
