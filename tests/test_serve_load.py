@@ -175,13 +175,30 @@ def test_summarize_cell_counts_every_request():
     assert empty.tokens_per_second == 0.0 and empty.ttft_p50 is None
 
 
+def test_merge_rounds_takes_the_median_rate_and_pools_latencies():
+    from mtpspec.bench.serve_load import merge_rounds
+
+    runs = []
+    for r, (wall, itl) in enumerate(((2.0, 0.01), (1.0, 0.02), (4.0, 0.03))):
+        rec = _rec(0, "ok", 10.0, 10.0 + wall, 8, 0.1 * (r + 1), [itl] * 7)
+        rec.round = r
+        cell = summarize_cell("auto", 1, [rec])
+        cell.load1 = [float(r)]
+        runs.append(cell)
+    merged = merge_rounds(runs)
+    assert merged.round_tokens_per_second == [4.0, 8.0, 2.0] and merged.tokens_per_second == 4.0
+    assert merged.requests == 3 and merged.counts == {"ok": 3} and merged.tokens == 24 and merged.wall_seconds == 7.0
+    assert merged.itl_p50 == pytest.approx(0.02) and merged.ttft_p50 == pytest.approx(0.2) and merged.load1 == [0.0, 1.0, 2.0]
+    assert merge_rounds(runs[:1]) is runs[0]
+
+
 # --- reports ------------------------------------------------------------------------------------
 
 
 def _cell(spec, c, tps, itl50, ok=8, total=8):
     return {"spec": spec, "concurrency": c, "tokens_per_second": tps, "ttft_p50": 0.05, "ttft_p99": 0.2, "itl_p50": itl50,
             "itl_p99": itl50 * 3, "requests": total, "counts": {"ok": ok, **({"error": total - ok} if ok < total else {})},
-            "warmup_errors": 0}
+            "warmup_errors": 0, "load1": [1.2]}
 
 
 CELLS = [_cell("off", 1, 50.0, 0.020), _cell("off", 16, 220.0, 0.060),
@@ -206,8 +223,13 @@ def test_markdown_table_and_report():
     table = markdown_table(CELLS)
     rows = table.splitlines()
     assert rows[0].startswith("| spec | C | tok/s | x vs C=1 |") and len(rows) == 2 + len(CELLS)
-    assert rows[3] == "| off | 16 | 220.0 | 4.40 | 50.0 | 200.0 | 60.0 | 180.0 | 8/8 |"
-    assert rows[7].endswith("| 7/8 |")
+    assert rows[0].endswith("| ok/total | tok/fwd | load |") and rows[1].count("|") == rows[0].count("|")
+    assert rows[3] == "| off | 16 | 220.0 | 4.40 | 50.0 | 200.0 | 60.0 | 180.0 | 8/8 | - | 1.2 |"
+    assert rows[7].endswith("| 7/8 | - | 1.2 |")
+    rounds = [dict(c, round_tokens_per_second=[c["tokens_per_second"], 1.0], tokens_per_forward=2.5) for c in CELLS]
+    rows = markdown_table(rounds).splitlines()
+    assert rows[0].endswith("| tok/fwd | tok/s by round | load |")
+    assert rows[3].endswith("| 8/8 | 2.50 | 220, 1 | 1.2 |")
     cfg = {"command": "mtpspec loadtest --requests 8", "elapsed_seconds": 61.2, "load_before": [0.5, 0.4, 0.3],
            "load_after": [1.2, 0.8, 0.5], "cpus": 2, "concurrency": [1, 16], "model": "demo", "requests": 8, "max_tokens": 64}
     md = markdown_report({"config": cfg, "cells": CELLS, "targets": check_targets(CELLS)})
@@ -247,7 +269,7 @@ def test_loadtest_end_to_end(assets, tmp_path, monkeypatch):
     _args(p)
     out, md, png = tmp_path / "load.json", tmp_path / "load.md", tmp_path / "load.png"
     args = p.parse_args(["--model", str(assets / "models" / "stories260K.bin"), "--concurrency", "1,2", "--spec", "off,ngram:2",
-                         "--requests", "4", "--max-tokens", "16", "--time-limit", "60", "--prompts", "humaneval",
+                         "--requests", "4", "--max-tokens", "16", "--time-limit", "60", "--prompts", "humaneval", "--threads", "1",
                          "--out", str(out), "--md", str(md), "--png", str(png)])
     assert run_loadtest_cli(args) == 0
     result = json.loads(out.read_text())

@@ -228,6 +228,7 @@ class RequestRecord:
 
     index: int
     prompt_id: str
+    round: int = 0  # with --rounds: which pass over the configs
     status: str = "running"  # ok | mismatch | error | cut | not_started (running only while in flight)
     error: str | None = None
     ttft: float | None = None  # seconds
@@ -341,6 +342,8 @@ class CellResult:
     accepted: int
     warmup_errors: int
     time_limited: bool  # the time limit stopped the run before every request finished
+    round_tokens_per_second: list[float] = field(default_factory=list)  # each round's (tokens_per_second: their median)
+    load1: list[float] = field(default_factory=list)  # the 1-minute load average at the end of each round's run
     records: list[RequestRecord] = field(repr=False, default_factory=list)
 
     @property
@@ -369,7 +372,7 @@ def _record_json(r: RequestRecord) -> dict:
 
 def summarize_cell(spec: str, concurrency: int, records: list[RequestRecord], warmup_errors: int = 0,
                    time_limited: bool = False) -> CellResult:
-    """Aggregate a run's records (pure: tested without a server)."""
+    """Aggregate one run's records (pure: tested without a server)."""
     counts: dict[str, int] = {}
     for r in records:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -384,13 +387,29 @@ def summarize_cell(spec: str, concurrency: int, records: list[RequestRecord], wa
         how[r.token_counts] = how.get(r.token_counts, 0) + 1
     stats = [r.stats or {} for r in done]
     total = {k: sum(int(x.get(k) or 0) for x in stats) for k in ("target_forwards", "drafted", "accepted")}
+    tps = tokens / wall if wall > 0 else 0.0
     return CellResult(
         spec=spec, concurrency=concurrency, requests=len(records), counts=counts, tokens=tokens, wall_seconds=wall,
-        tokens_per_second=tokens / wall if wall > 0 else 0.0,
+        tokens_per_second=tps, round_tokens_per_second=[tps],
         ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
         itl_p50=percentile(itls, 50), itl_p99=percentile(itls, 99), itl_mean=sum(itls) / len(itls) if itls else None,
         token_counts=how, **total, warmup_errors=warmup_errors, time_limited=time_limited, records=records,
     )
+
+
+def merge_rounds(runs: list[CellResult]) -> CellResult:
+    """One config at one C over several rounds: tokens/s the rounds' median, latencies and counts over all their requests."""
+    if len(runs) == 1:
+        return runs[0]
+    records = [r for run in runs for r in run.records]
+    cell = summarize_cell(runs[0].spec, runs[0].concurrency, records, sum(r.warmup_errors for r in runs),
+                          any(r.time_limited for r in runs))
+    rates = [r.tokens_per_second for r in runs]
+    cell.round_tokens_per_second = rates
+    cell.tokens_per_second = percentile(rates, 50)
+    cell.wall_seconds = sum(r.wall_seconds for r in runs)
+    cell.load1 = [x for r in runs for x in r.load1]
+    return cell
 
 
 async def _drive(client, url: str, model: str, refs: list[Reference], max_tokens: int, concurrency: int,
@@ -418,7 +437,7 @@ async def _drive(client, url: str, model: str, refs: list[Reference], max_tokens
 
 
 async def run_cell(url: str, model: str, refs: list[Reference], spec: str, concurrency: int, requests: int,
-                   max_tokens: int, time_limit: float, warmup: int, warmup_tokens: int) -> CellResult:
+                   max_tokens: int, time_limit: float, warmup: int, warmup_tokens: int, round_no: int = 0) -> CellResult:
     """Warm up (not counted), then `requests` streamed completions by `concurrency` workers, within `time_limit` seconds."""
     import httpx
 
@@ -428,10 +447,12 @@ async def run_cell(url: str, model: str, refs: list[Reference], spec: str, concu
         warm = [RequestRecord(i, refs[i % len(refs)].prompt_id) for i in range(warmup)]
         if warm:  # shorter than the references: their text is not checked, only that they finish
             await _drive(client, url, model, refs, warmup_tokens, concurrency, warm, time_limit)
-        records = [RequestRecord(i, refs[i % len(refs)].prompt_id) for i in range(requests)]
+        records = [RequestRecord(i, refs[i % len(refs)].prompt_id, round_no) for i in range(requests)]
         cut = await _drive(client, url, model, refs, max_tokens, concurrency, records, time_limit)
     warm_bad = sum(r.status in ("error", "cut") for r in warm)
-    return summarize_cell(spec, concurrency, records, warm_bad, cut)
+    cell = summarize_cell(spec, concurrency, records, warm_bad, cut)
+    cell.load1 = [os.getloadavg()[0]]
+    return cell
 
 
 # --- the server subprocess ----------------------------------------------------------------------
@@ -607,16 +628,23 @@ def _ms(x: float | None) -> str:
 
 
 def markdown_table(cells: list[dict]) -> str:
-    """Rows: spec config x concurrency; tok/s, x vs C=1 of the same config, p50/p99 TTFT and ITL (ms), ok/total."""
+    """Rows: spec config x concurrency; tok/s, x vs C=1 of the same config, p50/p99 TTFT and ITL (ms), ok/total,
+    then tokens per target forward, each round's tok/s (with --rounds) and the load average at the end of each run."""
     m = _cell_map(cells)
-    lines = ["| spec | C | tok/s | x vs C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ok/total |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rounds = max(len(c.get("round_tokens_per_second") or [0]) for c in cells) > 1
+    head = "| spec | C | tok/s | x vs C=1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ok/total | tok/fwd |"
+    head += " tok/s by round |" if rounds else ""
+    lines = [head + " load |", "|---|" + "---:|" * (head.count("|") - 1)]
     for c in cells:
         base = m.get((c["spec"], 1))
         x = f"{c['tokens_per_second'] / base['tokens_per_second']:.2f}" if base and base["tokens_per_second"] > 0 else "-"
         ok = c["counts"].get("ok", 0)
-        lines.append(f"| {c['spec']} | {c['concurrency']} | {c['tokens_per_second']:.1f} | {x} | {_ms(c['ttft_p50'])} | "
-                     f"{_ms(c['ttft_p99'])} | {_ms(c['itl_p50'])} | {_ms(c['itl_p99'])} | {ok}/{c['requests']} |")
+        fwd = f"{c['tokens_per_forward']:.2f}" if c.get("tokens_per_forward") else "-"
+        row = (f"| {c['spec']} | {c['concurrency']} | {c['tokens_per_second']:.1f} | {x} | {_ms(c['ttft_p50'])} | "
+               f"{_ms(c['ttft_p99'])} | {_ms(c['itl_p50'])} | {_ms(c['itl_p99'])} | {ok}/{c['requests']} | {fwd} |")
+        if rounds:
+            row += " " + ", ".join(f"{x:.0f}" for x in c.get("round_tokens_per_second") or []) + " |"
+        lines.append(row + " " + ", ".join(f"{x:.1f}" for x in c.get("load1") or []) + " |")
     return "\n".join(lines)
 
 
@@ -684,14 +712,18 @@ def write_plot(result: dict, path: str | Path) -> Path:
 def run_loadtest(model: str = "demo", concurrency: list[int] = (1, 4, 16), specs: list[SpecConfig] | None = None,
                  requests: int = 32, time_limit: float = 120.0, max_tokens: int = 64, prompts: str = "humaneval",
                  threads: int | None = 1, tokenizer: str | None = None, warmup: int | None = None, warmup_tokens: int = 16,
-                 max_batch: int | None = None, startup_timeout: float = 300.0, log=print, command_line: str = "") -> dict:
-    """Every spec config x concurrency against a fresh server per config; the result (config, cells, targets) as a dict."""
+                 max_batch: int | None = None, startup_timeout: float = 300.0, rounds: int = 1, log=print,
+                 command_line: str = "") -> dict:
+    """Every spec config x concurrency against a fresh server per config; the result (config, cells, targets) as a dict.
+
+    rounds > 1 repeats the whole pass, the configs' order rotated each round (a slow spell of the machine
+    falls on different configs); each cell's tokens/s is then the rounds' median."""
     from ..api import load
     from ..prompts import load_prompts
 
     specs = list(specs) if specs is not None else parse_specs("off,fixed:3,auto")
     concurrency = sorted(set(concurrency))
-    for name, v in (("--requests", requests), ("--max-tokens", max_tokens), ("--warmup-tokens", warmup_tokens)):
+    for name, v in (("--requests", requests), ("--max-tokens", max_tokens), ("--warmup-tokens", warmup_tokens), ("--rounds", rounds)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
     if not time_limit > 0:
@@ -706,29 +738,33 @@ def run_loadtest(model: str = "demo", concurrency: list[int] = (1, 4, 16), specs
     ref_seconds = time.perf_counter() - t_start
     log(f"loadtest: {len(refs)} references ({skipped} prompts skipped: too long or empty) in {ref_seconds:.1f} s")
     del ref_model
-    cells, servers = [], {}
-    for spec in specs:
-        argv = serve_argv(model, spec, max_batch, threads, tokenizer)
-        with ServerProcess(argv, startup_timeout) as server:
-            import httpx
+    runs: dict[tuple[str, int], list[CellResult]] = {(s.label, c): [] for s in specs for c in concurrency}
+    servers: dict[str, dict] = {}
+    for r in range(rounds):
+        for spec in specs[r % len(specs):] + specs[:r % len(specs)]:
+            argv = serve_argv(model, spec, max_batch, threads, tokenizer)
+            with ServerProcess(argv, startup_timeout) as server:
+                import httpx
 
-            models = httpx.get(server.url + "v1/models", timeout=10.0, trust_env=False).json()
-            name = models["data"][0]["id"]
-            servers[spec.label] = {"argv": argv[1:], "startup_seconds": server.startup_seconds, "served_model": name}
-            log(f"loadtest: {spec.label}: serving {name} at {server.url} ({server.startup_seconds:.1f} s to start)")
-            for c in concurrency:
-                cell = asyncio.run(run_cell(server.url, name, refs, spec.label, c, requests, max_tokens, time_limit,
-                                            c if warmup is None else warmup, warmup_tokens))
-                cells.append(cell)
-                log(f"loadtest: {spec.label} C={c}: {cell.tokens_per_second:.1f} tok/s, ITL p50 {_ms(cell.itl_p50)} ms, "
-                    f"TTFT p50 {_ms(cell.ttft_p50)} ms, {_per_forward(cell)}{cell.ok}/{cell.requests} ok" + (" (time limit)" if cell.time_limited else ""))
-    cell_json = [c.to_json() for c in cells]
+                models = httpx.get(server.url + "v1/models", timeout=10.0, trust_env=False).json()
+                name = models["data"][0]["id"]
+                info = servers.setdefault(spec.label, {"argv": argv[1:], "served_model": name, "startup_seconds": []})
+                info["startup_seconds"].append(server.startup_seconds)
+                log(f"loadtest: round {r + 1}/{rounds} {spec.label}: serving {name} at {server.url} ({server.startup_seconds:.1f} s to start)")
+                for c in concurrency:
+                    cell = asyncio.run(run_cell(server.url, name, refs, spec.label, c, requests, max_tokens, time_limit,
+                                                c if warmup is None else warmup, warmup_tokens, r))
+                    runs[(spec.label, c)].append(cell)
+                    log(f"loadtest: {spec.label} C={c}: {cell.tokens_per_second:.1f} tok/s, ITL p50 {_ms(cell.itl_p50)} ms, "
+                        f"TTFT p50 {_ms(cell.ttft_p50)} ms, {_per_forward(cell)}{cell.ok}/{cell.requests} ok, load {cell.load1[0]:.2f}"
+                        + (" (time limit)" if cell.time_limited else ""))
+    cell_json = [merge_rounds(runs[(s.label, c)]).to_json() for s in specs for c in concurrency]
     result = {
         "config": {
             "command": command_line, "model": model, "tokenizer": tokenizer, "concurrency": concurrency,
             "spec": [asdict(s) for s in specs], "requests": requests, "time_limit": time_limit, "max_tokens": max_tokens,
             "prompts": prompts, "prompts_used": len(refs), "prompts_skipped": skipped, "threads": threads,
-            "max_batch": max_batch, "warmup": warmup, "warmup_tokens": warmup_tokens,
+            "max_batch": max_batch, "warmup": warmup, "warmup_tokens": warmup_tokens, "rounds": rounds,
             "reference": "in-process mtpspec.load(model).generate(prompt, max_new_tokens=M), greedy, no drafter",
             "reference_seconds": ref_seconds, "servers": servers, "elapsed_seconds": time.perf_counter() - t_start,
             "load_before": list(load_before), "load_after": list(os.getloadavg()), "cpus": os.cpu_count(),
@@ -757,6 +793,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=16, help="max_tokens of a warm-up request (default 16)")
     p.add_argument("--max-batch", type=int, default=None, help="the server's --max-batch (default: the largest concurrency)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to start (default 300)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over every config (order rotated each round); tokens/s = the rounds' median, latencies over all (default 1)")
     p.add_argument("--out", default="build/serve_load.json", help="JSON with every number (default build/serve_load.json)")
     p.add_argument("--md", help="also write the markdown table and checks here")
     p.add_argument("--png", help="also write the plot here (throughput and p50 ITL against concurrency)")
@@ -775,7 +813,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
         model=args.model, concurrency=parse_concurrency(args.concurrency), specs=parse_specs(args.spec), requests=args.requests,
         time_limit=args.time_limit, max_tokens=args.max_tokens, prompts=args.prompts, threads=args.threads,
         tokenizer=args.tokenizer, warmup=args.warmup, warmup_tokens=args.warmup_tokens, max_batch=args.max_batch,
-        startup_timeout=args.startup_timeout, log=lambda s: print(s, file=sys.stderr, flush=True), command_line=cmd,
+        startup_timeout=args.startup_timeout, rounds=args.rounds, log=lambda s: print(s, file=sys.stderr, flush=True), command_line=cmd,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
