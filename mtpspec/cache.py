@@ -31,6 +31,7 @@ class KVCache:
 
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
     prefill = False  # set by the engine before a prompt prefill (no rollback inside it); reset by advance()
+    tree = None  # a TreeLayout while a forward verifies a token tree (tree.py): its attention mask and positions
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""
@@ -44,6 +45,14 @@ class KVCache:
     def advance(self, t: int) -> None:
         self.length += t
         self.prefill = False
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a tree forward from `start`: its entries at `rows` (the root and the accepted path) moved to
+        start, start + 1, ... (so crop(start + len(rows)) keeps exactly them)."""
+        idx = torch.tensor(rows, dtype=torch.long) + start
+        n = len(rows)
+        self.k[:, :, :, start : start + n] = self.k[:, :, :, idx]  # advanced indexing reads a copy first
+        self.v[:, :, :, start : start + n] = self.v[:, :, :, idx]
 
     def crop(self, length: int) -> None:
         """Roll back to the first `length` positions (a pointer move)."""

@@ -98,6 +98,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt lookup: shortest n-gram matched (default 1)")
     p.add_argument("--ngram-max", type=int, default=None, help="prompt lookup: longest n-gram matched (default 3)")
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help="mtp / eagle / medusa: draft a token tree of at most N nodes (depth <= --k), verified in one forward "
+                        "(default: a chain)")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -106,6 +109,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
+        tree=args.tree,
     )
 
 

@@ -35,6 +35,7 @@ from .errors import ConfigError
 from .metrics import Metrics
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
+from .tree import forward_tree, kept_rows, verify_tree
 from .verify import verify, verify_greedy_many
 
 
@@ -255,15 +256,23 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     t1 = perf_counter()
     starts = [s.cache.length for s in seqs]
     tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence
-    if len(seqs) > 1 and not exact and storage is not None:  # 2. one verify pass, D_i + 1 positions each
+    trees = any(d.is_tree for d in drafts)  # a tree verifies in its own forward (tree.py)
+    if trees and exact:
+        raise ConfigError("token trees are not available in exact mode (its verify pass is one-position forwards)")
+    if len(seqs) > 1 and not exact and storage is not None and not trees:  # 2. one verify pass, D_i + 1 positions each
         outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
     else:
-        outs = [target.forward_tokens(t, s.cache, exact) for t, s in zip(tokens, seqs)]
-    if all(s.sampler.params.greedy for s in seqs):  # 3. accept n_i + recovered/bonus
+        outs = [forward_tree(target, t, d.parents, s.cache) if d.is_tree else target.forward_tokens(t, s.cache, exact)
+                for t, s, d in zip(tokens, seqs, drafts)]
+    if all(s.sampler.params.greedy for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
         verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())
     else:
-        verdicts = [verify(d, o.logits, s.sampler) for d, o, s in zip(drafts, outs, seqs)]
-    for s, v, start in zip(seqs, verdicts, starts):
+        verdicts = [verify_tree(d, o.logits, s.sampler) if d.is_tree else verify(d, o.logits, s.sampler)
+                    for d, o, s in zip(drafts, outs, seqs)]
+    for i, (s, v, start) in enumerate(zip(seqs, verdicts, starts)):
+        if v.path is not None:  # a tree: its root and accepted path to the front of the window
+            s.cache.keep(start, kept_rows(v))
+            outs[i] = outs[i].rows(kept_rows(v))
         s.cache.crop(start + v.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
     t2 = perf_counter()
     parts = []

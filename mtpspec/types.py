@@ -24,10 +24,15 @@ class Draft:
 
     tokens: Tensor  # (D,) int64, D may be 0 (nothing to propose: a plain step)
     q: Tensor | None = None  # (D, V) float probabilities the tokens were sampled from; None = point mass
+    parents: Tensor | None = None  # (D,) int64: a token tree (tree.py), node i's parent (-1 = the root); None = a chain
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @staticmethod
     def empty() -> "Draft":
@@ -41,6 +46,7 @@ class Verdict:
     num_accepted: int  # n in 0..D
     tokens: Tensor  # (n + 1,) int64: d1..dn then the recovered (n < D) or bonus (n == D) token
     num_drafted: int  # D
+    path: tuple[int, ...] | None = None  # a tree draft: the verify-window rows of the n accepted nodes (tree.py)
 
     @property
     def bonus(self) -> bool:
@@ -54,6 +60,11 @@ class TargetOutput:
     logits: Tensor  # (T, V) float32, next-token logits at each position
     hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
     prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
+
+    def rows(self, rows: list[int]) -> "TargetOutput":
+        """The output at these rows only (a tree's accepted path)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        return TargetOutput(self.logits[idx], self.hidden[idx], None if self.prenorm_hidden is None else self.prenorm_hidden[idx])
 
     @staticmethod
     def cat(outs: list["TargetOutput"]) -> "TargetOutput":

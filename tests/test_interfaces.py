@@ -68,7 +68,8 @@ def test_hybrid_with_mtp_and_attached_heads_are_mtp_sources(target, heads):
 
 def test_every_registered_drafter_is_a_drafter(target, heads):
     draft = _model(0)  # a causal LM as the draft model
-    given = {"none": None, "ngram": None, "draft": draft, "mtp": None, "eagle": heads["eagle"], "medusa": heads["medusa"]}
+    given = {"none": None, "ngram": None, "lookahead": None, "suffix": None, "draft": draft, "mtp": None, "eagle": heads["eagle"],
+             "medusa": heads["medusa"]}
     assert set(REGISTRY) == set(given)
     for name in REGISTRY:
         d = make_drafter(name, target, draft_model=given[name])
@@ -82,7 +83,7 @@ def test_every_registered_drafter_is_a_drafter(target, heads):
 
 
 def test_options_are_frozen_typed_dataclasses():
-    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden")
+    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden", "tree")
     assert OPTION_TYPES["ngram_max"] == ("--ngram-max", int) and OPTION_TYPES["mtp_prenorm_hidden"][1] is bool
     o = NgramOptions(2, 4)
     with pytest.raises(AttributeError):

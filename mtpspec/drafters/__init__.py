@@ -34,18 +34,22 @@ class DraftModelOptions(DrafterOptions):
 
 @dataclass(frozen=True)
 class MedusaOptions(DrafterOptions):
-    """--drafter medusa reads no option (K comes with the head)."""
+    """--drafter medusa: K comes with the head; --tree N drafts a token tree of N nodes from the heads' top guesses."""
+
+    tree: int | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
 class MTPOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
+    tree: int | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
 class EagleOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
+    tree: int | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
 
 
 # name -> factory(target_model, draft_model, options) and the class of its options
@@ -118,7 +122,7 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
     from .mtp import MTPDrafter
 
     source = target if draft_model is None else _attached(target, draft_model, "mtp")
-    return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab)
+    return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree)
 
 
 def _head(draft_model, kind: str, target):
@@ -161,7 +165,7 @@ def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
     """An EAGLE head: the MTP drafter's bookkeeping, on a head that predicts the target's next feature."""
     from .mtp import MTPDrafter
 
-    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=options.draft_vocab)
+    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=options.draft_vocab, tree=options.tree)
     d.name = "eagle"
     return d
 
@@ -170,7 +174,7 @@ def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
 def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     from .medusa import MedusaDrafter
 
-    return MedusaDrafter(target, _head(draft_model, "medusa", target))
+    return MedusaDrafter(target, _head(draft_model, "medusa", target), tree=options.tree)
 
 
 KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "lookahead", "suffix")

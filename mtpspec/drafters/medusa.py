@@ -3,7 +3,8 @@
 With the engine's convention the target's cache holds every token but `last`; the hidden state h at
 the last forwarded position is the one whose next token is `last`. Medusa block k (1-based) on h
 predicts the token k positions after `last`, so one call of the K blocks drafts d1..dK at once
-(a chain of their top-1 tokens; tree drafting is out of scope). Each head's q is its own
+(a chain of their top-1 tokens, or with `tree` a token tree: the most probable paths through each
+block's top guesses, tree.py). Each head's q is its own
 distribution, which does not depend on the earlier drafts: still a valid proposal, so rejection
 sampling stays exact.
 
@@ -23,10 +24,12 @@ from ..types import Draft, TargetOutput, Verdict
 class MedusaDrafter:
     name = "medusa"
 
-    def __init__(self, target, head) -> None:
+    def __init__(self, target, head, tree: int | None = None) -> None:
         from ..models.heads import check_fits
+        from ..tree import check_tree_budget
 
         check_fits(head, target)
+        self.tree = check_tree_budget(tree)
         self.target, self.heads = target, head.medusa
         self.k_max = head.config.num_medusa
         self.h: Tensor | None = None  # (H,) hidden at the last forwarded position
@@ -42,10 +45,28 @@ class MedusaDrafter:
             return Draft.empty()
         k = min(k, self.k_max)
         logits = self.target.head(self.heads(self.h[None])[:k, 0])  # (k, V)
+        if self.tree is not None:
+            return self._tree(logits)
         if self.sampler.params.greedy:
             return Draft(tokens=logits.argmax(-1))
         q = self.sampler.probs(logits)  # (k, V) the same transform as p
         return Draft(tokens=self.sampler.sample(q), q=q)
+
+    def _tree(self, logits: Tensor) -> Draft:
+        """Block j's top guesses as the children of every node at depth j (the blocks do not read the drafts
+        before them), expanded and kept by log q along the path (tree.grow / best_nodes); point masses."""
+        from ..tree import GrowingTree, best_nodes, grow, subtree
+
+        greedy = self.sampler.params.greedy
+        logq = torch.log_softmax(logits.float(), -1) if greedy else self.sampler.probs(logits).log()  # (k, V)
+        branch = min(4, self.tree)
+        top = logq.topk(branch, dim=-1)  # (k, branch) values, ids
+        grown = GrowingTree(0)
+        grow(grown, (top.values[0], top.indices[0]), lambda nodes: (top.values[grown.depth[nodes[0]] + 1].expand(len(nodes), -1),
+                                                                       top.indices[grown.depth[nodes[0]] + 1].expand(len(nodes), -1)),
+             logq.shape[0], branch, 4)
+        tokens, parents = subtree(grown.tokens, grown.parents, best_nodes(grown.parents, grown.scores, self.tree))
+        return Draft(tokens=tokens, parents=parents)
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         self.h = out.hidden[verdict.num_accepted]

@@ -27,17 +27,21 @@ from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
+from ..tree import GrowingTree, best_nodes, check_tree_budget, grow, subtree
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
 
 MAX_PENDING = 16  # pairs queued before a catch-up runs without a draft (plain steps chosen by --k auto, a long prompt)
+TREE_BRANCH = 4  # a tree: children per expanded node (the drafter's top guesses there)
+TREE_BEAM = 4  # a tree: nodes expanded per level
 
 
 class MTPDrafter:
     name = "mtp"
 
-    def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True) -> None:
+    def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
+                 tree: int | None = None) -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
@@ -55,6 +59,7 @@ class MTPDrafter:
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
         self.pending_t: Tensor | None = None  # (P,) the tokens that follow them
         self.committed = 0  # MTP cache entries built from real target hidden states
+        self.tree = check_tree_budget(tree)  # a node budget: propose a token tree (tree.py) of at most this many nodes, depth <= k
 
     def _hidden(self, out: TargetOutput) -> Tensor:
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
@@ -87,6 +92,8 @@ class MTPDrafter:
         sampler = self.sampler
         h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
         self.pending_h = self.pending_t = None
+        if self.tree is not None:
+            return self._propose_tree(h, k)
         tokens, qs = [], []
         for j in range(k):
             x, q = self._next(h)
@@ -109,6 +116,8 @@ class MTPDrafter:
         from ..models.static import draft_module_forward
 
         module = drafters[0].target.mtp
+        if any(d.tree is not None for d in drafters):  # trees draft one sequence at a time
+            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
         if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
@@ -160,6 +169,39 @@ class MTPDrafter:
             toks_i = torch.stack(tokens[i])  # (k_i,)
             drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
         return drafts
+
+    def _propose_tree(self, h: Tensor, k: int) -> Draft:
+        """A dynamic token tree (EAGLE-2): the root's top guesses, then level by level the most probable nodes
+        expanded by one MTP forward over them (each row attending to its own path, tree.TreeRows), depth <= k;
+        the `tree` most probable nodes kept. Its tokens are point masses (q = None), greedy and sampling alike."""
+        grown = GrowingTree(self.cache.length)
+        self.committed = self.cache.length  # entries from here on are drafted (cropped at commit)
+        hid: dict[int, Tensor] = {}  # node -> the MTP output after its pair
+
+        def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
+            parent_h = torch.stack([h[0] if grown.parents[n] < 0 else hid[grown.parents[n]] for n in nodes])  # (n, H)
+            toks = torch.tensor([grown.tokens[n] for n in nodes], dtype=torch.long)
+            self.cache.tree = grown.rows_for(nodes)
+            try:
+                out = self.target.mtp_forward(parent_h, toks, self.cache, layer=grown.depth[nodes[0]] % self.n_layers)  # (n, H)
+            finally:
+                self.cache.tree = None
+            for n, o in zip(nodes, out):
+                hid[n] = o
+            return self._logq(out).topk(branch, dim=-1)
+
+        branch = min(TREE_BRANCH, self.tree)
+        grow(grown, self._logq(h)[0].topk(branch), expand, k, branch, TREE_BEAM)
+        nodes = best_nodes(grown.parents, grown.scores, self.tree)
+        tokens, parents = subtree(grown.tokens, grown.parents, nodes)
+        return Draft(tokens=tokens, parents=parents)
+
+    def _logq(self, h: Tensor) -> Tensor:
+        """h (n, H) MTP outputs -> log q (n, V) the drafter's distributions (a tree ranks its nodes by them)."""
+        logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
+        if self.sampler.params.greedy:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return self.sampler.probs(logits).log()
 
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""

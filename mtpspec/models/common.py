@@ -30,7 +30,10 @@ class CausalLM(nn.Module):
 
     def shortcut(self, tokens: Tensor, cache, exact: bool):
         """The forward when it does not run the eager layers at once: exact mode's one-position forwards
-        (by_position), or the compiled step (mtpspec.compiled.compile_model); else None."""
+        (by_position), or the compiled step (mtpspec.compiled.compile_model); else None. A token tree's
+        verify window (cache.tree) always runs the eager layers."""
+        if getattr(cache, "tree", None) is not None:
+            return None
         if exact and tokens.shape[0] > 1 and not cache.prefill:
             return by_position(self, tokens, cache)
         step = self.__dict__.get("compiled_step")
@@ -133,24 +136,28 @@ class Rotary(nn.Module):
             self.__dict__["_fp64"] = self.compute(torch.float64)
         return self.__dict__["_fp64"]
 
-    def forward(self, x: Tensor, start: int) -> Tensor:
-        """x (B, nh, T, hd) at positions start..start+T-1 -> same shape, rotated."""
+    def forward(self, x: Tensor, start: int, positions: Tensor | None = None) -> Tensor:
+        """x (B, nh, T, hd) at positions start..start+T-1 (or at `positions` (T,): a token tree) -> same shape, rotated."""
         t = x.shape[2]
         cos, sin = self.tables(x.dtype)
-        cos = cos[start : start + t].to(x.dtype)  # (T, rot)
-        sin = sin[start : start + t].to(x.dtype)
+        where = slice(start, start + t) if positions is None else positions
+        cos = cos[where].to(x.dtype)  # (T, rot)
+        sin = sin[where].to(x.dtype)
         xr, xp = x[..., : self.rot_dim], x[..., self.rot_dim :]
         half = self.rot_dim // 2
         rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
         return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0, tree=None) -> Tensor:
     """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
 
     Query i sees keys 0..start+i; with a sliding window (window > 0) only the last `window` of them,
     start+i-window+1..start+i (transformers' sliding_window). GQA heads are shared by SDPA's enable_gqa.
+    tree (a TreeLayout): row i sees the keys before `start` and its own ancestors in the window (tree.py).
     """
+    if tree is not None:
+        return _tree_attention(q, k, v, start, window, tree)
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
 
@@ -165,6 +172,18 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 
         mask = torch.ones(t, s - lo, dtype=torch.bool).tril(diagonal=start - lo)  # (T, S - lo): causal
         if window > 0:
             mask &= torch.ones(t, s - lo, dtype=torch.bool).triu(diagonal=start - lo - window + 1)  # the window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _tree_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int, tree) -> Tensor:
+    """causal_attention over a token tree's verify window: rows at positions start + depth, each row seeing the
+    committed keys and its ancestors (and, with a sliding window, only those less than `window` positions back)."""
+    gqa = q.shape[1] != k.shape[1]
+    mask = tree.attn_mask(start)  # (T, start + T)
+    if window > 0:
+        q_pos = tree.positions(start)  # (T,)
+        k_pos = torch.cat([torch.arange(start), q_pos])  # (start + T,)
+        mask = mask & ((q_pos[:, None] - k_pos[None, :]) < window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 

@@ -67,11 +67,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = self.rotary[0]
-        q = rope(q.transpose(1, 2), start)  # (B, nh, T, hd)
-        k = rope(k.transpose(1, 2), start)  # (B, nkv, T, hd)
+        rope, tree = self.rotary[0], cache.tree
+        pos = None if tree is None else tree.positions(start)  # a token tree: rows at start + depth
+        q = rope(q.transpose(1, 2), start, pos)  # (B, nh, T, hd)
+        k = rope(k.transpose(1, 2), start, pos)  # (B, nkv, T, hd)
         k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, self.window)  # (B, nh, T, hd)
+        y = causal_attention(q, k_all, v_all, start, self.window, tree)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 

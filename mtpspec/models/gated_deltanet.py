@@ -44,8 +44,14 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                      anc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A short window (decode / verify) as one exact chunk, without padding and without writing states.
+
+    anc (T, T) bool, for a token tree's verify window (tree.py): position i follows its own ancestors
+    only (anc[i, j]: j is i or an ancestor of i), so the decays accumulate along each row's path and a
+    row reads and writes the state of its own path; every row's (gc, u) is then that of the chain
+    along its path, and rollback to an accepted path is a re-indexing (HybridCache.keep).
 
     q, k (B, nv, T, dk), v (B, nv, T, dv), g, beta (B, nv, T), state (B, nv, dk, dv); fp32 (fp64 for an fp64 model).
     Returns o (B, nv, T, dv), gc (B, nv, T) the cumulative log decay and u (B, nv, T, dv) the
@@ -54,8 +60,11 @@ def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     The state itself is read once (one matmul for the decayed keys and queries together).
     """
     t_len, dk, dv = q.shape[2], q.shape[-1], v.shape[-1]
-    gc = g.cumsum(-1)  # (B, nv, T)
-    causal = torch.ones(t_len, t_len, dtype=torch.bool).tril()
+    if anc is None:
+        gc = g.cumsum(-1)  # (B, nv, T)
+        causal = torch.ones(t_len, t_len, dtype=torch.bool).tril()
+    else:  # a tree: decays summed along each row's path, keys seen along it only
+        gc, causal = g @ anc.to(g.dtype).T, anc  # (B, nv, T)
     gamma = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, nv, T, T)
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * gamma  # unit lower triangular system (strict part used)
@@ -103,6 +112,18 @@ def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
     for j in range(1, kern):
         out += h[..., j : j + t_len] * w[:, j, None]
     return out.to(hist.dtype)
+
+
+def tree_conv(hist: Tensor, weight: Tensor, back: Tensor) -> Tensor:
+    """causal_conv over a token tree: each row reads its own path's inputs. hist (B, C, K-1+T) (the K-1 inputs
+    before the window, then the rows'), back (T, K-1): each row's ancestors 1..K-1 levels up as rows (-m: the
+    m-th input before the window) -> (B, C, T)."""
+    kern = weight.shape[-1]
+    t_len = back.shape[0]
+    idx = torch.cat([back.flip(-1), torch.arange(t_len)[:, None]], dim=-1) + kern - 1  # (T, K) columns of hist, oldest first
+    dt = wide(hist.dtype)
+    taps = hist.to(dt)[:, :, idx]  # (B, C, T, K)
+    return (taps * weight[:, 0].to(dt)[:, None, :]).sum(-1).to(hist.dtype)
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
@@ -178,10 +199,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, cache) -> Tensor:
         """x (B, T, H) -> (B, T, H); reads and records this layer's state in the HybridCache."""
         b, t, _ = x.shape
+        tree = cache.tree  # a token tree's verify window (tree.py), or None
         conv_window = cache.conv_window(self.slot, b)  # (B, C, K-1) inputs before this window
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
         hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)  # (B, C, K-1+T)
-        conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
+        if tree is None:
+            conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
+        else:
+            conv = F.silu(tree_conv(hist, self.conv1d.weight, tree.gather_back(self.kernel - 1))).transpose(1, 2)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk  # value heads per key head
         dt = wide(x.dtype)  # the recurrence runs in at least fp32
@@ -194,7 +219,12 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias.to(dt))).transpose(1, 2)
         s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
         prefill = t > SHORT_MAX_T and cache.prefill  # a long prompt prefill: never cropped inside
-        if not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
+        if tree is not None:  # one piece, each row along its own path
+            if t > CHUNK:
+                raise ValueError(f"a token tree of {t} rows: at most {CHUNK} fit one verify window")
+            o, gc, u = window_delta_rule(q, k, v, g, beta, s0, anc=tree.anc)
+            cache.record_window(self.slot, hist, [Window(gc, k, u)], None)
+        elif not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
             o, pieces = piece_delta_rule(q, k, v, g, beta, s0)
             cache.record_window(self.slot, hist, pieces, None)
         else:  # prefill: chunked, final state only

@@ -116,6 +116,7 @@ class HybridCache:
         self.window: list[list[Window] | None] = [None] * n_linear  # pieces of the last forward (not a prefill)
         self.final: list[Tensor | None] = [None] * n_linear  # final state of the last forward if it was a prefill
         self.prefill = False  # set by the caller before a prompt prefill (final state only); reset by advance()
+        self.tree = None  # a TreeLayout while a forward verifies a token tree (tree.py); also set on self.kv
 
     # -- the interface the layers use -------------------------------------------------------
     def conv_window(self, i: int, batch: int = 1) -> Tensor:
@@ -193,6 +194,21 @@ class HybridCache:
             self.window[i] = [Window(states=st.states[i])]
 
     # -- rollback ---------------------------------------------------------------------------
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a tree forward from `start`: keep its rows `rows` (the root and the accepted path) as if the
+        forward had run over them alone, in that order: KV entries moved, each linear layer's per-row records
+        (decays, keys, corrections along each row's own path: a chain's window, tree.py) re-indexed."""
+        if start != self.fwd_start:
+            raise ValueError(f"keep({start}, ...) after a forward from {self.fwd_start}")
+        self.kv.keep(start, rows)
+        idx = torch.tensor(rows, dtype=torch.long)
+        k1 = self.conv_kernel - 1
+        for i in range(self.n_linear):
+            (w,) = self.window[i]  # a tree window is one piece (T <= 64)
+            self.window[i] = [Window(w.gc[:, :, idx], w.k[:, :, idx], w.u[:, :, idx])]
+            self.hist[i] = torch.cat([self.hist[i][..., :k1], self.hist[i][..., k1 + idx]], dim=-1)
+        self.fwd_end = self.length = self.kv.length = start + len(rows)
+
     @property
     def crops_across_forwards(self) -> bool:
         """crop() reaches only into the last forward when there is recurrent state: a caller that

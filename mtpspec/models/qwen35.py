@@ -97,11 +97,12 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(b, t, self.nh, 2 * self.hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
         k = self.k_proj(x).view(b, t, self.nkv, self.hd)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        rope = self.rotary[0]
-        q = rope(self.q_norm(q).transpose(1, 2), start)  # (B, nh, T, hd)
-        k = rope(self.k_norm(k).transpose(1, 2), start)  # (B, nkv, T, hd)
+        rope, tree = self.rotary[0], kv.tree
+        pos = None if tree is None else tree.positions(start)  # a token tree: rows at start + depth
+        q = rope(self.q_norm(q).transpose(1, 2), start, pos)  # (B, nh, T, hd)
+        k = rope(self.k_norm(k).transpose(1, 2), start, pos)  # (B, nkv, T, hd)
         k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        y = causal_attention(q, k_all, v_all, start, tree=tree).transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
 
 

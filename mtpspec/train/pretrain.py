@@ -81,6 +81,7 @@ class TrainCache:
 
     exact = False
     prefill = True  # whole windows, never cropped: the chunked form
+    tree = None  # never a token tree
 
     def __init__(self, cfg: HybridConfig) -> None:
         self.conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim

@@ -1,0 +1,282 @@
+"""Token trees: several guesses per position, verified in one target forward, still lossless.
+
+A tree draft is `Draft(tokens (N,), parents (N,))`: node i guesses tokens[i] after the path to its
+parent (parents[i] = -1: right after the last emitted token). Nodes come parent first (parents[i] < i).
+The verify window has T = N + 1 rows: row 0 is the last emitted token (the root), row i + 1 is node i;
+row r sits at position start + depth(r) and attends to the committed context plus its own ancestors
+(`TreeLayout.attn_mask`). A chain is the tree whose node i has parent i - 1.
+
+Verification walks down from the root. Greedy: at each row the target's argmax is looked up among the
+row's children; a match is accepted and the walk continues there, otherwise the argmax is emitted
+(recovered) and the walk ends; a leaf reached emits the target's choice there (bonus). The emitted
+tokens are exactly plain greedy decoding's. Sampling (SpecInfer's multi-candidate rule): at a row
+with target distribution p, the children are tried in order; child x drawn from q (a point mass at x
+when the drafter gives none) is accepted with probability min(1, p(x) / q(x)), and a rejection
+replaces p by norm(max(p - q, 0)) before the next child is tried; when every child is rejected the
+token is drawn from what is left of p. Children with a q must have been drawn independently from
+that same q; children without one must be distinct tokens. Either way the emitted token has exactly
+the target's distribution at every row, so the stream is the target's.
+
+After the walk the verify window's accepted rows [0, r1, .., rn] are moved to the front of the
+window (`keep`: KV entries copied, a Gated DeltaNet's per-row records re-indexed) and the cache is
+cropped to them, as after a chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import ConfigError
+from .sampling import Sampler
+from .types import Draft, TargetOutput, Verdict
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """The verify window of a tree draft: T rows, row 0 the root, row r's parent row `parent[r]` (-1 for row 0)."""
+
+    parent: Tensor  # (T,) int64, parent[0] = -1, parent[r] < r
+    depth: Tensor  # (T,) int64, depth[0] = 0
+    anc: Tensor  # (T, T) bool: anc[r, c] = row c is row r or one of its ancestors (lower triangular)
+
+    @staticmethod
+    def of(parents: Tensor) -> "TreeLayout":
+        """From a draft's node parents (N,) (-1 = the root)."""
+        n = parents.shape[0]
+        parent = torch.cat([torch.tensor([-1]), parents.long() + 1])  # (T,) rows
+        anc = torch.eye(n + 1, dtype=torch.bool)
+        depth = torch.zeros(n + 1, dtype=torch.long)
+        for r in range(1, n + 1):
+            p = int(parent[r])
+            anc[r] |= anc[p]
+            depth[r] = depth[p] + 1
+        return TreeLayout(parent, depth, anc)
+
+    @property
+    def size(self) -> int:
+        return int(self.parent.shape[0])
+
+    def positions(self, start: int) -> Tensor:
+        """(T,) the position of each row."""
+        return start + self.depth
+
+    def attn_mask(self, start: int, lo: int = 0) -> Tensor:
+        """(T, start + T - lo) bool: the committed keys lo..start-1, then the row's ancestors and itself."""
+        t = self.size
+        return torch.cat([torch.ones(t, start - lo, dtype=torch.bool), self.anc], dim=1)
+
+    def gather_back(self, steps: int) -> Tensor:
+        """(T, steps) row indices of each row's ancestors 1..steps levels up (-m: m levels above the root,
+        i.e. the m-th input before the window): what a causal conv over a row's own path reads."""
+        memo = self.__dict__.setdefault("_back", {})  # every linear layer of the forward asks the same
+        if steps not in memo:
+            memo[steps] = self._gather_back(steps)
+        return memo[steps]
+
+    def _gather_back(self, steps: int) -> Tensor:
+        t = self.size
+        out = torch.empty(t, steps, dtype=torch.long)
+        for r in range(t):
+            cur = r
+            for j in range(steps):
+                cur = int(self.parent[cur]) if cur >= 0 else cur - 1
+                out[r, j] = cur
+        return out
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """New rows of a tree grown over several forwards (a drafter expanding its tree level by level): their
+    absolute positions and which keys each sees; read by attention as a TreeLayout is (positions, attn_mask)."""
+
+    pos: Tensor  # (T,) absolute positions
+    mask: Tensor  # (T, S) bool over every key up to the last new row
+
+    def positions(self, start: int) -> Tensor:
+        return self.pos
+
+    def attn_mask(self, start: int, lo: int = 0) -> Tensor:
+        return self.mask
+
+
+class GrowingTree:
+    """A draft tree grown level by level in a drafter's own KV cache, after `base` committed entries: node i
+    (token, parent, score = log q along its path) may be expanded, i.e. get a cache entry, later."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depth: list[int] = []
+        self.entry: dict[int, int] = {}  # node -> its cache entry (0-based after base)
+        self.entry_node: list[int] = []  # cache entry -> node
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
+        return len(self.tokens) - 1
+
+    def rows_for(self, nodes: list[int]) -> TreeRows:
+        """The attention of new cache entries for `nodes` (appended in this order): each sees the committed
+        entries and its ancestors' entries (every ancestor was expanded before it)."""
+        for n in nodes:
+            self.entry[n] = len(self.entry_node)
+            self.entry_node.append(n)
+        total = self.base + len(self.entry_node)
+        mask = torch.zeros(len(nodes), total, dtype=torch.bool)
+        mask[:, : self.base] = True
+        for r, n in enumerate(nodes):
+            j = n
+            while j >= 0:
+                mask[r, self.base + self.entry[j]] = True
+                j = self.parents[j]
+        pos = torch.tensor([self.base + self.depth[n] for n in nodes], dtype=torch.long)
+        return TreeRows(pos, mask)
+
+
+def grow(tree: GrowingTree, roots: tuple[Tensor, Tensor], expand, depth: int, branch: int, beam: int) -> None:
+    """EAGLE-2's expansion: the root's top `branch` guesses (roots: log q values, token ids), then per level the
+    `beam` best frontier nodes (by log q along the path) expanded by `expand(nodes) -> (values, ids) (n, branch)`."""
+    frontier = [tree.add(-1, int(t), float(v)) for v, t in zip(*roots)]
+    for _ in range(1, depth):
+        pick = sorted(frontier, key=lambda n: -tree.scores[n])[:beam]
+        vals, ids = expand(pick)  # (n, branch) each
+        frontier = [tree.add(n, int(t), tree.scores[n] + float(v)) for n, vs, ts in zip(pick, vals.tolist(), ids.tolist())
+                    for v, t in zip(vs, ts)]
+
+
+def forward_tree(target, tokens: Tensor, parents: Tensor, cache) -> TargetOutput:
+    """The target's forward over a tree draft's verify window: tokens (T,) = [last, nodes], the nodes' parents (N,)."""
+    layout = TreeLayout.of(parents)
+    kv = getattr(cache, "kv", None)  # a hybrid cache's attention layers read their own KV cache
+    cache.tree = layout
+    if kv is not None:
+        kv.tree = layout
+    try:
+        return target.forward_tokens(tokens, cache)
+    finally:
+        cache.tree = None
+        if kv is not None:
+            kv.tree = None
+
+
+MAX_TREE = 63  # nodes: the verify window (T = nodes + 1) must fit one Gated DeltaNet piece of 64 rows
+
+
+def check_tree_budget(tree) -> int | None:
+    """A drafter's `tree` option: None (a chain) or a node budget 1..MAX_TREE."""
+    if tree is None:
+        return None
+    if not isinstance(tree, int) or isinstance(tree, bool) or not 1 <= tree <= MAX_TREE:
+        raise ConfigError(f"--tree must be a node budget from 1 to {MAX_TREE}, got {tree!r}")
+    return tree
+
+
+def check_tree(draft: Draft) -> None:
+    """A tree draft's parents must point to earlier nodes (or -1)."""
+    parents = draft.parents
+    n = draft.size
+    if parents.shape != (n,):
+        raise ValueError(f"a tree draft needs one parent per node: {tuple(parents.shape)} for {n} nodes")
+    if n and not bool(((parents >= -1) & (parents < torch.arange(n))).all()):
+        raise ValueError("a tree draft's nodes must come after their parents (parents[i] in -1..i-1)")
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Row -> its child rows, in node order."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p + 1, []).append(i + 1)
+    return kids
+
+
+def verify_tree_greedy(draft: Draft, choices: list[int]) -> Verdict:
+    """choices (T,): the target's argmax at every row. Accept the path that follows them."""
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    kids = children_of(parents)
+    row, path, out = 0, [], []
+    while True:
+        want = choices[row]
+        nxt = next((c for c in kids.get(row, ()) if tokens[c - 1] == want), None)
+        out.append(want)
+        if nxt is None:
+            break
+        path.append(nxt)
+        row = nxt
+    return Verdict(num_accepted=len(path), tokens=torch.tensor(out), num_drafted=len(tokens), path=tuple(path))
+
+
+def verify_tree_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
+    """p (T, V): the target's sampling distribution at every row. SpecInfer's multi-candidate rule (module doc)."""
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    kids = children_of(parents)
+    row, path, out = 0, [], []
+    while True:
+        res = p[row].clone()  # (V,) what is left of the target's distribution at this row
+        nxt = None
+        for c in kids.get(row, ()):
+            x = tokens[c - 1]
+            q = draft.q[c - 1] if draft.q is not None else None  # (V,) or a point mass at x
+            q_x = float(q[x]) if q is not None else 1.0
+            if float(sampler.uniform(1)[0]) * q_x < float(res[x]):  # accept with probability min(1, res(x) / q(x))
+                nxt = c
+                break
+            if q is None:
+                res[x] = 0.0
+            else:
+                res = torch.clamp(res - q, min=0.0)
+            total = res.sum()
+            if total <= 0:  # res == q: rejection had probability 0; nothing can follow
+                res = p[row].clone()
+                break
+            res = res / total
+        if nxt is None:
+            out.append(int(sampler.sample(res)))
+            break
+        out.append(tokens[nxt - 1])
+        path.append(nxt)
+        row = nxt
+    return Verdict(num_accepted=len(path), tokens=torch.tensor(out), num_drafted=len(tokens), path=tuple(path))
+
+
+def verify_tree(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
+    """A tree draft against the target's logits (T, V) over its verify window."""
+    if sampler.params.greedy:
+        return verify_tree_greedy(draft, p_logits.argmax(-1).tolist())
+    return verify_tree_sampling(draft, sampler.probs(p_logits), sampler)
+
+
+def kept_rows(verdict: Verdict) -> list[int]:
+    """The verify window's rows the cache keeps: the root and the accepted path."""
+    return [0, *verdict.path] if verdict.path is not None else list(range(verdict.num_accepted + 1))
+
+
+def best_nodes(parents: list[int], scores: list[float], budget: int) -> list[int]:
+    """The `budget` nodes of highest score (a log probability along the path, so a node never outscores its
+    parent), closed under parents, in node order: EAGLE-2's re-ranking of an expanded tree."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    keep: set[int] = set()
+    for i in order:
+        if len(keep) >= budget:
+            break
+        chain = []
+        j = i
+        while j >= 0 and j not in keep:
+            chain.append(j)
+            j = parents[j]
+        if len(keep) + len(chain) <= budget:
+            keep.update(chain)
+    return sorted(keep)
+
+
+def subtree(tokens: list[int], parents: list[int], nodes: list[int]) -> tuple[Tensor, Tensor]:
+    """The tree restricted to `nodes` (closed under parents, in node order), renumbered: tokens (n,), parents (n,)."""
+    index = {old: new for new, old in enumerate(nodes)}
+    return (torch.tensor([tokens[i] for i in nodes], dtype=torch.long),
+            torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in nodes], dtype=torch.long))
