@@ -1,0 +1,191 @@
+"""Token trees (tree.py): lossless greedy and sampling, dense and hybrid targets, every tree drafter.
+
+Greedy identity is checked against plain greedy decoding in fp32 on real weights (stories260K with its
+trained MTP / EAGLE / Medusa heads, the demo hybrid with its own MTP head) and with adversarial random
+trees (the true continuation to a random depth, random siblings and branches) that exercise every
+rollback: a Gated DeltaNet state that followed a wrong branch would change the tokens after it.
+The sampling rule is checked exactly on a synthetic target and statistically on the real model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import mtpspec
+from mtpspec.drafters import make_drafter
+from mtpspec.engine import Engine, generate_tokens
+from mtpspec.errors import ConfigError
+from mtpspec.sampling import Sampler, SamplingParams
+from mtpspec.tree import TreeLayout, best_nodes, verify_tree_greedy, verify_tree_sampling
+from mtpspec.types import Draft
+
+from test_sampling_exact import PARAMS, PROMPT, chi_square, exact_pairs
+
+HEADS = "models/heads/stories260K-"
+PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her ball"]
+
+
+class RandomTree:
+    """Trees holding the true greedy continuation to a random depth, plus random siblings and branches."""
+
+    name = "random-tree"
+
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int, seed: int) -> None:
+        self.truth, self.base, self.vocab, self.rng = truth, prompt_len, vocab, random.Random(seed)
+
+    def prefill(self, context, out, sampler) -> None:
+        pass
+
+    def propose(self, context, k: int) -> Draft:
+        want = self.truth[context.shape[0] - self.base :][:k]
+        good = self.rng.randint(0, len(want))
+        toks, parents, prev = [], [], -1
+        for j, t in enumerate(want):
+            for _ in range(self.rng.randint(0, 2)):  # wrong siblings before the right one
+                toks.append(self.rng.randrange(self.vocab))
+                parents.append(prev)
+            toks.append(t if j < good else self.rng.randrange(self.vocab))
+            parents.append(prev)
+            prev = len(toks) - 1
+            if self.rng.random() < 0.5:  # a branch anywhere above
+                toks.append(self.rng.randrange(self.vocab))
+                parents.append(self.rng.randrange(-1, len(toks) - 1))
+        if not toks:
+            return Draft.empty()
+        return Draft(tokens=torch.tensor(toks), parents=torch.tensor(parents))
+
+    def commit(self, verdict, out) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return mtpspec.load("demo")
+
+
+@pytest.mark.parametrize("which", ["stories", "demo"])
+def test_random_trees_equal_plain_greedy(which, stories, demo):
+    model = stories if which == "stories" else demo
+    greedy = SamplingParams()
+    for prompt in PROMPTS:
+        ids = model.encode(prompt)
+        plain = generate_tokens(model.module, ids, make_drafter("none", model.module), 1, Sampler(greedy, 0), 48)
+        for seed in range(3):
+            tree = RandomTree(plain.tokens + [0] * 8, len(ids), model.module.vocab_size, seed)
+            got = generate_tokens(model.module, ids, tree, 5, Sampler(greedy, 0), 48)
+            assert got.tokens == plain.tokens, (prompt, seed)
+            assert got.stats.target_forwards < 48  # the trees were used
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "eagle", "medusa"])
+def test_head_trees_equal_plain_greedy_and_beat_the_chain(stories, drafter):
+    head = HEADS + drafter
+    forwards = {}
+    for tree in (None, 16):
+        total = 0
+        for prompt in PROMPTS:
+            plain = stories.generate(prompt, max_new_tokens=64).tokens
+            r = stories.generate(prompt, drafter=drafter, draft_model=head, k=4 if tree is None else 6, tree=tree, max_new_tokens=64)
+            assert r.tokens == plain, (drafter, tree, prompt)
+            total += r.stats.target_forwards
+        forwards[tree] = total
+    assert forwards[16] < forwards[None]  # more tokens per target forward than the chain of depth 4
+
+
+def test_demo_mtp_tree_equals_plain_greedy(demo):
+    for prompt in ["def fib(n):\n", "import os\nimport sys\n"]:
+        plain = demo.generate(prompt, max_new_tokens=48).tokens
+        assert demo.generate(prompt, drafter="mtp", k=5, tree=12, max_new_tokens=48).tokens == plain
+
+
+def test_trees_and_chains_in_one_batch_equal_separate_runs(stories):
+    cfgs = [("eagle", 5, 16), ("mtp", 3, None), ("medusa", 4, 8), ("ngram", 3, None), ("mtp", 6, 10)]
+    engine = Engine(stories.module, max_batch=3)
+    sids = []
+    for i, (drafter, k, tree) in enumerate(cfgs):
+        d = make_drafter(drafter, stories.module, draft_model=None if drafter == "ngram" else HEADS + drafter, tree=tree)
+        sids.append(engine.add(stories.encode(PROMPTS[i % 3]), d, Sampler(SamplingParams(), 0), k, 40))
+    got = engine.run()
+    for i, sid in enumerate(sids):
+        assert got[sid].tokens == stories.generate(PROMPTS[i % 3], max_new_tokens=40).tokens, cfgs[i]
+
+
+def _tree_case():
+    """A synthetic target over V = 6 tokens and a tree: root children 2, 0, 5 (point masses), and under 2: 1, 3."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 6) * 1.5  # rows: root, then the five nodes
+    draft = Draft(tokens=torch.tensor([2, 0, 5, 1, 3]), parents=torch.tensor([-1, -1, -1, 0, 0]))
+    return logits, draft
+
+
+def test_tree_sampling_rule_keeps_the_target_distribution():
+    """First token ~ p(root); given the walk went to child 2, the next ~ p(that row). Exact to sampling noise."""
+    logits, draft = _tree_case()
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits, -1)
+    n = 12000
+    first, second = torch.zeros(6), torch.zeros(6)
+    for seed in range(n):
+        v = verify_tree_sampling(draft, p, Sampler(params, seed))
+        first[v.tokens[0]] += 1
+        if v.tokens[0] == 2:
+            second[v.tokens[1]] += 1
+    for counts, want in ((first, p[0]), (second, p[1])):
+        m = counts.sum()
+        stat = float(((counts - m * want) ** 2 / (m * want)).sum())
+        assert stat < 5 + 5 * math.sqrt(10), (counts / m, want)  # chi2 with 5 degrees of freedom, far tail
+
+
+def test_tree_sampling_with_iid_q_children():
+    """Children drawn independently from one q (duplicates allowed) follow SpecInfer's residual rule."""
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(5) * 2, -1)
+    q = torch.softmax(torch.randn(5), -1)
+    n = 12000
+    counts = torch.zeros(5)
+    gen = torch.Generator().manual_seed(3)
+    for seed in range(n):
+        kids = torch.multinomial(q, 3, replacement=True, generator=gen)
+        draft = Draft(tokens=kids, q=q.expand(3, -1), parents=torch.tensor([-1, -1, -1]))
+        rows = p.expand(4, -1)  # every row's p (the leaves' rows are never read for the first token)
+        counts[verify_tree_sampling(draft, rows, Sampler(SamplingParams(temperature=1.0), seed)).tokens[0]] += 1
+    stat = float(((counts - n * p) ** 2 / (n * p)).sum())
+    assert stat < 4 + 5 * math.sqrt(8), (counts / n, p)
+
+
+def test_real_model_tree_sampling_follows_the_target(stories):
+    ids = stories.encode(PROMPT)
+    exact = exact_pairs(stories, ids)
+    n = 800
+    counts: dict = {}
+    for seed in range(n):
+        r = stories.generate(ids, drafter="eagle", draft_model=HEADS + "eagle", k=4, tree=12, temperature=PARAMS.temperature,
+                             top_p=PARAMS.top_p, seed=seed, max_new_tokens=2)
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    stat, df = chi_square(counts, exact, n)
+    assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
+
+
+def test_greedy_walk_and_layout():
+    _, draft = _tree_case()
+    layout = TreeLayout.of(draft.parents)
+    assert layout.depth.tolist() == [0, 1, 1, 1, 2, 2] and layout.anc[4].tolist() == [True, True, False, False, True, False]
+    v = verify_tree_greedy(draft, [2, 3, 0, 0, 0, 4])  # root -> 2 (row 1), then 3 (row 5), then 4
+    assert v.tokens.tolist() == [2, 3, 4] and v.path == (1, 5) and v.num_accepted == 2
+    v = verify_tree_greedy(draft, [4, 0, 0, 0, 0, 0])  # no child matches: the target's own token
+    assert v.tokens.tolist() == [4] and v.path == () and v.num_accepted == 0
+    assert best_nodes([-1, 0, 0, -1], [-0.1, -0.5, -0.2, -3.0], 2) == [0, 2]
+
+
+def test_bad_tree_settings_are_named(stories):
+    for bad in (0, 64, "x", True):
+        with pytest.raises(ConfigError, match="--tree"):
+            make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree=bad)
+    with pytest.raises(ConfigError, match="not used by --drafter ngram"):
+        make_drafter("ngram", stories.module, tree=8)
+    with pytest.raises(ConfigError, match="exact mode"):
+        stories.generate("Once", drafter="eagle", draft_model=HEADS + "eagle", tree=8, exact=True, max_new_tokens=4)
