@@ -45,15 +45,15 @@ class TreeLayout:
     @staticmethod
     def of(parents: Tensor) -> "TreeLayout":
         """From a draft's node parents (N,) (-1 = the root)."""
-        n = parents.shape[0]
-        parent = torch.cat([torch.tensor([-1]), parents.long() + 1])  # (T,) rows
-        anc = torch.eye(n + 1, dtype=torch.bool)
-        depth = torch.zeros(n + 1, dtype=torch.long)
-        for r in range(1, n + 1):
-            p = int(parent[r])
-            anc[r] |= anc[p]
-            depth[r] = depth[p] + 1
-        return TreeLayout(parent, depth, anc)
+        parent = [-1] + [p + 1 for p in parents.tolist()]  # rows
+        depth, anc = [0], [[0]]  # per row: its depth, its ancestors-or-self
+        for r in range(1, len(parent)):
+            depth.append(depth[parent[r]] + 1)
+            anc.append(anc[parent[r]] + [r])
+        t = len(parent)
+        mask = torch.zeros(t * t, dtype=torch.bool)
+        mask[[r * t + c for r, cs in enumerate(anc) for c in cs]] = True
+        return TreeLayout(torch.tensor(parent), torch.tensor(depth), mask.view(t, t))
 
     @property
     def size(self) -> int:
@@ -77,14 +77,15 @@ class TreeLayout:
         return memo[steps]
 
     def _gather_back(self, steps: int) -> Tensor:
-        t = self.size
-        out = torch.empty(t, steps, dtype=torch.long)
-        for r in range(t):
-            cur = r
-            for j in range(steps):
-                cur = int(self.parent[cur]) if cur >= 0 else cur - 1
-                out[r, j] = cur
-        return out
+        parent = self.parent.tolist()
+        out = []
+        for r in range(len(parent)):
+            cur, row = r, []
+            for _ in range(steps):
+                cur = parent[cur] if cur >= 0 else cur - 1
+                row.append(cur)
+            out.append(row)
+        return torch.tensor(out, dtype=torch.long).view(len(parent), steps)
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,13 @@ class GrowingTree:
         total = self.base + len(self.entry_node)
         mask = torch.zeros(len(nodes), total, dtype=torch.bool)
         mask[:, : self.base] = True
+        hits = []
         for r, n in enumerate(nodes):
             j = n
             while j >= 0:
-                mask[r, self.base + self.entry[j]] = True
+                hits.append(r * total + self.base + self.entry[j])
                 j = self.parents[j]
+        mask.view(-1)[hits] = True
         pos = torch.tensor([self.base + self.depth[n] for n in nodes], dtype=torch.long)
         return TreeRows(pos, mask)
 

@@ -183,7 +183,7 @@ class MTPDrafter:
             toks = torch.tensor([grown.tokens[n] for n in nodes], dtype=torch.long)
             self.cache.tree = grown.rows_for(nodes)
             try:
-                out = self.target.mtp_forward(parent_h, toks, self.cache, layer=grown.depth[nodes[0]] % self.n_layers)  # (n, H)
+                out = self._mtp(parent_h, toks, grown.depth[nodes[0]] % self.n_layers)  # (n, H)
             finally:
                 self.cache.tree = None
             for n, o in zip(nodes, out):
@@ -205,7 +205,7 @@ class MTPDrafter:
 
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""
-        if self.compiled is not None and self.compiled.handles(tokens.shape[0], self.cache):
+        if self.compiled is not None and self.cache.tree is None and self.compiled.handles(tokens.shape[0], self.cache):
             return self.compiled(hidden, self.target.embed(tokens), self.cache, layer)
         if self.fused is None:
             return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer)

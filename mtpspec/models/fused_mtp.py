@@ -91,12 +91,13 @@ class FusedAttentionBlock:
         self.p[idx, idx + half] = 1.0
         self.future = torch.full((SHORT, SHORT), float("-inf"), dtype=dtype).triu(1)  # (S, S) keys after the query
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        """q (T, nh, hd) pre-scaled; k, v (nkv, start+T, hd) -> (T, nh hd). Query i sees keys ..start+i."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, tree_mask: Tensor | None = None) -> Tensor:
+        """q (T, nh, hd) pre-scaled; k, v (nkv, start+T, hd) -> (T, nh hd). Query i sees keys ..start+i, or with
+        tree_mask (T, start+T) (a drafter's token tree, tree.TreeRows) the keys it marks."""
         t, nh, nkv, hd = q.shape[0], self.nh, self.nkv, self.hd
         g = nh // nkv  # query heads per kv head, grouped as enable_gqa does
-        if t > SHORT:  # a long catch-up (the prompt's pairs): SDPA with a mask
-            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+        if t > SHORT or tree_mask is not None:  # a long catch-up (the prompt's pairs), or a tree: SDPA with a mask
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start) if tree_mask is None else tree_mask
             y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=1.0, enable_gqa=g > 1)
             return y.transpose(0, 1).reshape(t, nh * hd)
         rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd), row = (position, head)
@@ -110,9 +111,11 @@ class FusedAttentionBlock:
         t, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
         qk, gate, v = (_unit(x, self.c_in) @ self.qkgv).split(self.split, -1)
         qk = _unit(qk.view(t, nh + nkv, hd), self.c_qk) * self.qk_w  # (T, nh + nkv, hd) normed q and k
-        qk = qk * self.cos[start : start + t] + (qk @ self.p) * self.sin[start : start + t]
+        tree = kv.tree  # a drafter's token tree: rows at their own positions, each seeing its own path
+        where = slice(start, start + t) if tree is None else tree.positions(start)
+        qk = qk * self.cos[where] + (qk @ self.p) * self.sin[where]
         k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.view(t, nkv, hd).transpose(0, 1)[None])
-        y = self._attend(qk[:, :nh], k_all[0], v_all[0], start)  # (T, nh hd)
+        y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
         x = x + (y * torch.sigmoid(gate)) @ self.o
         g, u = (_unit(x, self.c_post) @ self.gate_up).chunk(2, -1)
         return x + (F.silu(g) * u) @ self.down
