@@ -8,16 +8,16 @@ last token. This engine's forward is [last, d1..dD] and nothing else, so both ro
 draft positions (docs/trees.md, "Lookahead and suffix lookup"):
 
 - **Pool.** For every key of 1..n-1 tokens, the tokens seen after it, with how often and how
-  recently. Two tables: the context's own n-grams (prompt and output), and the target's guesses.
+  recently: the context's own n-grams (prompt and output) and the target's guesses, in one table.
 - **Free Jacobi guesses.** Each verify pass gives the target's argmax y_j at every row j. Rows past
   the recovered token (j > n) were computed after a rejected draft token d_{n+1}: the target's
   continuation of a guessed prefix, exactly what one Jacobi iteration computes. Each gives an n-gram
-  (.., d_j) -> y_j for the guess table, and y_{n+1}..y_D, shifted, are the next step's Jacobi
-  guesses for the positions after the recovered token. The target's prefill adds its guesses over
-  the prompt the same way (rows where its argmax differs from the prompt's next token).
+  (.., d_j) -> y_j for the pool, and y_{n+1}..y_D, shifted, are the next step's Jacobi guesses for
+  the positions after the recovered token. The target's prefill adds its guesses over the prompt
+  the same way (rows where its argmax differs from the prompt's next token).
 - **Proposal.** Token by token, up to k: the longest key that is a suffix of context + draft so far
-  wins, the context table before the guess table at equal length, then the most frequent
-  continuation, then the most recent; where the pool knows none, the Jacobi guess for that position.
+  wins, then its most frequent continuation, then the most recent; where the pool knows no key,
+  the Jacobi guess for that position.
 
 No probabilities (q = None): the verifier treats the chain as a point mass, so greedy output equals
 plain greedy and sampled output keeps the target's distribution (verify.py), whatever the pool holds.
@@ -38,7 +38,7 @@ from .base import DrafterOptions, option
 
 @dataclass(frozen=True)
 class LookaheadOptions(DrafterOptions):
-    n: int = option("lookahead_n", "--lookahead-n", 4)  # n-gram size N: keys of 1..N-1 tokens
+    n: int = option("lookahead_n", "--lookahead-n", 5)  # n-gram size N: keys of 1..N-1 tokens
     jacobi: bool = option("lookahead_jacobi", "--lookahead-jacobi", True)  # feed the target's guesses (off: context n-grams only)
 
     def __post_init__(self) -> None:
@@ -80,15 +80,14 @@ class NgramPool:
 class LookaheadDrafter:
     name = "lookahead"
 
-    def __init__(self, n: int = 4, jacobi: bool = True) -> None:
+    def __init__(self, n: int = 5, jacobi: bool = True) -> None:
         LookaheadOptions(n, jacobi)  # checked: integers, n >= 2
         self.n, self.jacobi = n, jacobi
         self._reset()
 
     def _reset(self) -> None:
         self.tokens: list[int] = []  # mirror of the committed context
-        self.context_pool = NgramPool(self.n)  # n-grams of the context itself
-        self.guess_pool = NgramPool(self.n)  # n-grams ending in one of the target's guesses
+        self.pool = NgramPool(self.n)  # n-grams of the context and of the target's guesses
         self.tail: list[int] = []  # Jacobi guesses for draft positions 1, 2, .. of the next step
         self.draft: list[int] = []  # the chain proposed this step
 
@@ -99,14 +98,14 @@ class LookaheadDrafter:
             guess = out.logits.argmax(-1).tolist()  # (L-1,)
             for i, g in enumerate(guess):
                 if g != self.tokens[i + 1]:
-                    self.guess_pool.add(self.tokens, i + 1, g)
+                    self.pool.add(self.tokens, i + 1, g)
 
     def _extend(self, new: list[int]) -> None:
         toks = self.tokens
         for t in new:
             toks.append(t)
             if len(toks) > 1:
-                self.context_pool.add(toks, len(toks) - 1, t)
+                self.pool.add(toks, len(toks) - 1, t)
 
     def propose(self, context: Tensor, k: int) -> Draft:
         if len(context) > len(self.tokens):  # catch up (commit mirrors every kept token, so normally none)
@@ -126,10 +125,9 @@ class LookaheadDrafter:
 
     def _next(self, seq: list[int]) -> int | None:
         for m in range(min(self.n - 1, len(seq)), 0, -1):  # longest key first
-            for pool in (self.context_pool, self.guess_pool):
-                t = pool.lookup(seq, m)
-                if t is not None:
-                    return t
+            t = self.pool.lookup(seq, m)
+            if t is not None:
+                return t
         return None
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
@@ -141,7 +139,7 @@ class LookaheadDrafter:
             hypo = self.tokens[max(len(self.tokens) - (self.n - 1), 0) :] + draft  # the context's end (`last` last), then the chain
             base = len(hypo) - len(draft)  # where d_1 sits in hypo
             for j, g in zip(range(n + 1, d + 1), y):
-                self.guess_pool.add(hypo, base + j, g)  # (.., d_j) -> y_j
+                self.pool.add(hypo, base + j, g)  # (.., d_j) -> y_j
             self.tail = y
         else:
             self.tail = []
