@@ -70,7 +70,7 @@ def test_summary_reports_a_mismatch_with_plain():
 
     def run(method, tokens, rnd=0):
         return BatchRun(method=method, batch=2, round=rnd, decode_tokens=6, decode_seconds=1.0, decode_cpu_seconds=1.0, prefill_seconds=0.1,
-                        seconds_per_token=0.3, p50_token_latency=0.3, p99_token_latency=0.4, mean_depth=1.0, steps=3, tokens=tokens)
+                        seconds_per_token=0.3, p50_token_latency=0.3, p99_token_latency=0.4, mean_depth=1.0, tokens_per_forward=1.0, steps=3, tokens=tokens)
 
     runs = [run("plain", [[1, 2, 3], [4, 5, 6]]), run("ngram@2", [[1, 2, 3], [4, 9, 6]])]
     s = summarize(runs, [BatchMethod("none", 1), BatchMethod("ngram", 2)], [2], greedy=True)

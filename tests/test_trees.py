@@ -189,3 +189,22 @@ def test_bad_tree_settings_are_named(stories):
         make_drafter("ngram", stories.module, tree=8)
     with pytest.raises(ConfigError, match="exact mode"):
         stories.generate("Once", drafter="eagle", draft_model=HEADS + "eagle", tree=8, exact=True, max_new_tokens=4)
+
+
+def test_draft_model_and_ngram_trees_equal_plain_greedy(stories, stories_q80):
+    forwards = {}
+    for drafter, tree in (("draft", None), ("draft", 16), ("ngram", None), ("ngram", 12)):
+        total = 0
+        for prompt in PROMPTS:
+            plain = stories.generate(prompt, max_new_tokens=64).tokens
+            r = stories.generate(prompt, drafter=drafter, draft_model=stories_q80 if drafter == "draft" else None,
+                                 k=4 if tree is None else 6, tree=tree, max_new_tokens=64)
+            assert r.tokens == plain, (drafter, tree, prompt)
+            total += r.stats.target_forwards
+        forwards[(drafter, tree)] = total
+    assert forwards[("draft", 16)] < forwards[("draft", None)]
+
+
+def test_a_hybrid_draft_model_cannot_draft_trees(demo):
+    with pytest.raises(ConfigError, match="recurrent layers"):
+        make_drafter("draft", demo.module, draft_model=demo.module, tree=8)

@@ -54,10 +54,13 @@ def parse_batches(text: str) -> list[int]:
 class BatchMethod:
     drafter: str  # "none" = plain decoding
     k: int | str  # draft depth D, or "auto"
+    tree: int | None = None  # a token tree of this many nodes (depth <= k), else a chain
 
     @property
     def label(self) -> str:
-        return "plain" if self.drafter == "none" else f"{self.drafter}@{self.k}"
+        if self.drafter == "none":
+            return "plain"
+        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}")
 
 
 @dataclass
@@ -74,7 +77,8 @@ class BatchRun:
     seconds_per_token: float  # mean over sequences of its decode seconds / its decode tokens
     p50_token_latency: float | None
     p99_token_latency: float | None
-    mean_depth: float  # drafted tokens per sequence per decode step
+    mean_depth: float  # drafted tokens per sequence per decode step (a tree: its nodes)
+    tokens_per_forward: float  # emitted tokens per sequence per decode step (the mean accepted length)
     steps: int  # decode steps
     tokens: list[list[int]] = field(repr=False)  # every sequence's whole generation (for the identity check)
 
@@ -112,7 +116,7 @@ class _Run:
         params = SamplingParams(temperature=temperature)
         self.sids = []
         for i, ids in enumerate(prompts):
-            drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter))
+            drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter), tree=method.tree)
             self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k, max_new_tokens, model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
         self.clock = self.cpu = self.prefill = 0.0
@@ -146,6 +150,7 @@ class _Run:
             seconds_per_token=statistics.mean(per_seq) if per_seq else 0.0,
             p50_token_latency=_quantile(self.lat, 0.5), p99_token_latency=_quantile(self.lat, 0.99),
             mean_depth=self.drafted / self.seq_steps if self.seq_steps else 0.0, steps=self.steps,
+            tokens_per_forward=sum(self.n_tok) / self.seq_steps if self.seq_steps else 0.0,
             tokens=[self.engine.finished[s].result().tokens for s in self.sids],
         )
 
@@ -211,6 +216,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
                 "p50_token_latency": _median(r.p50_token_latency for r in rs),
                 "p99_token_latency": _median(r.p99_token_latency for r in rs),
                 "mean_depth": _median(r.mean_depth for r in rs),
+                "tokens_per_forward": _median(r.tokens_per_forward for r in rs),
                 "decode_tokens": _median(r.decode_tokens for r in rs),
                 "identical": f"{b_n - len({x['sequence'] for x in bad})}/{b_n}" if greedy else "-",
             }
@@ -298,7 +304,8 @@ def markdown(result: dict, image: str | None) -> str:
         "## Speedup over plain at the same B\n", head + rows(lambda x: f"{x['speedup']:.2f}" if x["speedup"] else "-"),
         "## Per-sequence latency (ms per token: mean over sequences / p50 / p99 over tokens)\n",
         head + rows(lambda x: f"{ms(x['seconds_per_token'])} / {ms(x['p50_token_latency'])} / {ms(x['p99_token_latency'])}"),
-        "## Mean draft depth per sequence step\n", head + rows(lambda x: f"{x['mean_depth']:.2f}"),
+        "## Mean draft depth per sequence step (a tree: its nodes)\n", head + rows(lambda x: f"{x['mean_depth']:.2f}"),
+        "## Tokens per target forward (per sequence: the mean accepted length)\n", head + rows(lambda x: f"{x['tokens_per_forward']:.2f}"),
         "## Greedy identity with plain (sequences equal in every round)\n", head + rows(lambda x: x["identical"]),
     ]
     for name, r in (("", s), (" (by CPU time)", s["cpu"])):
@@ -352,7 +359,7 @@ def run_batch_bench(model_path: str, prompts: str, drafters: list[str], ks: list
                     tokenizer: str | None = None, draft_model: str | None = None, limit: int | None = None, max_new_tokens: int = 128,
                     temperature: float = 0.0, seed: int = 0, threads: int | None = None, dtype: str = "fp32", rounds: int = 3,
                     plot_prefix: str = "bench_", progress: bool = True, quant: str | None = None, group_size: int = 64,
-                    compile: bool = False) -> dict:
+                    compile: bool = False, trees: list[int] | None = None) -> dict:
     """Measure; write batch.json, batch.md and {plot_prefix}batch.png into `out`; return the result."""
     from ..api import load
     from ..drafters import REGISTRY, make_drafter
@@ -378,10 +385,11 @@ def run_batch_bench(model_path: str, prompts: str, drafters: list[str], ks: list
     threads = apply_threads(model.threads or torch.get_num_threads())
     _, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
     for d in drafters:  # a bad combination fails before anything is timed
-        make_drafter(d, model.module, draft_model=draft_models.get(d))
+        make_drafter(d, model.module, draft_model=draft_models.get(d), tree=(trees or [None])[0])
     plist = _read_prompts(load_prompts, prompts, limit)
     ids = prepare_ids(model, plist, max_new_tokens)
     methods = [BatchMethod("none", 1)] + [BatchMethod(d, k) for d in drafters if d != "none" for k in ks]
+    methods += [BatchMethod(d, k, n) for d in drafters if d != "none" for k in ks if k != "auto" for n in trees or ()]
     bar = tick = None
     if progress:
         import sys

@@ -55,6 +55,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", help="batch sizes, comma-separated (e.g. 1,2,4,8,16): measure B sequences decoding together "
                    "(throughput, per-sequence latency) for plain, each --k and auto instead of the per-prompt benchmark")
     p.add_argument("--rounds", type=int, default=3, help="with --batch: rounds (methods alternate within one); medians are reported")
+    p.add_argument("--trees", help="with --batch: token-tree node budgets, comma-separated (e.g. 8,16): each drafter at each "
+                   "fixed --k also drafts trees of that many nodes (depth <= k), measured beside the chains")
     p.add_argument("--out", required=True, help="output directory")
 
 
@@ -281,6 +283,20 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trees(text: str | None) -> list[int]:
+    from ..tree import check_tree_budget
+
+    if text is None:
+        return []
+    out = []
+    for x in _list(text):
+        try:
+            out.append(check_tree_budget(int(x)))
+        except ValueError:
+            raise ConfigError(f"--trees takes node budgets separated by commas (e.g. 8,16), got {x!r}") from None
+    return out
+
+
 def _run_batch_cmd(args: argparse.Namespace, ks: list[int | str]) -> int:
     """`mtpspec bench --batch ...`: the batch benchmark (bench/batch.py); options it has no use for are refused."""
     from .batch import parse_batches, run_batch_bench
@@ -295,6 +311,7 @@ def _run_batch_cmd(args: argparse.Namespace, ks: list[int | str]) -> int:
         draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         seed=args.seed, threads=args.threads, dtype=args.dtype, rounds=args.rounds, plot_prefix=args.plot_prefix,
         progress=not args.no_progress, quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
+        trees=_trees(args.trees),
     )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)

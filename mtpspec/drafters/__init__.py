@@ -29,7 +29,9 @@ class NoDrafterOptions(DrafterOptions):
 
 @dataclass(frozen=True)
 class DraftModelOptions(DrafterOptions):
-    """--drafter draft reads no option (its draft model is the draft_model argument)."""
+    """--drafter draft: its draft model is the draft_model argument; --tree N drafts a token tree of N nodes."""
+
+    tree: int | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _none(target, draft_model, options: NoDrafterOptions) -> Drafter:
 @register("ngram", NgramOptions)
 def _ngram(target, draft_model, options: NgramOptions) -> Drafter:
     _no_draft_model("ngram", draft_model)
-    return NgramDrafter(n_min=options.n_min, n_max=options.n_max)
+    return NgramDrafter(n_min=options.n_min, n_max=options.n_max, tree=options.tree)
 
 
 @register("lookahead", LookaheadOptions)
@@ -113,7 +115,7 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
         draft_model = load_module(draft_model, dtype=target.dtype)
     if not callable(getattr(draft_model, "forward_tokens", None)) or not hasattr(draft_model, "new_cache"):
         raise ConfigError(f"--drafter draft needs a causal LM as its draft model, got {type(draft_model).__name__}")
-    return DraftModelDrafter(draft_model, target.vocab_size)
+    return DraftModelDrafter(draft_model, target.vocab_size, tree=options.tree)
 
 
 @register("mtp", MTPOptions)

@@ -22,11 +22,16 @@ from ..types import Draft, TargetOutput, Verdict
 class DraftModelDrafter:
     name = "draft"
 
-    def __init__(self, model, target_vocab_size: int) -> None:
+    def __init__(self, model, target_vocab_size: int, tree: int | None = None) -> None:
+        from ..tree import check_tree_budget
+
         if model.vocab_size != target_vocab_size:
             raise ConfigError(
                 f"draft model vocabulary ({model.vocab_size}) differs from the target's ({target_vocab_size})"
             )
+        self.tree = check_tree_budget(tree)  # a node budget: draft a token tree (tree.py)
+        if self.tree is not None and not model.new_cache(1).crops_across_forwards:
+            raise ConfigError("--tree with --drafter draft needs a draft model with attention only (this one has recurrent layers)")
         self.model = model
         self.cache = None
         self.fed = 0  # context tokens in the draft cache
@@ -51,6 +56,8 @@ class DraftModelDrafter:
             self.cache.prefill = True  # the prompt: never cropped into (a hybrid keeps its final state only)
         logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
         self.fed = len(context)
+        if self.tree is not None:
+            return self._tree(logits, k)
         if k > 1 and not self.cache.crops_across_forwards:
             self.snap = self.cache.snapshot()
         tokens, qs = [], []
@@ -67,6 +74,31 @@ class DraftModelDrafter:
         self.pending = k - 1
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+
+    def _tree(self, logits: Tensor, k: int) -> Draft:
+        """A dynamic token tree (EAGLE-2 expansion, tree.grow): each level one forward of the draft model over the
+        nodes expanded, every row attending to its own path (tree.TreeRows); point masses. Its cache entries past
+        the context are dropped at commit (the accepted tokens are read again with the next context)."""
+        from ..tree import GrowingTree, best_nodes, grow, subtree
+
+        grown = GrowingTree(self.cache.length)
+
+        def logq(lg: Tensor) -> Tensor:  # (n, V) the draft's log q, by which nodes are ranked
+            return torch.log_softmax(lg.float(), -1) if self.sampler.params.greedy else self.sampler.probs(lg).log()
+
+        def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
+            self.cache.tree = grown.rows_for(nodes)
+            try:
+                out = self.model.forward_tokens(torch.tensor([grown.tokens[n] for n in nodes]), self.cache)
+            finally:
+                self.cache.tree = None
+            return logq(out.logits).topk(branch, dim=-1)
+
+        branch = min(4, self.tree)
+        grow(grown, logq(logits[None])[0].topk(branch), expand, k, branch, 4)
+        tokens, parents = subtree(grown.tokens, grown.parents, best_nodes(grown.parents, grown.scores, self.tree))
+        self.pending = 0  # commit crops to the context
+        return Draft(tokens=tokens, parents=parents)
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         if self.cache is None:  # nothing drafted yet

@@ -2,7 +2,9 @@
 
 The n-grams are indexed as tokens arrive (each position is indexed once), so a proposal is a few
 dictionary lookups whatever the context length. The most recent earlier occurrence wins; longer
-n is tried first. No probabilities: the verifier treats the draft as a point mass.
+n is tried first. No probabilities: the verifier treats the draft as a point mass. With `tree`
+(a node budget) the continuations of several earlier occurrences (most recent first, longest n
+first) are merged into a token tree (tree.py) instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .base import DrafterOptions, option
 class NgramOptions(DrafterOptions):
     n_min: int = option("ngram_min", "--ngram-min", 1)  # shortest suffix looked up
     n_max: int = option("ngram_max", "--ngram-max", 3)  # longest suffix looked up (tried first)
+    tree: int | None = option("tree", "--tree", None)  # a node budget: merge several continuations into a tree
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,15 +35,18 @@ class NgramOptions(DrafterOptions):
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, n_min: int = 1, n_max: int = 3) -> None:
+    def __init__(self, n_min: int = 1, n_max: int = 3, tree: int | None = None) -> None:
+        from ..tree import check_tree_budget
+
         NgramOptions(n_min, n_max)  # checked: integers, 1 <= n_min <= n_max
-        self.n_min, self.n_max = n_min, n_max
+        self.n_min, self.n_max, self.tree = n_min, n_max, check_tree_budget(tree)
         self.tokens: list[int] = []  # mirror of the context, appended to, never rescanned
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it (the latest)
+        self.earlier: dict[tuple[int, ...], list[int]] = {}  # with a tree: n-gram -> every such position
         self.indexed = 0  # positions j < indexed have had their preceding n-grams registered
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
-        self.tokens, self.index, self.indexed = [], {}, 0
+        self.tokens, self.index, self.earlier, self.indexed = [], {}, {}, 0
 
     def _catch_up(self, context: Tensor) -> None:
         toks = self.tokens
@@ -48,17 +54,50 @@ class NgramDrafter:
             toks.extend(context[len(toks) :].tolist())
         for j in range(max(self.indexed, 1), len(toks)):  # token j exists: register the n-grams before it
             for n in range(self.n_min, min(self.n_max, j) + 1):
-                self.index[tuple(toks[j - n : j])] = j
+                key = tuple(toks[j - n : j])
+                self.index[key] = j
+                if self.tree is not None:
+                    self.earlier.setdefault(key, []).append(j)
         self.indexed = max(self.indexed, len(toks))
 
     def propose(self, context: Tensor, k: int) -> Draft:
         self._catch_up(context)
+        if self.tree is not None:
+            return self._tree(k)
         toks, end = self.tokens, len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):  # longest match first
             j = self.index.get(tuple(toks[end - n :]))
             if j is not None:
                 return Draft(tokens=torch.tensor(toks[j : j + k], dtype=torch.long))
         return Draft.empty()
+
+    def _tree(self, k: int) -> Draft:
+        """Continuations of earlier occurrences of the suffix (longest n first, most recent first) merged into a
+        trie of at most `tree` nodes, each continuation up to k tokens."""
+        toks, end = self.tokens, len(self.tokens)
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        tokens, parents, seen = [], [], set()
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            for j in reversed(self.earlier.get(tuple(toks[end - n :]), ())):
+                if j in seen:
+                    continue
+                seen.add(j)
+                node = -1
+                for t in toks[j : j + k]:
+                    if (node, t) not in children:
+                        if len(tokens) >= self.tree:
+                            break
+                        children[(node, t)] = len(tokens)
+                        tokens.append(t)
+                        parents.append(node)
+                    node = children[(node, t)]
+                if len(tokens) >= self.tree:
+                    break
+            if len(tokens) >= self.tree:
+                break
+        if not tokens:
+            return Draft.empty()
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         pass
