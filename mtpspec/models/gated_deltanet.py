@@ -122,8 +122,12 @@ def tree_conv(hist: Tensor, weight: Tensor, back: Tensor) -> Tensor:
     t_len = back.shape[0]
     idx = torch.cat([back.flip(-1), torch.arange(t_len)[:, None]], dim=-1) + kern - 1  # (T, K) columns of hist, oldest first
     dt = wide(hist.dtype)
-    taps = hist.to(dt)[:, :, idx]  # (B, C, T, K)
-    return (taps * weight[:, 0].to(dt)[:, None, :]).sum(-1).to(hist.dtype)
+    w = weight[:, 0].to(dt)  # (C, K)
+    h = hist.to(dt)
+    out = h[..., idx[:, 0]] * w[:, 0, None]
+    for j in range(1, kern):  # tap by tap, as causal_conv sums them
+        out += h[..., idx[:, j]] * w[:, j, None]
+    return out.to(hist.dtype)
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
