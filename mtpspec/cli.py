@@ -98,6 +98,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt lookup: shortest n-gram matched (default 1)")
     p.add_argument("--ngram-max", type=int, default=None, help="prompt lookup: longest n-gram matched (default 3)")
+    p.add_argument("--lookahead-n", type=int, default=None, help="lookahead: n-gram size N, keys of 1..N-1 tokens (default 5)")
+    p.add_argument("--lookahead-jacobi", action=argparse.BooleanOptionalAction, default=None,
+                   help="lookahead: feed the target's guesses past the accepted prefix into the pool (default on)")
+    p.add_argument("--suffix-depth", type=int, default=None, help="suffix: longest substring held, suffixes of up to depth-1 tokens matched (default 24)")
+    p.add_argument("--suffix-shared", action="store_true", default=None,
+                   help="suffix: also match the outputs of earlier sequences on this model (default off)")
     p.add_argument("--tree", type=int, default=None, metavar="N",
                    help="mtp / eagle / medusa: draft a token tree of at most N nodes (depth <= --k), verified in one forward "
                         "(default: a chain)")
@@ -109,7 +115,8 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
-        tree=args.tree,
+        tree=args.tree, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
+        suffix_shared=args.suffix_shared,
     )
 
 

@@ -288,3 +288,23 @@ def test_no_draft_model_and_matching_pool_depth(stories, stories_q80):
         SuffixDrafter(depth=8, pool=SuffixPool(depth=24))
     with pytest.raises(ConfigError, match="--lookahead-n must be >= 2"):
         LookaheadDrafter(n=0)
+
+
+def test_cli_flags(assets, plain, capsys):
+    """mtpspec generate takes the drafters' options as flags; a bad value is one line and exit code 2."""
+    import json
+
+    from mtpspec.cli import main
+
+    m = assets / "models"
+    base = ["generate", PROMPTS[0], "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
+            "--max-new-tokens", str(N), "--json", "--k", "3"]
+    for extra in (["--drafter", "lookahead", "--lookahead-n", "3", "--no-lookahead-jacobi"], ["--drafter", "lookahead", "--lookahead-jacobi"],
+                  ["--drafter", "suffix", "--suffix-depth", "8", "--suffix-shared"]):
+        assert main(base + extra) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == plain[0]
+    for extra, msg in ((["--drafter", "suffix", "--suffix-depth", "1"], "--suffix-depth must be >= 2"),
+                       (["--drafter", "ngram", "--lookahead-n", "3"], "--lookahead-n is not used by --drafter ngram")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err

@@ -79,16 +79,27 @@ class SuffixTrie:
         return cursor
 
     def match(self, tokens: list[int]) -> tuple[int, Node | None]:
-        """(m, node): the longest suffix of `tokens` (m <= depth-1) held with a continuation; (0, None) if none."""
-        for m in range(min(self.depth - 1, len(tokens)), 0, -1):
-            node = self.root
-            for t in tokens[len(tokens) - m :]:
-                node = node.children.get(t)
-                if node is None:
-                    break
+        """(m, node): the longest suffix of `tokens` (m <= depth-1) held with a continuation; (0, None) if none.
+
+        Binary search over m: every substring of a held substring is held, with the same continuations
+        among its own, so "the last m tokens are held with a continuation" is true up to some m and false above."""
+        lo, hi, found = 0, min(self.depth - 1, len(tokens)), None  # the answer is in lo..hi; lo holds (or is 0)
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            node = self._find(tokens[len(tokens) - m :])
             if node is not None and node.children:
-                return m, node
-        return 0, None
+                lo, found = m, node
+            else:
+                hi = m - 1
+        return (lo, found) if found is not None else (0, None)
+
+    def _find(self, key: list[int]) -> Node | None:
+        node = self.root
+        for t in key:
+            node = node.children.get(t)
+            if node is None:
+                return None
+        return node
 
     @staticmethod
     def walk(node: Node, k: int) -> list[int]:
