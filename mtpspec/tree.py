@@ -24,6 +24,7 @@ cropped to them, as after a chain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -113,10 +114,12 @@ class GrowingTree:
         self.parents: list[int] = []
         self.scores: list[float] = []
         self.depth: list[int] = []
+        self.rank: list[int] = []  # the node's place among its parent's guesses (0 = the drafter's top one)
         self.entry: dict[int, int] = {}  # node -> its cache entry (0-based after base)
         self.entry_node: list[int] = []  # cache entry -> node
 
-    def add(self, parent: int, token: int, score: float) -> int:
+    def add(self, parent: int, token: int, score: float, rank: int = 0) -> int:
+        self.rank.append(rank)
         self.tokens.append(token)
         self.parents.append(parent)
         self.scores.append(score)
@@ -143,15 +146,63 @@ class GrowingTree:
         return TreeRows(pos, mask)
 
 
-def grow(tree: GrowingTree, roots: tuple[Tensor, Tensor], expand, depth: int, branch: int, beam: int) -> None:
-    """EAGLE-2's expansion: the root's top `branch` guesses (roots: log q values, token ids), then per level the
-    `beam` best frontier nodes (by log q along the path) expanded by `expand(nodes) -> (values, ids) (n, branch)`."""
-    frontier = [tree.add(-1, int(t), float(v)) for v, t in zip(*roots)]
+class RankAcceptance:
+    """How often a drafter's r-th guess at a reached node is the one verification takes there, learned from its
+    verdicts (decayed counts from a prior). A node's value is the product along its path of these rates, times a
+    little of the drafter's own q: a drafter's q is not its acceptance (a draft model that nearly equals the target
+    gives its top guess q ~ 0.5 and has it accepted ~95% of the time greedily), so ranking nodes by q alone
+    (EAGLE-2) cuts deep chains for shallow siblings that rarely pay."""
+
+    Q_WEIGHT = 0.1  # how much of log q breaks ties between nodes of equal rank paths
+
+    def __init__(self, branch: int, prior: tuple[float, ...] = (0.7, 0.15, 0.06, 0.03), weight: float = 8.0,
+                 decay: float = 0.995) -> None:
+        self.hit = [weight * (prior[r] if r < len(prior) else prior[-1]) for r in range(branch)]
+        self.seen = [weight] * branch
+        self.decay = decay
+
+    def score(self, rank: int, logq: float) -> float:
+        """The log-value a node adds to its path's."""
+        return math.log(max(self.hit[rank], 1e-3) / self.seen[rank]) + self.Q_WEIGHT * max(logq, -30.0)
+
+    def observe(self, parents: list[int], ranks: list[int], path: tuple[int, ...]) -> None:
+        """After a tree's verdict: at each reached row, each child's rank either taken (on the path) or not."""
+        kids, row = children_of(parents), 0
+        for i in range(len(path) + 1):
+            nxt = path[i] if i < len(path) else None
+            for c in kids.get(row, ()):
+                r = ranks[c - 1]
+                self.seen[r] = self.decay * self.seen[r] + 1.0
+                self.hit[r] = self.decay * self.hit[r] + (1.0 if c == nxt else 0.0)
+            if nxt is None:
+                break
+            row = nxt
+
+
+def grow(tree: GrowingTree, roots: tuple[Tensor, Tensor], expand, depth: int, beam: int, ranks: RankAcceptance) -> None:
+    """EAGLE-2's expansion: the root's top guesses (roots: log q values, token ids), then per level the `beam` most
+    valuable frontier nodes (RankAcceptance) expanded by `expand(nodes) -> (log q values, ids) (n, branch)`."""
+    frontier = [tree.add(-1, int(t), ranks.score(r, float(v)), r) for r, (v, t) in enumerate(zip(*roots))]
     for _ in range(1, depth):
         pick = sorted(frontier, key=lambda n: -tree.scores[n])[:beam]
         vals, ids = expand(pick)  # (n, branch) each
-        frontier = [tree.add(n, int(t), tree.scores[n] + float(v)) for n, vs, ts in zip(pick, vals.tolist(), ids.tolist())
-                    for v, t in zip(vs, ts)]
+        frontier = [tree.add(n, int(t), tree.scores[n] + ranks.score(r, v), r)
+                    for n, vs, ts in zip(pick, vals.tolist(), ids.tolist()) for r, (v, t) in enumerate(zip(vs, ts))]
+
+
+@dataclass(frozen=True)
+class Proposed:
+    """What a tree drafter keeps of its last tree, to learn from the verdict (RankAcceptance.observe)."""
+
+    parents: list[int]
+    ranks: list[int]
+
+
+def keep_best(tree: GrowingTree, budget: int) -> tuple[Draft, Proposed]:
+    """The `budget` most valuable nodes of a grown tree as a Draft (point masses), and what observe() needs."""
+    nodes = best_nodes(tree.parents, tree.scores, budget)
+    tokens, parents = subtree(tree.tokens, tree.parents, nodes)
+    return Draft(tokens=tokens, parents=parents), Proposed(parents.tolist(), [tree.rank[i] for i in nodes])
 
 
 def forward_tree(target, tokens: Tensor, parents: Tensor, cache) -> TargetOutput:

@@ -185,8 +185,8 @@ def test_bad_tree_settings_are_named(stories):
     for bad in (0, 64, "x", True):
         with pytest.raises(ConfigError, match="--tree"):
             make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree=bad)
-    with pytest.raises(ConfigError, match="not used by --drafter ngram"):
-        make_drafter("ngram", stories.module, tree=8)
+    with pytest.raises(ConfigError, match="not used by --drafter none"):
+        make_drafter("none", stories.module, tree=8)
     with pytest.raises(ConfigError, match="exact mode"):
         stories.generate("Once", drafter="eagle", draft_model=HEADS + "eagle", tree=8, exact=True, max_new_tokens=4)
 

@@ -38,6 +38,7 @@ class DraftModelDrafter:
         self.pending = 0  # drafts fed into the cache by the last propose (beyond the context)
         self.snap = None  # the cache right after the context, when crop cannot reach back that far
         self.sampler: Sampler | None = None
+        self.ranks = self.proposed = None  # a tree: tree.RankAcceptance and the last tree.Proposed
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -79,7 +80,7 @@ class DraftModelDrafter:
         """A dynamic token tree (EAGLE-2 expansion, tree.grow): each level one forward of the draft model over the
         nodes expanded, every row attending to its own path (tree.TreeRows); point masses. Its cache entries past
         the context are dropped at commit (the accepted tokens are read again with the next context)."""
-        from ..tree import GrowingTree, best_nodes, grow, subtree
+        from ..tree import GrowingTree, RankAcceptance, grow, keep_best
 
         grown = GrowingTree(self.cache.length)
 
@@ -95,12 +96,15 @@ class DraftModelDrafter:
             return logq(out.logits).topk(branch, dim=-1)
 
         branch = min(4, self.tree)
-        grow(grown, logq(logits[None])[0].topk(branch), expand, k, branch, 4)
-        tokens, parents = subtree(grown.tokens, grown.parents, best_nodes(grown.parents, grown.scores, self.tree))
+        self.ranks = self.ranks or RankAcceptance(branch)
+        grow(grown, logq(logits[None])[0].topk(branch), expand, k, 4, self.ranks)
+        draft, self.proposed = keep_best(grown, self.tree)
         self.pending = 0  # commit crops to the context
-        return Draft(tokens=tokens, parents=parents)
+        return draft
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if verdict.path is not None and self.proposed is not None:
+            self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         if self.cache is None:  # nothing drafted yet
             return
         if self.snap is not None:  # back to the context; the accepted drafts are read with the next one

@@ -30,6 +30,7 @@ class MedusaDrafter:
 
         check_fits(head, target)
         self.tree = check_tree_budget(tree)
+        self.ranks = self.proposed = None  # a tree: tree.RankAcceptance and the last tree.Proposed
         self.target, self.heads = target, head.medusa
         self.k_max = head.config.num_medusa
         self.h: Tensor | None = None  # (H,) hidden at the last forwarded position
@@ -54,19 +55,22 @@ class MedusaDrafter:
 
     def _tree(self, logits: Tensor) -> Draft:
         """Block j's top guesses as the children of every node at depth j (the blocks do not read the drafts
-        before them), expanded and kept by log q along the path (tree.grow / best_nodes); point masses."""
-        from ..tree import GrowingTree, best_nodes, grow, subtree
+        before them), expanded and kept by value along the path (tree.grow / keep_best); point masses."""
+        from ..tree import GrowingTree, RankAcceptance, grow, keep_best
 
         greedy = self.sampler.params.greedy
         logq = torch.log_softmax(logits.float(), -1) if greedy else self.sampler.probs(logits).log()  # (k, V)
         branch = min(4, self.tree)
         top = logq.topk(branch, dim=-1)  # (k, branch) values, ids
         grown = GrowingTree(0)
+        self.ranks = self.ranks or RankAcceptance(branch)
         grow(grown, (top.values[0], top.indices[0]), lambda nodes: (top.values[grown.depth[nodes[0]] + 1].expand(len(nodes), -1),
                                                                        top.indices[grown.depth[nodes[0]] + 1].expand(len(nodes), -1)),
-             logq.shape[0], branch, 4)
-        tokens, parents = subtree(grown.tokens, grown.parents, best_nodes(grown.parents, grown.scores, self.tree))
-        return Draft(tokens=tokens, parents=parents)
+             logq.shape[0], 4, self.ranks)
+        draft, self.proposed = keep_best(grown, self.tree)
+        return draft
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if verdict.path is not None and self.proposed is not None:
+            self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         self.h = out.hidden[verdict.num_accepted]

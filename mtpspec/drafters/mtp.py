@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
-from ..tree import GrowingTree, best_nodes, check_tree_budget, grow, subtree
+from ..tree import GrowingTree, RankAcceptance, check_tree_budget, grow, keep_best
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
@@ -60,6 +60,8 @@ class MTPDrafter:
         self.pending_t: Tensor | None = None  # (P,) the tokens that follow them
         self.committed = 0  # MTP cache entries built from real target hidden states
         self.tree = check_tree_budget(tree)  # a node budget: propose a token tree (tree.py) of at most this many nodes, depth <= k
+        self.ranks: RankAcceptance | None = None  # a tree: how often each rank of guess is taken (learned at commit)
+        self.proposed = None  # a tree: the last one proposed (tree.Proposed)
 
     def _hidden(self, out: TargetOutput) -> Tensor:
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
@@ -191,10 +193,11 @@ class MTPDrafter:
             return self._logq(out).topk(branch, dim=-1)
 
         branch = min(TREE_BRANCH, self.tree)
-        grow(grown, self._logq(h)[0].topk(branch), expand, k, branch, TREE_BEAM)
-        nodes = best_nodes(grown.parents, grown.scores, self.tree)
-        tokens, parents = subtree(grown.tokens, grown.parents, nodes)
-        return Draft(tokens=tokens, parents=parents)
+        if self.ranks is None:
+            self.ranks = RankAcceptance(branch)
+        grow(grown, self._logq(h)[0].topk(branch), expand, k, TREE_BEAM, self.ranks)
+        draft, self.proposed = keep_best(grown, self.tree)
+        return draft
 
     def _logq(self, h: Tensor) -> Tensor:
         """h (n, H) MTP outputs -> log q (n, V) the drafter's distributions (a tree ranks its nodes by them)."""
@@ -235,6 +238,8 @@ class MTPDrafter:
         return self.sampler.sample(q), q
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if verdict.path is not None and self.proposed is not None:
+            self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         if verdict.num_drafted > 0:
             self.cache.crop(self.committed)  # drop the entries built from drafted (not target) states
         n = verdict.num_accepted
