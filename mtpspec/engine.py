@@ -149,7 +149,8 @@ class Sequence:
             if self.room() < 0:
                 self.finish_reason = "length"
 
-    def accept(self, verdict: Verdict, draft: Draft, out: TargetOutput, draft_s: float, verify_s: float, t0: float) -> StepRecord:
+    def accept(self, verdict: Verdict, draft: Draft, out: TargetOutput, draft_s: float, verify_s: float, t0: float,
+               full: TargetOutput | None = None) -> StepRecord:
         """Append what verification kept; record the step; cut at a stop token or the budget."""
         kept = verdict.tokens.tolist()
         emitted, stop = _cut(kept, self.stop_ids, self.max_new_tokens - len(self.new))
@@ -159,8 +160,10 @@ class Sequence:
         self.context = self.buf[: n + len(kept)]
         self.metrics.observe(draft.size, verdict.num_accepted, draft_s, verify_s)
         step = StepRecord(draft.tokens.tolist(), verdict.num_accepted, emitted, draft_s, verify_s)
+        if draft.is_tree:  # `out` holds the kept rows only; `full`, every row of the tree's verify window
+            step = replace(step, draft_parents=draft.parents.tolist(), path=[r - 1 for r in verdict.path])
         if self.trace:
-            step = _traced(step, out.logits, draft.tokens, t0 - self.metrics.start, self.sampler)
+            step = _traced(step, out.logits, draft, t0 - self.metrics.start, self.sampler, None if full is None else full.logits)
         self.steps.append(step)
         self.pending = emitted  # handed to on_tokens once the step's clock has stopped (a slow reader is not engine time)
         if self.logprobs is not None:
@@ -211,14 +214,19 @@ def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[lis
     return tokens[:budget], ("length" if len(tokens) >= budget else None)
 
 
-def _traced(step: StepRecord, logits: Tensor, draft: Tensor, start: float, sampler: Sampler) -> StepRecord:
+def _traced(step: StepRecord, logits: Tensor, draft: Draft, start: float, sampler: Sampler, tree_logits: Tensor | None = None) -> StepRecord:
     """The step with what a trace shows: the target's probabilities p (D+1, V) and argmaxes.
 
     p is softmax(logits) when greedy (the target's confidence), else the sampling distribution itself.
+    A tree: logits are its kept rows; a node's p comes from its parent's row of the whole window (tree_logits).
     """
-    p = torch.softmax(logits.float(), dim=-1) if sampler.params.greedy else sampler.probs(logits)  # (D+1, V)
-    d = draft.shape[0]
-    p_draft = p[torch.arange(d), draft].tolist()  # (D,)
+    probs = lambda lg: torch.softmax(lg.float(), dim=-1) if sampler.params.greedy else sampler.probs(lg)  # noqa: E731
+    p = probs(logits)  # (D+1, V)
+    d = draft.size
+    if draft.is_tree:
+        p_draft = probs(tree_logits)[draft.parents + 1, draft.tokens].tolist()  # (N,) at each node's parent row
+    else:
+        p_draft = p[torch.arange(d), draft.tokens].tolist()  # (D,)
     p_emitted = p[torch.arange(len(step.emitted)), torch.tensor(step.emitted, dtype=torch.long)].tolist()
     return replace(step, start_seconds=start, p_of_emitted=p_emitted, p_of_draft=p_draft, target_choice=p.argmax(-1).tolist())
 
@@ -269,6 +277,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     else:
         verdicts = [verify_tree(d, o.logits, s.sampler) if d.is_tree else verify(d, o.logits, s.sampler)
                     for d, o, s in zip(drafts, outs, seqs)]
+    full = list(outs)  # a tree's whole verify window (traces read every node's row)
     for i, (s, v, start) in enumerate(zip(seqs, verdicts, starts)):
         if v.path is not None:  # a tree: its root and accepted path to the front of the window
             s.cache.keep(start, kept_rows(v))
@@ -280,7 +289,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         t3 = perf_counter()
         s.drafter.commit(v, o)  # 5. the drafter catches up
         draft_s[i] += perf_counter() - t3
-        s.accept(v, d, o, draft_s[i], (t2 - t1) / len(seqs), t0)
+        s.accept(v, d, o, draft_s[i], (t2 - t1) / len(seqs), t0, full[i])
         parts.append(SeqStep(s.id, d.size, v.num_accepted, draft_s[i]))
     rows = sum(t.shape[0] for t in tokens)
     overhead = max(perf_counter() - t0 - (t2 - t1) - sum(draft_s), 0.0)

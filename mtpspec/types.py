@@ -90,6 +90,8 @@ class StepRecord:
     start_seconds: float = 0.0  # when the step began, seconds since generation started (prefill included)
     p_of_draft: list[float] = field(default_factory=list)  # (D,) target probability of each draft token
     target_choice: list[int] = field(default_factory=list)  # (D+1,) argmax of p at every verified position
+    draft_parents: list[int] | None = None  # a token tree: each drafted node's parent (-1 = after the last token)
+    path: list[int] | None = None  # a token tree: the accepted nodes, in order (indices into draft)
 
 
 @dataclass(frozen=True)

@@ -208,3 +208,20 @@ def test_draft_model_and_ngram_trees_equal_plain_greedy(stories, stories_q80):
 def test_a_hybrid_draft_model_cannot_draft_trees(demo):
     with pytest.raises(ConfigError, match="recurrent layers"):
         make_drafter("draft", demo.module, draft_model=demo.module, tree=8)
+
+
+def test_a_traced_tree_shows_its_accepted_path_and_refused_nodes(stories):
+    from mtpspec.viz.trace import step_cells
+
+    r = stories.generate(PROMPTS[0], drafter="eagle", draft_model=HEADS + "eagle", k=5, tree=12, max_new_tokens=24, trace=True)
+    prev = r.prompt_tokens[-1]
+    for s in r.steps:
+        assert len(s.draft_parents) == len(s.draft) == len(s.p_of_draft) and len(s.path) == s.num_accepted
+        assert [s.draft[i] for i in s.path] == s.emitted[: s.num_accepted] or len(s.emitted) < s.num_accepted
+        cells = step_cells(s, prev, stories.tokenizer)
+        kinds = [c.kind for c in cells]
+        assert kinds[: s.num_accepted] == ["accepted"] * s.num_accepted and len(cells) == len(s.emitted) + len(s.draft) - len(s.path)
+        assert set(kinds[len(s.emitted):]) <= {"rejected", "discarded"} and "rejected" in kinds or kinds[len(s.emitted) - 1] == "bonus"
+        for i in s.path:  # accepted nodes: the target agreed, so its probability there is the largest
+            assert s.p_of_draft[i] > 0.0
+        prev = s.emitted[-1] if s.emitted else prev

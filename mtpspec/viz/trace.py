@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..types import GenerationResult, StepRecord
@@ -115,11 +115,29 @@ def step_cells(step: StepRecord, prev: int, tokenizer) -> list[Cell]:
         kind = "accepted" if i < n else ("target" if d == 0 else "bonus" if n == d else "recovered")
         cells.append(Cell(t, tokenizer.decode([t], prev=last), kind, p_em[i]))
         last = t
+    if step.path is not None:  # a token tree
+        return _tree_cells(step, cells, p_dr, prev, tokenizer)
     last = step.draft[n - 1] if n else prev
     for i in range(n, d):  # the first mismatch and everything after it
         t = step.draft[i]
         cells.append(Cell(t, tokenizer.decode([t], prev=last), "rejected" if i == n else "discarded", p_dr[i]))
         last = t
+    return cells
+
+
+def _tree_cells(step: StepRecord, cells: list[Cell], p_dr: list, prev: int, tokenizer) -> list[Cell]:
+    """A tree step: the accepted path and the target's token (bonus when the path ended at a leaf), then the nodes
+    that were checked and refused (children of a reached node: rejected) and those never reached (discarded)."""
+    parents, path = step.draft_parents, step.path
+    reached = {-1, *path}
+    if cells and len(cells) == len(path) + 1:
+        last_row = path[-1] if path else -1
+        cells[-1] = replace(cells[-1], kind="recovered" if any(p == last_row for p in parents) else "bonus")
+    for i, t in enumerate(step.draft):
+        if i in path:
+            continue
+        before = step.draft[parents[i]] if parents[i] >= 0 else prev
+        cells.append(Cell(t, tokenizer.decode([t], prev=before), "rejected" if parents[i] in reached else "discarded", p_dr[i]))
     return cells
 
 
@@ -160,9 +178,10 @@ def trace_prompts(
     groups = []
     for j, prompt in enumerate(prompts):
         group = TraceGroup(prompt)
-        for (drafter, k), by_prompt in zip(runs, results):
+        for (drafter, k), kw, by_prompt in zip(runs, kws, results):
             res = sorted(by_prompt[j], key=lambda r: r.stats.wall_seconds)[len(by_prompt[j]) // 2]
-            label = "plain decoding" if drafter == "none" else f"{drafter}, D={k}"
+            tree = f", tree of {kw['tree']}" if kw.get("tree") else ""
+            label = "plain decoding" if drafter == "none" else f"{drafter}, D={k}{tree}"
             group.runs.append(build_run(label, drafter, k, res, model.tokenizer))
         base = group.runs[0]
         for run in group.runs:
