@@ -37,6 +37,15 @@ def parse_k(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"k must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
+def parse_tree(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree must be a node budget (an integer) or 'auto', got {text!r}") from None
+
+
 THREADS_RULE = "chosen per model: 1 under 256 MiB of weights or on a busy machine, else the idle cores (mtpspec.threads)"
 
 
@@ -104,8 +113,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-depth", type=int, default=None, help="suffix: longest substring held, suffixes of up to depth-1 tokens matched (default 24)")
     p.add_argument("--suffix-shared", action="store_true", default=None,
                    help="suffix: also match the outputs of earlier sequences on this model (default off)")
-    p.add_argument("--tree", type=int, default=None, metavar="N",
-                   help="mtp / eagle / medusa: draft a token tree of at most N nodes (depth <= --k), verified in one forward "
+    p.add_argument("--tree", type=parse_tree, default=None, metavar="N|auto",
+                   help="mtp / eagle / draft / medusa / ngram: draft a token tree of at most N nodes (depth <= --k), verified "
+                        "in one forward; auto: a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens/s "
                         "(default: a chain)")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 from torch import Tensor
@@ -223,13 +224,64 @@ def forward_tree(target, tokens: Tensor, parents: Tensor, cache) -> TargetOutput
 MAX_TREE = 63  # nodes: the verify window (T = nodes + 1) must fit one Gated DeltaNet piece of 64 rows
 
 
-def check_tree_budget(tree) -> int | None:
-    """A drafter's `tree` option: None (a chain) or a node budget 1..MAX_TREE."""
-    if tree is None:
-        return None
+def check_tree_budget(tree) -> int | str | None:
+    """A drafter's `tree` option: None (a chain), a node budget 1..MAX_TREE, or "auto" (TreeSizer)."""
+    if tree is None or tree == "auto":
+        return tree
     if not isinstance(tree, int) or isinstance(tree, bool) or not 1 <= tree <= MAX_TREE:
-        raise ConfigError(f"--tree must be a node budget from 1 to {MAX_TREE}, got {tree!r}")
+        raise ConfigError(f"--tree must be a node budget from 1 to {MAX_TREE} or 'auto', got {tree!r}")
     return tree
+
+
+class TreeSizer:
+    """`--tree auto`: each step, a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens per
+    second: tokens a step emitted over its seconds from propose to commit (drafting, the verify forward, the
+    walk), each a running mean per choice. Each choice is tried 3 times first; then the best is used, and every
+    PROBE steps the choice measured longest ago is tried again (the machine and the text change)."""
+
+    ARMS = (None, 4, 8, 16)
+    PROBE = 24
+    WARM = 3
+
+    def __init__(self) -> None:
+        self.tokens = [0.0] * len(self.ARMS)  # running mean tokens per step
+        self.seconds = [0.0] * len(self.ARMS)  # running mean seconds per step
+        self.count = [0] * len(self.ARMS)
+        self.last = [0] * len(self.ARMS)  # the step each was last used
+        self.step, self.arm, self.t0 = 0, 0, None
+
+    def next(self, clock: float) -> int | None:
+        """The node budget for this step (None: a chain); clock: perf_counter() now."""
+        self.step += 1
+        cold = [i for i, n in enumerate(self.count) if n < self.WARM]
+        if cold:
+            self.arm = cold[0]
+        elif self.step % self.PROBE == 0:
+            self.arm = min(range(len(self.ARMS)), key=lambda i: self.last[i])
+        else:
+            self.arm = max(range(len(self.ARMS)), key=lambda i: self.tokens[i] / max(self.seconds[i], 1e-9))
+        self.last[self.arm], self.t0 = self.step, clock
+        return self.ARMS[self.arm]
+
+    def observe(self, tokens: int, clock: float) -> None:
+        """At commit: what the step gave and took."""
+        if self.t0 is None:
+            return
+        i, secs, self.t0 = self.arm, clock - self.t0, None
+        self.count[i] += 1
+        w = 1.0 / min(self.count[i], 8)  # a mean, then a running one
+        self.tokens[i] += w * (tokens - self.tokens[i])
+        self.seconds[i] += w * (secs - self.seconds[i])
+
+
+def tree_budget(tree, sizer: TreeSizer | None) -> int | None:
+    """This step's node budget for a drafter whose `tree` option is None, N or "auto" (then its sizer decides)."""
+    return sizer.next(perf_counter()) if sizer is not None else tree
+
+
+def observe_step(sizer: TreeSizer | None, verdict: Verdict) -> None:
+    if sizer is not None:
+        sizer.observe(len(verdict.tokens), perf_counter())
 
 
 def check_tree(draft: Draft) -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = mtpspec.load(a.model, a.tokenizer)
     ids = prepare_ids(model, load_prompts(a.prompts, a.limit), a.max_new_tokens)
-    ks, trees = [int(x) for x in a.ks.split(",")], [int(x) for x in a.trees.split(",")]
+    ks, trees = [int(x) for x in a.ks.split(",")], [x if x == "auto" else int(x) for x in a.trees.split(",")]
     methods = [BatchMethod("none", 1)] + [BatchMethod(a.drafter, k) for k in ks]
     methods += [BatchMethod(a.drafter, k, n) for n in trees for k in ks]
     dm = {a.drafter: a.draft_model} if a.draft_model else {}

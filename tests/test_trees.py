@@ -225,3 +225,19 @@ def test_a_traced_tree_shows_its_accepted_path_and_refused_nodes(stories):
         for i in s.path:  # accepted nodes: the target agreed, so its probability there is the largest
             assert s.p_of_draft[i] > 0.0
         prev = s.emitted[-1] if s.emitted else prev
+
+
+def test_tree_auto_measures_chain_and_trees_and_stays_lossless(stories):
+    from mtpspec.tree import TreeSizer
+
+    d = make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree="auto")
+    plain = stories.generate(PROMPTS[1], max_new_tokens=80).tokens
+    got = generate_tokens(stories.module, stories.encode(PROMPTS[1]), d, 5, Sampler(SamplingParams(), 0), 80)
+    assert got.tokens == plain
+    assert min(d.sizer.count) >= TreeSizer.WARM  # every choice measured
+    assert len(got.steps) - 1 <= sum(d.sizer.count) <= len(got.steps)  # every drafting step counted (the last may draft none)
+    sizer = TreeSizer()  # the choice follows the measured tokens per second
+    for _ in range(40):
+        arm = sizer.next(0.0)
+        sizer.observe({None: 3, 4: 4, 8: 5, 16: 5}[arm], {None: 1.0, 4: 1.5, 8: 1.2, 16: 2.0}[arm])
+    assert sizer.next(0.0) == 8

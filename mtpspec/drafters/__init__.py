@@ -31,27 +31,27 @@ class NoDrafterOptions(DrafterOptions):
 class DraftModelOptions(DrafterOptions):
     """--drafter draft: its draft model is the draft_model argument; --tree N drafts a token tree of N nodes."""
 
-    tree: int | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
 class MedusaOptions(DrafterOptions):
     """--drafter medusa: K comes with the head; --tree N drafts a token tree of N nodes from the heads' top guesses."""
 
-    tree: int | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
 class MTPOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
-    tree: int | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
 
 
 @dataclass(frozen=True)
 class EagleOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
-    tree: int | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
 
 
 # name -> factory(target_model, draft_model, options) and the class of its options

@@ -137,6 +137,8 @@ class DrafterOptions:
             args = typing.get_args(hint) or (hint,)
             if value is None and type(None) in args:
                 continue
+            if str in args and isinstance(value, str):  # a word the drafter checks ("auto")
+                continue
             if bool in args:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{f.metadata['flag']} must be true or false, got {value!r}")

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..sampling import Sampler
+from ..tree import observe_step, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 
 
@@ -23,13 +24,14 @@ class DraftModelDrafter:
     name = "draft"
 
     def __init__(self, model, target_vocab_size: int, tree: int | None = None) -> None:
-        from ..tree import check_tree_budget
+        from ..tree import TreeSizer, check_tree_budget
 
         if model.vocab_size != target_vocab_size:
             raise ConfigError(
                 f"draft model vocabulary ({model.vocab_size}) differs from the target's ({target_vocab_size})"
             )
-        self.tree = check_tree_budget(tree)  # a node budget: draft a token tree (tree.py)
+        self.tree = check_tree_budget(tree)  # a node budget: draft a token tree (tree.py); "auto": TreeSizer decides
+        self.sizer = TreeSizer() if tree == "auto" else None
         if self.tree is not None and not model.new_cache(1).crops_across_forwards:
             raise ConfigError("--tree with --drafter draft needs a draft model with attention only (this one has recurrent layers)")
         self.model = model
@@ -57,8 +59,9 @@ class DraftModelDrafter:
             self.cache.prefill = True  # the prompt: never cropped into (a hybrid keeps its final state only)
         logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
         self.fed = len(context)
-        if self.tree is not None:
-            return self._tree(logits, k)
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is not None:
+            return self._tree(logits, k, budget)
         if k > 1 and not self.cache.crops_across_forwards:
             self.snap = self.cache.snapshot()
         tokens, qs = [], []
@@ -76,7 +79,7 @@ class DraftModelDrafter:
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
 
-    def _tree(self, logits: Tensor, k: int) -> Draft:
+    def _tree(self, logits: Tensor, k: int, budget: int) -> Draft:
         """A dynamic token tree (EAGLE-2 expansion, tree.grow): each level one forward of the draft model over the
         nodes expanded, every row attending to its own path (tree.TreeRows); point masses. Its cache entries past
         the context are dropped at commit (the accepted tokens are read again with the next context)."""
@@ -95,14 +98,15 @@ class DraftModelDrafter:
                 self.cache.tree = None
             return logq(out.logits).topk(branch, dim=-1)
 
-        branch = min(4, self.tree)
+        branch = 4
         self.ranks = self.ranks or RankAcceptance(branch)
         grow(grown, logq(logits[None])[0].topk(branch), expand, k, 4, self.ranks)
-        draft, self.proposed = keep_best(grown, self.tree)
+        draft, self.proposed = keep_best(grown, budget)
         self.pending = 0  # commit crops to the context
         return draft
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        observe_step(self.sizer, verdict)
         if verdict.path is not None and self.proposed is not None:
             self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         if self.cache is None:  # nothing drafted yet

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..sampling import Sampler
+from ..tree import observe_step, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 
 
@@ -26,10 +27,11 @@ class MedusaDrafter:
 
     def __init__(self, target, head, tree: int | None = None) -> None:
         from ..models.heads import check_fits
-        from ..tree import check_tree_budget
+        from ..tree import TreeSizer, check_tree_budget
 
         check_fits(head, target)
         self.tree = check_tree_budget(tree)
+        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto
         self.ranks = self.proposed = None  # a tree: tree.RankAcceptance and the last tree.Proposed
         self.target, self.heads = target, head.medusa
         self.k_max = head.config.num_medusa
@@ -46,31 +48,33 @@ class MedusaDrafter:
             return Draft.empty()
         k = min(k, self.k_max)
         logits = self.target.head(self.heads(self.h[None])[:k, 0])  # (k, V)
-        if self.tree is not None:
-            return self._tree(logits)
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is not None:
+            return self._tree(logits, budget)
         if self.sampler.params.greedy:
             return Draft(tokens=logits.argmax(-1))
         q = self.sampler.probs(logits)  # (k, V) the same transform as p
         return Draft(tokens=self.sampler.sample(q), q=q)
 
-    def _tree(self, logits: Tensor) -> Draft:
+    def _tree(self, logits: Tensor, budget: int) -> Draft:
         """Block j's top guesses as the children of every node at depth j (the blocks do not read the drafts
         before them), expanded and kept by value along the path (tree.grow / keep_best); point masses."""
         from ..tree import GrowingTree, RankAcceptance, grow, keep_best
 
         greedy = self.sampler.params.greedy
         logq = torch.log_softmax(logits.float(), -1) if greedy else self.sampler.probs(logits).log()  # (k, V)
-        branch = min(4, self.tree)
+        branch = min(4, budget)
         top = logq.topk(branch, dim=-1)  # (k, branch) values, ids
         grown = GrowingTree(0)
         self.ranks = self.ranks or RankAcceptance(branch)
         grow(grown, (top.values[0], top.indices[0]), lambda nodes: (top.values[grown.depth[nodes[0]] + 1].expand(len(nodes), -1),
                                                                        top.indices[grown.depth[nodes[0]] + 1].expand(len(nodes), -1)),
              logq.shape[0], 4, self.ranks)
-        draft, self.proposed = keep_best(grown, self.tree)
+        draft, self.proposed = keep_best(grown, budget)
         return draft
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        observe_step(self.sizer, verdict)
         if verdict.path is not None and self.proposed is not None:
             self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         self.h = out.hidden[verdict.num_accepted]

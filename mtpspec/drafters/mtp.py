@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
-from ..tree import GrowingTree, RankAcceptance, check_tree_budget, grow, keep_best
+from ..tree import GrowingTree, RankAcceptance, TreeSizer, check_tree_budget, grow, keep_best, observe_step, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
@@ -62,6 +62,7 @@ class MTPDrafter:
         self.tree = check_tree_budget(tree)  # a node budget: propose a token tree (tree.py) of at most this many nodes, depth <= k
         self.ranks: RankAcceptance | None = None  # a tree: how often each rank of guess is taken (learned at commit)
         self.proposed = None  # a tree: the last one proposed (tree.Proposed)
+        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto: a chain or a tree, by measured tokens/s
 
     def _hidden(self, out: TargetOutput) -> Tensor:
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
@@ -94,8 +95,9 @@ class MTPDrafter:
         sampler = self.sampler
         h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
         self.pending_h = self.pending_t = None
-        if self.tree is not None:
-            return self._propose_tree(h, k)
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is not None:
+            return self._propose_tree(h, k, budget)
         tokens, qs = [], []
         for j in range(k):
             x, q = self._next(h)
@@ -172,7 +174,7 @@ class MTPDrafter:
             drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
         return drafts
 
-    def _propose_tree(self, h: Tensor, k: int) -> Draft:
+    def _propose_tree(self, h: Tensor, k: int, budget: int) -> Draft:
         """A dynamic token tree (EAGLE-2): the root's top guesses, then level by level the most probable nodes
         expanded by one MTP forward over them (each row attending to its own path, tree.TreeRows), depth <= k;
         the `tree` most probable nodes kept. Its tokens are point masses (q = None), greedy and sampling alike."""
@@ -192,11 +194,11 @@ class MTPDrafter:
                 hid[n] = o
             return self._logq(out).topk(branch, dim=-1)
 
-        branch = min(TREE_BRANCH, self.tree)
+        branch = TREE_BRANCH
         if self.ranks is None:
             self.ranks = RankAcceptance(branch)
         grow(grown, self._logq(h)[0].topk(branch), expand, k, TREE_BEAM, self.ranks)
-        draft, self.proposed = keep_best(grown, self.tree)
+        draft, self.proposed = keep_best(grown, budget)
         return draft
 
     def _logq(self, h: Tensor) -> Tensor:
@@ -238,6 +240,7 @@ class MTPDrafter:
         return self.sampler.sample(q), q
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        observe_step(self.sizer, verdict)
         if verdict.path is not None and self.proposed is not None:
             self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
         if verdict.num_drafted > 0:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..sampling import Sampler
+from ..tree import observe_step, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 from .base import DrafterOptions, option
 
@@ -24,7 +25,7 @@ from .base import DrafterOptions, option
 class NgramOptions(DrafterOptions):
     n_min: int = option("ngram_min", "--ngram-min", 1)  # shortest suffix looked up
     n_max: int = option("ngram_max", "--ngram-max", 3)  # longest suffix looked up (tried first)
-    tree: int | None = option("tree", "--tree", None)  # a node budget: merge several continuations into a tree
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget: merge several continuations into a tree
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,10 +37,11 @@ class NgramDrafter:
     name = "ngram"
 
     def __init__(self, n_min: int = 1, n_max: int = 3, tree: int | None = None) -> None:
-        from ..tree import check_tree_budget
+        from ..tree import TreeSizer, check_tree_budget
 
         NgramOptions(n_min, n_max)  # checked: integers, 1 <= n_min <= n_max
         self.n_min, self.n_max, self.tree = n_min, n_max, check_tree_budget(tree)
+        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto
         self.tokens: list[int] = []  # mirror of the context, appended to, never rescanned
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it (the latest)
         self.earlier: dict[tuple[int, ...], list[int]] = {}  # with a tree: n-gram -> every such position
@@ -56,14 +58,15 @@ class NgramDrafter:
             for n in range(self.n_min, min(self.n_max, j) + 1):
                 key = tuple(toks[j - n : j])
                 self.index[key] = j
-                if self.tree is not None:
+                if self.tree is not None:  # (a tree of any budget, or "auto")
                     self.earlier.setdefault(key, []).append(j)
         self.indexed = max(self.indexed, len(toks))
 
     def propose(self, context: Tensor, k: int) -> Draft:
         self._catch_up(context)
-        if self.tree is not None:
-            return self._tree(k)
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is not None:
+            return self._tree(k, budget)
         toks, end = self.tokens, len(self.tokens)
         for n in range(min(self.n_max, end), self.n_min - 1, -1):  # longest match first
             j = self.index.get(tuple(toks[end - n :]))
@@ -71,9 +74,9 @@ class NgramDrafter:
                 return Draft(tokens=torch.tensor(toks[j : j + k], dtype=torch.long))
         return Draft.empty()
 
-    def _tree(self, k: int) -> Draft:
+    def _tree(self, k: int, budget: int) -> Draft:
         """Continuations of earlier occurrences of the suffix (longest n first, most recent first) merged into a
-        trie of at most `tree` nodes, each continuation up to k tokens."""
+        trie of at most `budget` nodes, each continuation up to k tokens."""
         toks, end = self.tokens, len(self.tokens)
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         tokens, parents, seen = [], [], set()
@@ -85,19 +88,19 @@ class NgramDrafter:
                 node = -1
                 for t in toks[j : j + k]:
                     if (node, t) not in children:
-                        if len(tokens) >= self.tree:
+                        if len(tokens) >= budget:
                             break
                         children[(node, t)] = len(tokens)
                         tokens.append(t)
                         parents.append(node)
                     node = children[(node, t)]
-                if len(tokens) >= self.tree:
+                if len(tokens) >= budget:
                     break
-            if len(tokens) >= self.tree:
+            if len(tokens) >= budget:
                 break
         if not tokens:
             return Draft.empty()
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
-        pass
+        observe_step(self.sizer, verdict)
