@@ -236,8 +236,10 @@ def check_tree_budget(tree) -> int | str | None:
 class TreeSizer:
     """`--tree auto`: each step, a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens per
     second: tokens a step emitted over its seconds from propose to commit (drafting, the verify forward, the
-    walk), each a running mean per choice. Each choice is tried 3 times first; then the best is used, and every
-    PROBE steps the choice measured longest ago is tried again (the machine and the text change)."""
+    walk), a running mean per choice. Each choice is tried WARM times first; then the best is used, and every
+    PROBE steps the choice measured longest ago is tried again (the machine and the text change). One sizer
+    serves every sequence a drafter kind drafts for on one model (`shared_sizer`), so a server or a batch pays
+    for the exploration once; each drafter keeps its own step's choice and start (a Pending)."""
 
     ARMS = (None, 4, 8, 16)
     PROBE = 24
@@ -247,41 +249,61 @@ class TreeSizer:
         self.tokens = [0.0] * len(self.ARMS)  # running mean tokens per step
         self.seconds = [0.0] * len(self.ARMS)  # running mean seconds per step
         self.count = [0] * len(self.ARMS)
-        self.last = [0] * len(self.ARMS)  # the step each was last used
-        self.step, self.arm, self.t0 = 0, 0, None
+        self.last = [0] * len(self.ARMS)  # the step each was last chosen
+        self.step = 0
 
-    def next(self, clock: float) -> int | None:
-        """The node budget for this step (None: a chain); clock: perf_counter() now."""
+    def next(self) -> int:
+        """The choice (an index into ARMS) for a step starting now."""
         self.step += 1
         cold = [i for i, n in enumerate(self.count) if n < self.WARM]
         if cold:
-            self.arm = cold[0]
+            arm = min(cold, key=lambda i: self.last[i])
         elif self.step % self.PROBE == 0:
-            self.arm = min(range(len(self.ARMS)), key=lambda i: self.last[i])
+            arm = min(range(len(self.ARMS)), key=lambda i: self.last[i])
         else:
-            self.arm = max(range(len(self.ARMS)), key=lambda i: self.tokens[i] / max(self.seconds[i], 1e-9))
-        self.last[self.arm], self.t0 = self.step, clock
-        return self.ARMS[self.arm]
+            arm = max(range(len(self.ARMS)), key=lambda i: self.tokens[i] / max(self.seconds[i], 1e-9))
+        self.last[arm] = self.step
+        return arm
 
-    def observe(self, tokens: int, clock: float) -> None:
-        """At commit: what the step gave and took."""
-        if self.t0 is None:
-            return
-        i, secs, self.t0 = self.arm, clock - self.t0, None
-        self.count[i] += 1
-        w = 1.0 / min(self.count[i], 8)  # a mean, then a running one
-        self.tokens[i] += w * (tokens - self.tokens[i])
-        self.seconds[i] += w * (secs - self.seconds[i])
+    def observe(self, arm: int, tokens: int, seconds: float) -> None:
+        self.count[arm] += 1
+        w = 1.0 / min(self.count[arm], 8)  # a mean, then a running one
+        self.tokens[arm] += w * (tokens - self.tokens[arm])
+        self.seconds[arm] += w * (seconds - self.seconds[arm])
 
 
-def tree_budget(tree, sizer: TreeSizer | None) -> int | None:
-    """This step's node budget for a drafter whose `tree` option is None, N or "auto" (then its sizer decides)."""
-    return sizer.next(perf_counter()) if sizer is not None else tree
+def shared_sizer(owner, kind: str) -> TreeSizer:
+    """The TreeSizer of drafter kind `kind` on model `owner` (kept on the module, like its other derived state)."""
+    sizers = owner.__dict__.setdefault("_tree_sizers", {})
+    return sizers.setdefault(kind, TreeSizer())
 
 
-def observe_step(sizer: TreeSizer | None, verdict: Verdict) -> None:
-    if sizer is not None:
-        sizer.observe(len(verdict.tokens), perf_counter())
+class TreeChoice:
+    """A drafter's side of `--tree auto`: the shared sizer, and this drafter's pending step (choice, start)."""
+
+    def __init__(self, sizer: TreeSizer) -> None:
+        self.sizer, self.pending = sizer, None
+
+    def budget(self) -> int | None:
+        arm = self.sizer.next()
+        self.pending = (arm, perf_counter())
+        return TreeSizer.ARMS[arm]
+
+    def observe(self, verdict: Verdict) -> None:
+        if self.pending is not None:
+            arm, t0 = self.pending
+            self.sizer.observe(arm, len(verdict.tokens), perf_counter() - t0)
+            self.pending = None
+
+
+def tree_budget(tree, choice: TreeChoice | None) -> int | None:
+    """This step's node budget for a drafter whose `tree` option is None, N or "auto" (then `choice` decides)."""
+    return choice.budget() if choice is not None else tree
+
+
+def observe_step(choice: TreeChoice | None, verdict: Verdict) -> None:
+    if choice is not None:
+        choice.observe(verdict)
 
 
 def check_tree(draft: Draft) -> None:

@@ -231,13 +231,17 @@ def test_tree_auto_measures_chain_and_trees_and_stays_lossless(stories):
     from mtpspec.tree import TreeSizer
 
     d = make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree="auto")
+    sizer = d.sizer.sizer
+    before = sum(sizer.count)
     plain = stories.generate(PROMPTS[1], max_new_tokens=80).tokens
     got = generate_tokens(stories.module, stories.encode(PROMPTS[1]), d, 5, Sampler(SamplingParams(), 0), 80)
     assert got.tokens == plain
-    assert min(d.sizer.count) >= TreeSizer.WARM  # every choice measured
-    assert len(got.steps) - 1 <= sum(d.sizer.count) <= len(got.steps)  # every drafting step counted (the last may draft none)
+    assert min(sizer.count) >= TreeSizer.WARM  # every choice measured
+    assert len(got.steps) - 1 <= sum(sizer.count) - before <= len(got.steps)  # every drafting step counted (the last may draft none)
+    again = make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree="auto")
+    assert again.sizer.sizer is not sizer  # another load of the head: its own module, its own sizer
     sizer = TreeSizer()  # the choice follows the measured tokens per second
     for _ in range(40):
-        arm = sizer.next(0.0)
-        sizer.observe({None: 3, 4: 4, 8: 5, 16: 5}[arm], {None: 1.0, 4: 1.5, 8: 1.2, 16: 2.0}[arm])
-    assert sizer.next(0.0) == 8
+        arm = sizer.next()
+        sizer.observe(arm, (3, 4, 5, 5)[arm], (1.0, 1.5, 1.2, 2.0)[arm])
+    assert TreeSizer.ARMS[sizer.next()] == 8

@@ -24,14 +24,14 @@ class DraftModelDrafter:
     name = "draft"
 
     def __init__(self, model, target_vocab_size: int, tree: int | None = None) -> None:
-        from ..tree import TreeSizer, check_tree_budget
+        from ..tree import TreeChoice, check_tree_budget, shared_sizer
 
         if model.vocab_size != target_vocab_size:
             raise ConfigError(
                 f"draft model vocabulary ({model.vocab_size}) differs from the target's ({target_vocab_size})"
             )
         self.tree = check_tree_budget(tree)  # a node budget: draft a token tree (tree.py); "auto": TreeSizer decides
-        self.sizer = TreeSizer() if tree == "auto" else None
+        self.sizer = TreeChoice(shared_sizer(model, "draft")) if tree == "auto" else None
         if self.tree is not None and not model.new_cache(1).crops_across_forwards:
             raise ConfigError("--tree with --drafter draft needs a draft model with attention only (this one has recurrent layers)")
         self.model = model

@@ -27,11 +27,11 @@ class MedusaDrafter:
 
     def __init__(self, target, head, tree: int | None = None) -> None:
         from ..models.heads import check_fits
-        from ..tree import TreeSizer, check_tree_budget
+        from ..tree import TreeChoice, check_tree_budget, shared_sizer
 
         check_fits(head, target)
         self.tree = check_tree_budget(tree)
-        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto
+        self.sizer = TreeChoice(shared_sizer(target, "medusa")) if tree == "auto" else None  # --tree auto
         self.ranks = self.proposed = None  # a tree: tree.RankAcceptance and the last tree.Proposed
         self.target, self.heads = target, head.medusa
         self.k_max = head.config.num_medusa

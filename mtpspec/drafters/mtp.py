@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..sampling import Sampler
-from ..tree import GrowingTree, RankAcceptance, TreeSizer, check_tree_budget, grow, keep_best, observe_step, tree_budget
+from ..tree import GrowingTree, RankAcceptance, TreeChoice, check_tree_budget, grow, keep_best, observe_step, shared_sizer, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
@@ -62,7 +62,8 @@ class MTPDrafter:
         self.tree = check_tree_budget(tree)  # a node budget: propose a token tree (tree.py) of at most this many nodes, depth <= k
         self.ranks: RankAcceptance | None = None  # a tree: how often each rank of guess is taken (learned at commit)
         self.proposed = None  # a tree: the last one proposed (tree.Proposed)
-        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto: a chain or a tree, by measured tokens/s
+        # --tree auto: a chain or a tree, by measured tokens/s (one sizer per MTP / EAGLE module, shared by its sequences)
+        self.sizer = TreeChoice(shared_sizer(target.mtp, "mtp")) if tree == "auto" else None
 
     def _hidden(self, out: TargetOutput) -> Tensor:
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden

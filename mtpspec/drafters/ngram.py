@@ -37,11 +37,11 @@ class NgramDrafter:
     name = "ngram"
 
     def __init__(self, n_min: int = 1, n_max: int = 3, tree: int | None = None) -> None:
-        from ..tree import TreeSizer, check_tree_budget
+        from ..tree import TreeChoice, TreeSizer, check_tree_budget
 
         NgramOptions(n_min, n_max)  # checked: integers, 1 <= n_min <= n_max
         self.n_min, self.n_max, self.tree = n_min, n_max, check_tree_budget(tree)
-        self.sizer = TreeSizer() if tree == "auto" else None  # --tree auto
+        self.sizer = TreeChoice(TreeSizer()) if tree == "auto" else None  # --tree auto (its own: no model to share one on)
         self.tokens: list[int] = []  # mirror of the context, appended to, never rescanned
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token that followed it (the latest)
         self.earlier: dict[tuple[int, ...], list[int]] = {}  # with a tree: n-gram -> every such position
