@@ -236,7 +236,7 @@ def check_tree_budget(tree) -> int | str | None:
 class TreeSizer:
     """`--tree auto`: each step, a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens per
     second: tokens a step emitted over its seconds from propose to commit (drafting, the verify forward, the
-    walk), a running mean per choice. Each choice is tried WARM times first; then the best is used, and every
+    walk), running means per choice. Each choice is tried WARM times first; then the best is used, and every
     PROBE steps the choice measured longest ago is tried again (the machine and the text change). One sizer
     serves every sequence a drafter kind drafts for on one model (`shared_sizer`), so a server or a batch pays
     for the exploration once; each drafter keeps its own step's choice and start (a Pending)."""
@@ -267,9 +267,10 @@ class TreeSizer:
 
     def observe(self, arm: int, tokens: int, seconds: float) -> None:
         self.count[arm] += 1
-        w = 1.0 / min(self.count[arm], 8)  # a mean, then a running one
-        self.tokens[arm] += w * (tokens - self.tokens[arm])
-        self.seconds[arm] += w * (seconds - self.seconds[arm])
+        # a mean, then a running one: tokens per step vary with the text far more than a step's cost does, and
+        # the choices are measured on different stretches of it, so tokens are averaged over many more steps
+        self.tokens[arm] += (tokens - self.tokens[arm]) / min(self.count[arm], 64)
+        self.seconds[arm] += (seconds - self.seconds[arm]) / min(self.count[arm], 16)
 
 
 def shared_sizer(owner, kind: str) -> TreeSizer:
