@@ -92,7 +92,7 @@ def load_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="none", help="none | ngram | draft | mtp | medusa | eagle")
+    p.add_argument("--drafter", default="none", help="none | ngram | lookahead | suffix | draft | mtp | medusa | eagle")
     p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
     p.add_argument("--k", type=parse_k, default=4, help="draft length D per step (>= 1), or 'auto'")
     p.add_argument("--temperature", type=float, default=0.0,
