@@ -697,7 +697,8 @@ def write_plot(result: dict, path: str | Path) -> Path:
         ax.set_ylabel(yl)
         ax.legend(fontsize=8)
     cfg = result["config"]
-    fig.suptitle(f"mtpspec serve, {cfg['model']}: {cfg['requests']} requests x {cfg['max_tokens']} tokens per run")
+    rounds = f", {cfg['rounds']} rounds (tok/s: their median)" if cfg.get("rounds", 1) > 1 else ""
+    fig.suptitle(f"mtpspec serve, {cfg['model']}: {cfg['requests']} requests x {cfg['max_tokens']} tokens per run{rounds}")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
