@@ -203,7 +203,8 @@ def _load_optional_commands() -> None:
     """Subcommands that live in their own modules register themselves on import."""
     import importlib
 
-    for mod in ("mtpspec.bench.cli", "mtpspec.viz.cli", "mtpspec.server.cli", "mtpspec.train.cli", "mtpspec.export"):
+    for mod in ("mtpspec.bench.cli", "mtpspec.bench.serve_load", "mtpspec.viz.cli", "mtpspec.server.cli", "mtpspec.train.cli",
+                "mtpspec.export"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
