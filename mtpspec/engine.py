@@ -303,8 +303,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
 class Engine:
     """Continuous batching over `step`: sequences join (add) and leave (finish, cancel) between steps.
 
-    Each call of `step()` first prefills one chunk of a waiting prompt (`prefill_chunk` positions), then runs
-    one decode step over every prefilled sequence (at most `max_batch` share a forward). `depth` chooses the
+    Each call of `step()` first prefills up to `prefill_chunk` positions of the waiting prompts (in arrival
+    order, while slots are free), then runs one decode step over every prefilled sequence (at most `max_batch` share a forward). `depth` chooses the
     draft lengths (None: each sequence drafts its k, as room allows).
     """
 
@@ -346,13 +346,18 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> BatchStep | None:
-        """One prefill chunk for the first waiting sequence (when a slot is free), then one decode step."""
-        if self.waiting and len(self.running) < self.max_batch:
+        """Up to `prefill_chunk` prompt positions of the waiting sequences, in arrival order, while slots are free
+        (several short prompts join in one step, a long one takes several), then one decode step."""
+        budget = self.prefill_chunk
+        while self.waiting and len(self.running) < self.max_batch and budget > 0:
             seq = self.waiting[0]
-            seq.prefill(self.target, self.prefill_chunk, self.exact)
-            if seq.ready:
-                self.waiting.pop(0)
-                self._join(seq)
+            before = seq.prefilled
+            seq.prefill(self.target, budget, self.exact)
+            budget -= max(seq.prefilled - before, 1)  # (a one-token prompt has nothing to prefill: it still counts)
+            if not seq.ready:
+                break
+            self.waiting.pop(0)
+            self._join(seq)
         self._retire()
         if not self.running:
             return None

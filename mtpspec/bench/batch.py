@@ -7,7 +7,7 @@ stepped in turn (one step each, the order rotating from round to round), so a sl
 machine falls on every method alike; each method's clock is the sum of its own steps' durations.
 Each figure is the median over `rounds` rounds.
 
-What is timed is decode only: Engine.step() prefills one waiting prompt per call (and decodes the
+What is timed is decode only: Engine.step() prefills waiting prompts (up to prefill_chunk positions) per call (and decodes the
 sequences already running in the same call), so a method's clock starts after the step that prefilled
 its last prompt, and everything emitted before it is left out. From there:
     throughput           = tokens emitted / its steps' seconds until the last sequence finished
