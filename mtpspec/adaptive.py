@@ -179,6 +179,7 @@ class AdaptiveDepth:
         margin: float = 0.03,  # speculation must promise this much over plain decoding to be chosen ...
         cost_margin: float = 0.1,  # ... plus this times c / T(1): a costly drafter's hidden costs
         padded: bool = True,  # price a forward by its grid, B x its widest rows (measured: the batched forward's cost follows it)
+        batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
@@ -187,7 +188,12 @@ class AdaptiveDepth:
         self.explore, self.probe_min, self.margin, self.cost_margin = explore, probe_min, margin, cost_margin
         # prior drafter cost relative to T(1), scaled by the learned T(1) until drafts are seen
         self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
-        self.c = draft_cost if self.c_ratio is None else None  # seconds per drafted token, as observed
+        self.c_prior = draft_cost if self.c_ratio is None else None  # seconds per drafted token, given without a T(1)
+        # drafter cost per drafted token as observed, in units of a plain step's forward at the batch size it was
+        # seen at: a batched drafter's step costs about what the target's does over the same rows (demo: 0.13 of
+        # a plain forward at 1 sequence and at 16), so a cost learned at 16 sequences holds, scaled, at 1 (in
+        # seconds it kept the 16-sequence cost and priced a lone sequence's drafts at 3x their cost)
+        self.c: float | None = None
         self.o = 0.0  # engine overhead seconds per step
         self.phi = 0.0  # share of drafting paid once per draft position for the whole batch (batched drafters)
         self._fit = [0.0] * 5  # decayed sums for phi: levels^2, levels n, n^2, levels y, n y
@@ -195,12 +201,16 @@ class AdaptiveDepth:
         self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
         self.seqs: dict[int, SeqAcceptance] = {}
         self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
+        self.batch_probe, self._all_plain = batch_probe, 0  # all-plain batch steps in a row
 
     def _c(self) -> float:
-        """Drafter seconds per drafted token: observed, else the prior ratio x T(1), else half a forward."""
+        """Drafter cost per drafted token, in plain forwards at the current batch size: observed, else the prior
+        (a ratio to T(1), or seconds over the learned T(1)), else half a forward."""
         if self.c is not None:
             return self.c
-        return (self.c_ratio if self.c_ratio is not None else 0.5) * self.T.table(1)[0]
+        if self.c_prior is not None:
+            return self.c_prior / self.T.table(1)[0]
+        return self.c_ratio if self.c_ratio is not None else 0.5
 
     def _new(self, seq: int) -> SeqAcceptance:
         self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.prior_acceptance)
@@ -212,18 +222,34 @@ class AdaptiveDepth:
         states = [self.seqs.get(s) or self._new(s) for s in seqs]
         if not states:
             return []
-        if self.T.scale is None or (self.c is None and self.c_ratio is None) or self._warm < 2:
+        if self.T.scale is None or (self.c is None and self.c_ratio is None and self.c_prior is None) or self._warm < 2:
             ds = [max(min(max(3 // len(caps), 1), k), 0) for k in caps]  # warm-up (learn T and c), cheap in a batch
         else:  # never more than one draft position deeper than any step so far: T is known only where it was seen
             ds = [min(d, self._width_seen) for d in self._choose(states, caps)]
+            ds = self._probe_batch(ds, caps)
         for st, d in zip(states, ds):
             st.asked = d
         return ds
 
+    def _probe_batch(self, ds: list[int], caps: list[int]) -> list[int]:
+        """A batch that has stepped plain `batch_probe` times in a row drafts one token everywhere for one step: the
+        costs that kept it plain (the forward over 2B rows, the drafter's, both learned at other batch sizes or
+        times) are measured again at this batch size. A one-sequence probe cannot do that: it widens the grid for
+        one sequence's gain and is judged by it."""
+        if len(ds) < 2 or not self.batch_probe or any(ds) or max(caps) < 1:
+            self._all_plain = 0
+            return ds
+        self._all_plain += 1
+        if self._all_plain < self.batch_probe:
+            return ds
+        self._all_plain = 0
+        return [min(1, cap) for cap in caps]
+
     def _choose(self, states: list[SeqAcceptance], caps: list[int]) -> list[int]:
-        B, c, phi, o = len(states), self._c(), self.phi, self.o
+        B, phi, o = len(states), self.phi, self.o
         gains = [st.gains(cap, self.shrink) if cap > 0 else [] for st, cap in zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
+        c = self._c() * T[B - 1]  # seconds per drafted token at this batch size
         margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B  # per drafting sequence
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
@@ -269,8 +295,9 @@ class AdaptiveDepth:
         self._width_seen = max(self._width_seen, step.width)
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
+        t_plain = self.T.table(len(step.seqs))[len(step.seqs) - 1]  # a plain step's forward at this batch size
         if n > 0:  # drafting seconds = c (phi levels + (1 - phi) n): phi is the share a batched drafter pays once
-            y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0)
+            y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0) / t_plain  # in plain forwards
             if self.c is not None:
                 y = min(y, 4 * self.c * (self.phi * levels + (1 - self.phi) * n) + 1e-5)  # a catch-up: clipped
             x = (levels * levels, levels * n, n * n, levels * y, n * y)
@@ -289,12 +316,12 @@ class AdaptiveDepth:
                     base = self._probe_base
                     st.probe_wait = base if s.accepted > 0 else min(2 * (st.probe_wait or base), 4 * base)
                     st.probing = False
-            elif st.asked > 0 and self.c is None and self.c_ratio is None:
-                self.c = s.draft_seconds  # asked for drafts, got none (n-gram miss): the cost of asking
+            elif st.asked > 0 and self.c is None and self.c_ratio is None and self.c_prior is None:
+                self.c = s.draft_seconds / t_plain  # asked for drafts, got none (n-gram miss): the cost of asking
 
     def _learn_cost(self, c: float) -> None:
         self._warm += 1
-        if self.c_ratio is None and (self.c is None or self._warm == 2):  # the first draft also read the prompt
+        if self.c_ratio is None and self.c_prior is None and (self.c is None or self._warm == 2):  # the first draft also read the prompt
             self.c = c
         else:  # a running mean (from the prior, if any), a slow call (a catch-up) clipped at 4x it
             self.c = 0.8 * self._c() + 0.2 * min(c, 4 * self._c() + 1e-5)

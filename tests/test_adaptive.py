@@ -137,11 +137,12 @@ def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills(padded):
         chosen = drive_batch(p, 200, [0.9] * b, seed=b)[100:]
         size = [b * (max(ds) + 1) if padded else sum(d + 1 for d in ds) for ds in chosen]
         per_seq.append(sum(size) / len(size) / b)
-        if b == 16:
-            assert all(d == 0 for ds in chosen for d in ds)
+        if b == 16:  # plain, but for the batch probes: one step in batch_probe where every sequence drafts 1
+            probes = [ds for ds in chosen if any(ds)]
+            assert len(probes) <= len(chosen) // p.batch_probe + 1 and all(max(ds) == 1 for ds in probes)
     assert per_seq[0] >= 6
     assert all(y <= x + 0.05 for x, y in zip(per_seq, per_seq[1:])), per_seq
-    assert per_seq[-1] == 1.0
+    assert per_seq[-1] <= 1.0 + 1.0 / 16 + 1e-9
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -166,7 +167,7 @@ def test_a_batched_drafter_is_charged_per_draft_position_not_per_sequence():
         ds = p.next_depths(list(range(b)), 3)
         seqs = tuple(SeqStep(i, d, d, 1e-4 * max(ds) / b) for i, d in enumerate(ds))  # the call shared out
         p.observe(BatchStep(sum(ds) + b, max(ds) + 1, steep(b * (max(ds) + 1)), 0.0, seqs))
-    assert p.phi > 0.8 and p.c == pytest.approx(1e-4, rel=0.2)
+    assert p.phi > 0.8 and p.c * p.T.table(1)[0] == pytest.approx(1e-4, rel=0.2)  # (c is in plain forwards)
 
 
 def test_per_sequence_room_caps_depth():
@@ -188,3 +189,31 @@ def test_policy_has_no_clock():
     """The policy learns only through observe(): no timer of its own."""
     src = Path(mtpspec.adaptive.__file__).read_text()
     assert "perf_counter" not in src and "import time" not in src and "from time" not in src
+
+
+def test_a_draft_cost_learned_in_a_full_batch_scales_to_the_sequences_left():
+    """A batched drafter's step costs about what the target's forward does over the same rows: its cost is learned in
+    plain forwards at the batch size seen, so 16 sequences' drafting cost does not keep the last one plain."""
+
+    def forward(rows: int) -> float:  # grows with the rows: 16 rows cost 6x one
+        return 1e-3 * (1.0 + rows / 2)
+
+    rng, p = random.Random(0), AdaptiveDepth(k_max=8)
+    for b, steps in ((16, 60), (1, 60)):
+        for seq in range(1, 16) if b == 1 else ():
+            p.drop(seq)
+        chosen = []
+        for _ in range(steps):
+            ds = p.next_depths(list(range(b)), 8)
+            width = max(ds) + 1
+            level = 0.15 * forward(b)  # one batched draft step: 0.15 of a plain forward at this batch size
+            seqs = []
+            for i, d in enumerate(ds):
+                n = 0
+                while n < d and rng.random() < 0.8:
+                    n += 1
+                seqs.append(SeqStep(i, d, n, level * max(ds) / b))
+            p.observe(BatchStep(sum(d + 1 for d in ds), width, forward(b * width), 0.0, tuple(seqs)))
+            chosen.append(ds)
+    # alone, a draft costs 0.15 T(1) and a row 0.33 T(1): D = 2 is best (in seconds learned at 16: 0.9 T(1), plain)
+    assert sum(ds[0] for ds in chosen[-30:]) / 30 >= 1.5
