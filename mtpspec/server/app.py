@@ -1,5 +1,7 @@
-"""The HTTP server: the live verify page and its JSON API (FastAPI), over the models it was started with.
+"""The HTTP server (FastAPI): an OpenAI-compatible API and the live verify page, over the models it was started with.
 
+    POST /v1/completions, /v1/chat/completions   generation on the batched engine (openai_api.py)
+    GET  /v1/models, /health, /metrics           the served models, liveness, Prometheus metrics
     GET  /                 the verify page (one self-contained HTML file, no network)
     GET  /api/health       {"ok": true}
     GET  /api/models       the served models and draft models, by name
@@ -8,7 +10,8 @@
     POST /api/step         a real speculative run, every round laid out (for the step-through)
 
 Requests name models by NAME only; no request makes the server open a path. Every bad input answers
-4xx with {"error": "FIELD: ..."}; the server keeps running. See docs/visualize.md.
+4xx in OpenAI's error shape {"error": {"message": "FIELD: ...", "type", "param", "code"}}; the server
+keeps running. See docs/serving.md and docs/visualize.md.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..drafters import KNOWN
 from ..errors import ConfigError, MtpspecError
 from .metrics import ServerMetrics
-from .openai_api import Busy, create_router, error_body
+from .openai_api import Busy, create_router, error_body, unicode_text as _unicode
 from .options import ServeOptions
 from .registry import Served
 from .scheduler import Scheduler, Speculation
@@ -38,15 +41,6 @@ MAX_BODY = 1 << 20  # bytes in a request body
 MAX_PREFIX_CHARS = 50_000  # then tokenised and checked against the model's context
 MAX_DRAFT_CHARS = 2_000  # a draft is at most MAX_DRAFT tokens
 RETRY_AFTER_S = 1  # seconds a refused (429) client is told to wait
-
-
-def _unicode(text: str) -> str:
-    """Reject text that is not valid Unicode (a lone surrogate, from a JSON escape like "\\ud800")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("not valid Unicode text (a lone surrogate)") from None
-    return text
 
 
 def _text(max_chars: int):

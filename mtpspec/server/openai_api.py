@@ -36,7 +36,8 @@ MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
 
 
-def _unicode(text: str) -> str:
+def unicode_text(text: str) -> str:
+    """Reject text that is not valid Unicode (a lone surrogate, from a JSON escape like "\\ud800")."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -44,8 +45,8 @@ def _unicode(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_unicode)]
-Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+Text = Annotated[str, AfterValidator(unicode_text)]
+Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(unicode_text)]
 
 
 class Body(BaseModel):
