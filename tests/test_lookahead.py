@@ -153,6 +153,7 @@ def _exact_three_token_distribution(model, prompt, params) -> dict[tuple[int, in
     return joint
 
 
+@pytest.mark.slow  # 60 s; the default suite keeps the real-model distribution test above
 @pytest.mark.parametrize("drafter, n_tokens", [("lookahead", 3), ("suffix", 2)])
 def test_sampling_distribution_on_a_hybrid(hybrid, drafter, n_tokens):
     """lookahead: three tokens, so a second step drafts from the first verify's guesses (the Jacobi tail
