@@ -239,9 +239,8 @@ class Scheduler:
                 handle.post(Finished(seq.finish_reason or "length", seq.result()))
 
     def _fail_all(self, message: str) -> None:
-        for sid in list(self.handles):
-            self.engine.cancel(sid)
-        self.engine.finished.clear()
+        """Every request in flight fails (the engine is replaced, or the server stops: it is not touched here, it may
+        be the one that just raised)."""
         for handle in self.handles.values():
             handle.post(Failed(message))
         self.handles.clear()
