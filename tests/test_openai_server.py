@@ -288,3 +288,19 @@ def test_metrics_count_tokens_and_acceptance(server, client):
     for want in ("mtpspec_draft_tokens", "mtpspec_accepted_tokens", "mtpspec_drafted_by_position", "mtpspec_batch_size",
                  "mtpspec_queue_length", "mtpspec_running", "mtpspec_time_to_first_token_seconds", "mtpspec_inter_token_latency_seconds"):
         assert any(n.startswith(want) for n in names), (want, sorted(names))
+
+
+def test_an_engine_failure_is_a_500_and_the_next_request_is_served(served):
+    with running(served, ServeOptions(drafter="none", max_batch=2)) as (url, app):
+        sched = app.state.schedulers["stories"]
+        broken = sched.engine
+
+        def boom():
+            raise RuntimeError("a bug in a step")
+
+        broken.step = boom  # this engine fails its next step; the scheduler replaces it
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "a bug in a step" in r.json()["error"]["message"]
+        assert sched.engine is not broken
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
