@@ -66,7 +66,7 @@ def test_parse_lists():
     with pytest.raises(ConfigError, match="needs"):
         parse_specs(" , ")
     assert parse_concurrency("16,1,4,4") == [1, 4, 16]
-    for bad, words in (("0", ">= 1"), ("a", "integers"), ("", "at least one")):
+    for bad, words in (("0", ">= 1"), ("a", "integer"), ("", "needs concurrencies")):
         with pytest.raises(ConfigError, match=words):
             parse_concurrency(bad)
 

@@ -33,21 +33,26 @@ from ..errors import ConfigError
 K_MAX_AUTO = 8  # the deepest draft `--k auto` may choose
 
 
-def parse_batches(text: str) -> list[int]:
-    """--batch "1,2,4,8" -> [1, 2, 4, 8] (sorted, each once); anything else is a ConfigError naming the value."""
+def parse_counts(text: str, flag: str, what: str, example: str = "1,2,4,8") -> list[int]:
+    """"1,4,16" -> [1, 4, 16] (sorted, each once): positive integers for `flag`; anything else is a ConfigError naming it."""
     parts = [x.strip() for x in str(text).split(",") if x.strip()]
     if not parts:
-        raise ConfigError(f"--batch needs batch sizes separated by commas, e.g. 1,2,4,8; got {text!r}")
-    sizes = []
+        raise ConfigError(f"{flag} needs {what} separated by commas, e.g. {example}; got {text!r}")
+    out = []
     for x in parts:
         try:
-            b = int(x)
+            n = int(x)
         except ValueError:
-            raise ConfigError(f"--batch takes integer batch sizes >= 1 separated by commas (e.g. 1,2,4,8), got {x!r}") from None
-        if b < 1:
-            raise ConfigError(f"--batch sizes must be >= 1, got {b}")
-        sizes.append(b)
-    return sorted(set(sizes))
+            raise ConfigError(f"{flag} takes integer {what} >= 1 separated by commas (e.g. {example}), got {x!r}") from None
+        if n < 1:
+            raise ConfigError(f"{flag} {what} must be >= 1, got {n}")
+        out.append(n)
+    return sorted(set(out))
+
+
+def parse_batches(text: str) -> list[int]:
+    """--batch "1,2,4,8" -> [1, 2, 4, 8] (sorted, each once)."""
+    return parse_counts(text, "--batch", "batch sizes")
 
 
 @dataclass(frozen=True)

@@ -105,20 +105,9 @@ def parse_specs(text: str) -> list[SpecConfig]:
 
 def parse_concurrency(text: str) -> list[int]:
     """--concurrency "1,4,16" -> [1, 4, 16] (sorted, each once)."""
-    out = []
-    for x in (x.strip() for x in str(text).split(",")):
-        if not x:
-            continue
-        try:
-            c = int(x)
-        except ValueError:
-            raise ConfigError(f"--concurrency takes integers >= 1 separated by commas (e.g. 1,4,16), got {x!r}") from None
-        if c < 1:
-            raise ConfigError(f"--concurrency values must be >= 1, got {c}")
-        out.append(c)
-    if not out:
-        raise ConfigError(f"--concurrency needs at least one value, e.g. 1,4,16; got {text!r}")
-    return sorted(set(out))
+    from .batch import parse_counts
+
+    return parse_counts(text, "--concurrency", "concurrencies", "1,4,16")
 
 
 # --- the stream: SSE lines -> chunks -> per-token latencies -----------------------------------
