@@ -157,6 +157,7 @@ def test_tree_sampling_with_iid_q_children():
     assert stat < 4 + 5 * math.sqrt(8), (counts / n, p)
 
 
+@pytest.mark.slow  # 21 s; the rule itself is checked exactly on a synthetic target in the default suite
 def test_real_model_tree_sampling_follows_the_target(stories):
     ids = stories.encode(PROMPT)
     exact = exact_pairs(stories, ids)
