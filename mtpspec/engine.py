@@ -280,8 +280,9 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     full = list(outs)  # a tree's whole verify window (traces read every node's row)
     for i, (s, v, start) in enumerate(zip(seqs, verdicts, starts)):
         if v.path is not None:  # a tree: its root and accepted path to the front of the window
-            s.cache.keep(start, kept_rows(v))
-            outs[i] = outs[i].rows(kept_rows(v))
+            kept = kept_rows(v)
+            s.cache.keep(start, kept)
+            outs[i] = outs[i].rows(kept)
         s.cache.crop(start + v.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
     t2 = perf_counter()
     parts = []

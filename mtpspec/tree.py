@@ -65,10 +65,9 @@ class TreeLayout:
         """(T,) the position of each row."""
         return start + self.depth
 
-    def attn_mask(self, start: int, lo: int = 0) -> Tensor:
-        """(T, start + T - lo) bool: the committed keys lo..start-1, then the row's ancestors and itself."""
-        t = self.size
-        return torch.cat([torch.ones(t, start - lo, dtype=torch.bool), self.anc], dim=1)
+    def attn_mask(self, start: int) -> Tensor:
+        """(T, start + T) bool: the committed keys 0..start-1, then the row's ancestors and itself."""
+        return torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1)
 
     def gather_back(self, steps: int) -> Tensor:
         """(T, steps) row indices of each row's ancestors 1..steps levels up (-m: m levels above the root,
@@ -101,7 +100,7 @@ class TreeRows:
     def positions(self, start: int) -> Tensor:
         return self.pos
 
-    def attn_mask(self, start: int, lo: int = 0) -> Tensor:
+    def attn_mask(self, start: int) -> Tensor:
         return self.mask
 
 
@@ -305,16 +304,6 @@ def tree_budget(tree, choice: TreeChoice | None) -> int | None:
 def observe_step(choice: TreeChoice | None, verdict: Verdict) -> None:
     if choice is not None:
         choice.observe(verdict)
-
-
-def check_tree(draft: Draft) -> None:
-    """A tree draft's parents must point to earlier nodes (or -1)."""
-    parents = draft.parents
-    n = draft.size
-    if parents.shape != (n,):
-        raise ValueError(f"a tree draft needs one parent per node: {tuple(parents.shape)} for {n} nodes")
-    if n and not bool(((parents >= -1) & (parents < torch.arange(n))).all()):
-        raise ValueError("a tree draft's nodes must come after their parents (parents[i] in -1..i-1)")
 
 
 def children_of(parents: list[int]) -> dict[int, list[int]]:
