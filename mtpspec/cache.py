@@ -32,6 +32,8 @@ class KVCache:
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
     prefill = False  # set by the engine before a prompt prefill (no rollback inside it); reset by advance()
     tree = None  # a TreeLayout while a forward verifies a token tree (tree.py): its attention mask and positions
+    index = None  # sparse attention's indexer keys (models/sparse_attention.IndexKeys), position-indexed like k / v
+    sparse = None  # sparse attention's selection state (SparseState: recompute, or reuse one row's blocks), or None
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""

@@ -186,6 +186,8 @@ def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | 
         raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
     if model is not None and getattr(model.config, "num_experts", 0) > 0:
         raise ConfigError("--compile does not cover mixture-of-experts layers (Qwen3-Next) yet: run without --compile")
+    if model is not None and (getattr(model.config, "sparse_attention", None) or getattr(model.config, "mtp_sparse_attention", None)):
+        raise ConfigError("--compile does not cover sparse attention layers yet: run without --compile")
 
 
 def compile_model(model, max_width: int = 9, backend: str = "inductor") -> CompiledStep:

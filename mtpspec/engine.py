@@ -267,7 +267,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     trees = any(d.is_tree for d in drafts)  # a tree verifies in its own forward (tree.py)
     if trees and exact:
         raise ConfigError("token trees are not available in exact mode (its verify pass is one-position forwards)")
-    if len(seqs) > 1 and not exact and storage is not None and not trees:  # 2. one verify pass, D_i + 1 positions each
+    sparse = getattr(getattr(target, "config", None), "sparse_attention", None) is not None  # per-sequence attention
+    if len(seqs) > 1 and not exact and storage is not None and not trees and not sparse:  # 2. one verify pass, D_i + 1 positions each
         outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
     else:
         outs = [forward_tree(target, t, d.parents, s.cache) if d.is_tree else target.forward_tokens(t, s.cache, exact)

@@ -46,6 +46,7 @@ class MTPOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
     tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    sparse_select: str | None = option("sparse_select", "--sparse-select", None)  # a sparse MTP: reuse (default) | recompute
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
     from .mtp import MTPDrafter
 
     source = target if draft_model is None else _attached(target, draft_model, "mtp")
-    return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree)
+    return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree,
+                      sparse_select=options.sparse_select or "reuse")
 
 
 def _head(draft_model, kind: str, target):

@@ -32,6 +32,7 @@ from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
 
+SPARSE_SELECT = ("reuse", "recompute")  # a sparse MTP's block choice for chained draft steps
 MAX_PENDING = 16  # pairs queued before a catch-up runs without a draft (plain steps chosen by --k auto, a long prompt)
 TREE_BRANCH = 4  # a tree: children per expanded node (the drafter's top guesses there)
 TREE_BEAM = 4  # a tree: nodes expanded per level
@@ -41,7 +42,7 @@ class MTPDrafter:
     name = "mtp"
 
     def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
-                 tree: int | None = None) -> None:
+                 tree: int | None = None, sparse_select: str = "reuse") -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
@@ -52,6 +53,13 @@ class MTPDrafter:
         self.n_layers = target.config.mtp_num_layers
         if self.n_layers != 1:
             raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
+        if sparse_select not in SPARSE_SELECT:
+            raise ConfigError(f"sparse_select must be one of {', '.join(SPARSE_SELECT)}, got {sparse_select!r}")
+        # a sparse-attention MTP (sparse_attention.py): its indexer runs on the round's first row only ("reuse"), or on every step
+        self.sparse = getattr(target.config, "mtp_sparse_attention", None) is not None
+        self.select = sparse_select
+        if self.sparse and tree is not None:
+            raise ConfigError("token trees are not available with a sparse-attention MTP module yet: use a chain (no --tree)")
         self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
         self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
@@ -94,19 +102,28 @@ class MTPDrafter:
         if k < 1:
             return Draft.empty()
         sampler = self.sampler
-        h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
-        self.pending_h = self.pending_t = None
-        budget = tree_budget(self.tree, self.sizer)
-        if budget is not None:
-            return self._propose_tree(h, k, budget)
-        tokens, qs = [], []
-        for j in range(k):
-            x, q = self._next(h)
-            if q is not None:
-                qs.append(q)
-            tokens.append(x)
-            if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
-                h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers)
+        state = self.cache.sparse  # a sparse MTP: the catch-up's last row (the last accepted token's pair) records its blocks
+        if state is not None and self.select == "reuse":
+            state.mode, state.kept = "record", {}
+        try:
+            h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
+            self.pending_h = self.pending_t = None
+            budget = tree_budget(self.tree, self.sizer)
+            if budget is not None:
+                return self._propose_tree(h, k, budget)
+            if state is not None and self.select == "reuse":
+                state.mode = "reuse"  # the chained steps attend the recorded blocks, without the indexer
+            tokens, qs = [], []
+            for j in range(k):
+                x, q = self._next(h)
+                if q is not None:
+                    qs.append(q)
+                tokens.append(x)
+                if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
+                    h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers)
+        finally:
+            if state is not None:
+                state.mode = "recompute"  # catch-ups outside propose (a long plain stretch) choose for every row
         self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
@@ -121,7 +138,7 @@ class MTPDrafter:
         from ..models.static import draft_module_forward
 
         module = drafters[0].target.mtp
-        if any(d.tree is not None for d in drafters):  # trees draft one sequence at a time
+        if any(d.tree is not None or d.sparse for d in drafters):  # trees and sparse attention draft one sequence at a time
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
         if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..errors import ConfigError
 from .common import RMSNorm, SwiGLU, weights_version, wide
+from .sparse_attention import sparse_attend
 
 SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through SDPA
 
@@ -73,8 +75,13 @@ class FusedAttentionBlock:
         self.c_qk = torch.cat([_c(att.q_norm, hd, dtype).expand(nh), _c(att.k_norm, hd, dtype).expand(nkv)])[:, None]  # (nh + nkv, 1)
         qg = att.q_proj.weight.detach().view(nh, 2, hd, h)  # per head [q | gate]
         rows = [qg[:, 0].reshape(nh * hd, h), att.k_proj.weight, qg[:, 1].reshape(nh * hd, h), att.v_proj.weight]
-        self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # (H, (nh + nkv) hd + nh hd + nkv hd)
         self.split = [(nh + nkv) * hd, nh * hd, nkv * hd]
+        self.sparse = att.sparse  # block-sparse attention: the indexer's projections join the same product
+        if self.sparse is not None:
+            ix = att.indexer
+            rows += [ix.q_proj.weight, ix.k_proj.weight, ix.w_proj.weight]
+            self.split += [self.sparse.heads * self.sparse.dim, self.sparse.dim, self.sparse.heads]
+        self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # (H, (nh + nkv) hd + nh hd + nkv hd [+ indexer])
         # per-head scales of x / |x| for q and k; q's sqrt(hd) cancels the attention's 1 / sqrt(hd)
         self.qk_w = torch.cat([_scale(att.q_norm, hd).expand(nh, hd) / math.sqrt(hd), _scale(att.k_norm, hd).expand(nkv, hd)]).to(dtype)
         self.o = _fold([att.o_proj.weight], None, dtype)  # (nh hd, H)
@@ -106,16 +113,29 @@ class FusedAttentionBlock:
             w[:, :, start:] += self.future[:t, :t].repeat_interleave(g, 0)
         return (torch.softmax(w, dim=-1) @ v).view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
+    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, kv: KVCache, start: int, index: list[Tensor]) -> Tensor:
+        """Block-sparse attention (sparse_attention.py): q (T, nh, hd) pre-scaled; index = the indexer's [q, k, w] rows."""
+        if kv.tree is not None or kv.index is None:
+            raise ConfigError("sparse attention needs the model's own MTP cache and runs without token trees")
+        iq, ik, iw = index
+        kv.index.write(self.kv_index, start, ik)
+        state = kv.sparse
+        queries = None if state is not None and state.reusing(self.kv_index) else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
+        return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0)
+
     def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
         """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
         t, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
-        qk, gate, v = (_unit(x, self.c_in) @ self.qkgv).split(self.split, -1)
+        qk, gate, v, *index = (_unit(x, self.c_in) @ self.qkgv).split(self.split, -1)
         qk = _unit(qk.view(t, nh + nkv, hd), self.c_qk) * self.qk_w  # (T, nh + nkv, hd) normed q and k
         tree = kv.tree  # a drafter's token tree: rows at their own positions, each seeing its own path
         where = slice(start, start + t) if tree is None else tree.positions(start)
         qk = qk * self.cos[where] + (qk @ self.p) * self.sin[where]
         k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.view(t, nkv, hd).transpose(0, 1)[None])
-        y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
+        if self.sparse is not None:
+            y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index)
+        else:
+            y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
         x = x + (y * torch.sigmoid(gate)) @ self.o
         g, u = (_unit(x, self.c_post) @ self.gate_up).chunk(2, -1)
         return x + (F.silu(g) * u) @ self.down

@@ -15,6 +15,7 @@ Parameter names follow Hugging Face's Qwen3.5 layout, so checkpoints load by nam
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,10 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..errors import ConfigError
 from ..types import TargetOutput
 from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention, wide
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
+from .sparse_attention import Indexer, IndexKeys, SparseAttentionConfig, SparseState, sparse_attend, window_sparse_attention
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -59,10 +62,17 @@ class HybridConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
     mtp_num_layers: int = 0  # decoder layers of the MTP module; 0 = no MTP module
+    sparse_attention: SparseAttentionConfig | None = None  # the full-attention layers' block-sparse attention (sparse_attention.py)
+    mtp_sparse_attention: SparseAttentionConfig | None = None  # the MTP module's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for name in ("sparse_attention", "mtp_sparse_attention"):
+            try:
+                object.__setattr__(self, name, SparseAttentionConfig.parse(getattr(self, name)))
+            except ConfigError as e:
+                raise ValueError(f"{name}: {e}") from None
 
     @property
     def rot_dim(self) -> int:
@@ -74,13 +84,16 @@ class HybridConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layer_types"], d["mlp_only_layers"] = list(self.layer_types), list(self.mlp_only_layers)
+        for name in ("sparse_attention", "mtp_sparse_attention"):  # written only when set (older readers know no such field)
+            if d[name] is None:
+                del d[name]
         return {"arch": "qwen35", **d}
 
 
 class GatedAttention(nn.Module):
     """Full attention with per-head q/k norm, partial rotary and a sigmoid output gate."""
 
-    def __init__(self, cfg: HybridConfig, kv_index: int, rotary: Rotary) -> None:
+    def __init__(self, cfg: HybridConfig, kv_index: int, rotary: Rotary, sparse: SparseAttentionConfig | None = None) -> None:
         super().__init__()
         hd = cfg.head_dim
         self.kv_index, self.nh, self.nkv, self.hd = kv_index, cfg.num_heads, cfg.num_kv_heads, hd
@@ -91,6 +104,9 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.sparse = sparse
+        if sparse is not None:
+            self.indexer = Indexer(cfg.hidden_size, sparse)  # block-sparse attention (sparse_attention.py)
 
     def forward(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
         b, t, _ = x.shape  # (B, T, H)
@@ -102,8 +118,28 @@ class GatedAttention(nn.Module):
         q = rope(self.q_norm(q).transpose(1, 2), start, pos)  # (B, nh, T, hd)
         k = rope(self.k_norm(k).transpose(1, 2), start, pos)  # (B, nkv, T, hd)
         k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, tree=tree).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        if self.sparse is not None:
+            y = self._sparse(x, q, k_all, v_all, kv, start)
+        else:
+            y = causal_attention(q, k_all, v_all, start, tree=tree).transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
+
+    def _sparse(self, x: Tensor, q: Tensor, k_all: Tensor, v_all: Tensor, kv: KVCache, start: int) -> Tensor:
+        """Block-sparse attention of one sequence: x (1, T, H) the normed input, q (1, nh, T, hd) -> (1, T, nh hd)."""
+        if not hasattr(kv, "k"):  # training's stateless TrainCache: whole windows from position 0, batched
+            y = window_sparse_attention(self.sparse, self.indexer, x, q, k_all, v_all, 1.0 / math.sqrt(self.hd))
+            return y.transpose(1, 2).flatten(2)
+        if x.shape[0] != 1 or kv.tree is not None:
+            raise ConfigError("sparse attention runs one sequence at a time, without token trees")
+        index = kv.index
+        if index is None:  # a cache made without the model's new_cache (training's TrainCache): keys live for this pass
+            index = kv.index = IndexKeys(kv.k.shape[0], kv.max_len, self.sparse, x.dtype)
+        index.write(self.kv_index, start, self.indexer.keys(x[0]))
+        state = kv.sparse
+        queries = None if state is not None and state.reusing(self.kv_index) else self.indexer.queries(x[0])
+        y = sparse_attend(self.sparse, q[0].transpose(0, 1), k_all[0], v_all[0], index, self.kv_index, start, queries, state,
+                          1.0 / math.sqrt(self.hd))
+        return y[None]
 
 
 class SparseMoE(nn.Module):
@@ -135,7 +171,8 @@ class SparseMoE(nn.Module):
 
 
 class HybridBlock(nn.Module):
-    def __init__(self, cfg: HybridConfig, layer_type: str, index: int, rotary: Rotary, sparse: bool) -> None:
+    def __init__(self, cfg: HybridConfig, layer_type: str, index: int, rotary: Rotary, sparse: bool,
+                 attention: SparseAttentionConfig | None = None) -> None:
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
@@ -145,7 +182,7 @@ class HybridBlock(nn.Module):
                 cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.norm_eps, slot=index,
             )
         else:
-            self.self_attn = GatedAttention(cfg, index, rotary)
+            self.self_attn = GatedAttention(cfg, index, rotary, attention)  # attention: its block-sparse config, or None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
         self.mlp = SparseMoE(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
@@ -165,7 +202,7 @@ class HybridBody(nn.Module):
         counters = {t: 0 for t in LAYER_TYPES}
         layers = []
         for i, lt in enumerate(cfg.layer_types):
-            layers.append(HybridBlock(cfg, lt, counters[lt], rotary, cfg.is_sparse(i)))
+            layers.append(HybridBlock(cfg, lt, counters[lt], rotary, cfg.is_sparse(i), cfg.sparse_attention))
             counters[lt] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
@@ -181,7 +218,8 @@ class MTPModule(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.norm_eps, zero_centred=True)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList(
-            HybridBlock(cfg, "full_attention", i, rotary, cfg.num_experts > 0) for i in range(cfg.mtp_num_layers)
+            HybridBlock(cfg, "full_attention", i, rotary, cfg.num_experts > 0, cfg.mtp_sparse_attention)
+            for i in range(cfg.mtp_num_layers)
         )
         self.norm = RMSNorm(h, cfg.norm_eps, zero_centred=True)
 
@@ -221,16 +259,23 @@ class HybridLM(CausalLM):
         c = self.config
         n_lin = sum(t == "linear_attention" for t in c.layer_types)
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-        return HybridCache(
+        cache = HybridCache(
             n_full=len(c.layer_types) - n_lin, n_kv_heads=c.num_kv_heads, head_dim=c.head_dim, n_linear=n_lin,
             conv_dim=conv_dim, conv_kernel=c.linear_conv_kernel_dim,
             state_shape=(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
             max_len=max_len or c.max_seq_len, dtype=self.dtype,
         )
+        if c.sparse_attention is not None:
+            cache.kv.index = IndexKeys(len(c.layer_types) - n_lin, cache.kv.max_len, c.sparse_attention, self.dtype)
+        return cache
 
     def new_mtp_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
-        return KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
+        cache = KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
+        if c.mtp_sparse_attention is not None:
+            cache.index = IndexKeys(cache.k.shape[0], cache.max_len, c.mtp_sparse_attention, self.dtype)
+            cache.sparse = SparseState()
+        return cache
 
     @torch.inference_mode()
     def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False) -> TargetOutput:

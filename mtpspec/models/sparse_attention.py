@@ -1,0 +1,280 @@
+"""Block-sparse attention with a learned indexer (QSA / DSA style), for the MTP layer and full-attention layers.
+
+Each query attends to a local window of the last `window` positions plus the `top_k` blocks of `block`
+earlier tokens that a light indexer scores highest:
+
+- the indexer keeps one small key per token (k_proj, `dim` wide); a block's key is the mean of its
+  `block` token keys (kept up to date on every write, so rollback needs nothing: IndexKeys);
+- a query row has `heads` indexer queries and weights; the score of block b is
+  sum_j w_j relu(q_j . K_b) / sqrt(dim) (block_scores);
+- the candidates of a query at position p are the blocks that start before its window
+  (b * block <= p - window); they are complete, since window >= block. The top_k are attended,
+  with the window (select_blocks, token_index). Tokens of a chosen block that lie in the window
+  are counted once.
+
+With at most top_k candidates every earlier token is attended: sparse equals full attention (up to
+rounding), so short contexts lose nothing.
+
+**Selection reuse** (SparseState): the D draft steps of one round look at nearly the same context,
+so the drafter can run the indexer once, on the round's first row, and reuse that row's blocks for
+the chained steps. That row must be the last *accepted* token's (the catch-up's last real pair),
+never a row of a rejected branch. The reused blocks keep their anchor's window start, so a token
+that leaves a later step's window is still seen.
+
+A decode or verify pass (T <= GATHER_ROWS rows) gathers each row's keys and values (a fixed
+top_k * block + window + reach per row): a plain step and a verify row compute the same function
+over the same keys. Longer passes (a prompt) run masked attention over the whole cache in chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ConfigError
+
+GATHER_ROWS = 32  # passes up to this many rows gather their keys; longer ones (a prompt) use a mask
+MASK_CHUNK = 256  # rows per masked chunk of a long pass
+REUSE_REACH = 64  # a reused selection serves steps at most this far past its anchor
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    block: int = 4  # r: tokens per compressed block
+    top_k: int = 512  # blocks attended per query (512 x 4 = 2,048 tokens, as Qwen's QSA)
+    window: int = 128  # the last `window` positions are always attended (>= block)
+    heads: int = 4  # indexer heads
+    dim: int = 32  # indexer key / query width
+
+    def __post_init__(self) -> None:
+        for name in ("block", "top_k", "window", "heads", "dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"sparse attention: {name} must be a positive integer, got {v!r}")
+        if self.window < self.block:
+            raise ConfigError(f"sparse attention: window ({self.window}) must be at least one block ({self.block})")
+
+    @classmethod
+    def parse(cls, value) -> "SparseAttentionConfig | None":
+        """None, a SparseAttentionConfig, or its dict (a checkpoint's config) -> the config."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"sparse attention config must be a mapping, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ConfigError(f"sparse attention: unknown field(s) {', '.join(unknown)} (known: {', '.join(cls.__dataclass_fields__)})")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Indexer(nn.Module):
+    """The light scorer: from a layer's normed input x (T, H), token keys (T, dim), queries (T, heads, dim), weights (T, heads)."""
+
+    def __init__(self, hidden: int, cfg: SparseAttentionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(hidden, cfg.heads * cfg.dim, bias=False)
+        self.k_proj = nn.Linear(hidden, cfg.dim, bias=False)
+        self.w_proj = nn.Linear(hidden, cfg.heads, bias=False)
+
+    def keys(self, x: Tensor) -> Tensor:
+        return self.k_proj(x)  # (..., dim)
+
+    def queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        q = self.q_proj(x).unflatten(-1, (self.cfg.heads, self.cfg.dim))  # (..., heads, dim)
+        return q, self.w_proj(x)  # (..., heads)
+
+
+def block_scores(q: Tensor, w: Tensor, bk: Tensor) -> Tensor:
+    """q (T, heads, dim), w (T, heads), block keys bk (nb, dim) -> scores (T, nb)."""
+    s = torch.relu(q @ bk.t())  # (T, heads, nb)
+    return (w[..., None] * s).sum(1) / math.sqrt(q.shape[-1])
+
+
+def candidates(pos: Tensor, nb: int, cfg: SparseAttentionConfig) -> Tensor:
+    """pos (T,) -> (T, nb) bool: block b is a candidate of the query at pos when it starts before its window."""
+    starts = torch.arange(nb) * cfg.block  # (nb,)
+    return starts[None, :] <= (pos[:, None] - cfg.window)
+
+
+def select_blocks(scores: Tensor, pos: Tensor, cfg: SparseAttentionConfig) -> tuple[Tensor, Tensor]:
+    """scores (T, nb), pos (T,) -> blocks (T, k) and ok (T, k): the top_k candidates (k = min(top_k, nb)); ok is
+    False where a row has fewer candidates than k."""
+    nb = scores.shape[1]
+    k = min(cfg.top_k, nb)
+    if k == 0:
+        return torch.zeros(scores.shape[0], 0, dtype=torch.long), torch.zeros(scores.shape[0], 0, dtype=torch.bool)
+    cand = candidates(pos, nb, cfg)  # (T, nb)
+    masked = scores.masked_fill(~cand, float("-inf"))
+    # a stable sort, not topk: ties (relu gives many exact zeros) go to the earlier block whatever nb is, so a
+    # row chooses the same blocks in a plain step and inside a verify pass
+    top, blocks = masked.sort(dim=-1, descending=True, stable=True)  # (T, nb)
+    return blocks[:, :k], top[:, :k] > float("-inf")
+
+
+def token_index(blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor, cfg: SparseAttentionConfig, reach: int) -> tuple[Tensor, Tensor]:
+    """The keys each row attends: the chosen blocks' tokens before the window, then the window.
+
+    blocks, ok (T, k); pos (T,) the rows' positions; lo (T,) where each row's window starts (pos - window + 1,
+    or a reused selection's anchor's); reach: window slots beyond `window` (a reused selection's rows lie up to
+    `reach` past their anchor). -> idx (T, k * block + window + reach) positions, valid (same) bool."""
+    r = cfg.block
+    tok = (blocks[..., None] * r + torch.arange(r)).flatten(1)  # (T, k r)
+    tok_ok = ok.repeat_interleave(r, dim=1) & (tok < lo[:, None])  # a chosen block's tokens inside the window count once
+    win = lo[:, None] + torch.arange(cfg.window + reach)  # (T, W + reach)
+    win_ok = (win >= 0) & (win <= pos[:, None])
+    idx = torch.cat([tok, win], dim=1).clamp(min=0)
+    return idx, torch.cat([tok_ok, win_ok], dim=1)
+
+
+def attend_gathered(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """q (T, nh, hd), k / v (nkv, S, hd) the cache, idx / valid (T, n) -> (T, nh * hd): each row attends its own keys."""
+    t, nh, hd = q.shape
+    nkv = k.shape[0]
+    g = nh // nkv
+    ks, vs = k[:, idx], v[:, idx]  # (nkv, T, n, hd)
+    rows = q.view(t, nkv, g, hd).transpose(0, 1)  # (nkv, T, g, hd)
+    w = (rows @ ks.transpose(-1, -2)) * scale  # (nkv, T, g, n)
+    w = w.masked_fill(~valid[None, :, None, :], float("-inf"))
+    y = torch.softmax(w, dim=-1) @ vs  # (nkv, T, g, hd)
+    return y.transpose(0, 1).reshape(t, nh * hd)
+
+
+def attention_mask(blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor, s: int, cfg: SparseAttentionConfig) -> Tensor:
+    """The same key sets as token_index, as a (T, s) bool mask over cache positions 0..s-1."""
+    t = blocks.shape[0]
+    nb = -(-s // cfg.block)
+    chosen = torch.zeros(t, nb + 1, dtype=torch.bool)
+    chosen.scatter_(1, torch.where(ok, blocks, nb), True)  # rejected picks land in the spare column nb
+    keys = torch.arange(s)
+    in_blocks = chosen[:, :nb].repeat_interleave(cfg.block, dim=1)[:, :s] & (keys[None] < lo[:, None])
+    in_window = (keys[None] >= lo[:, None]) & (keys[None] <= pos[:, None])
+    return in_blocks | in_window
+
+
+def attend_masked(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor,
+                  cfg: SparseAttentionConfig, scale: float) -> Tensor:
+    """A long pass (a prompt): q (T, nh, hd), k / v (nkv, S, hd) -> (T, nh * hd), masked SDPA in chunks of rows."""
+    t, nh, hd = q.shape
+    out = []
+    for a in range(0, t, MASK_CHUNK):
+        b = min(a + MASK_CHUNK, t)
+        end = int(pos[b - 1]) + 1  # keys after the chunk's last row are seen by none of its rows
+        mask = attention_mask(blocks[a:b], ok[a:b], pos[a:b], lo[a:b], end, cfg)  # (Tc, end)
+        y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, :end], v[:, :end], attn_mask=mask,
+                                           scale=scale, enable_gqa=nh != k.shape[0])  # (nh, Tc, hd)
+        out.append(y.transpose(0, 1).reshape(b - a, nh * hd))
+    return torch.cat(out)
+
+
+class IndexKeys:
+    """The indexer's per-token keys and their block means, position-indexed like the KV cache beside it.
+
+    A write recomputes the means of the blocks it touches, so after a rollback (the KV cache's pointer moves
+    back) the next write overwrites the stale positions and refreshes their blocks: the complete blocks a query
+    may choose always hold the current tokens' keys."""
+
+    def __init__(self, n_layers: int, max_len: int, cfg: SparseAttentionConfig, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        nb = -(-max_len // cfg.block)
+        self.keys = torch.zeros(n_layers, nb * cfg.block, cfg.dim, dtype=dtype)  # (L, max_len rounded up, dim)
+        self.blocks = torch.zeros(n_layers, nb, cfg.dim, dtype=dtype)  # (L, nb, dim)
+
+    def write(self, layer: int, start: int, keys: Tensor) -> None:
+        """keys (T, dim) at positions start.."""
+        r, end = self.cfg.block, start + keys.shape[0]
+        self.keys[layer, start:end] = keys
+        a, b = start // r, -(-end // r)  # the blocks touched
+        self.blocks[layer, a:b] = self.keys[layer, a * r : b * r].view(b - a, r, -1).mean(1)
+
+    def complete(self, layer: int, length: int) -> Tensor:
+        """(nb, dim): the blocks entirely below `length`."""
+        return self.blocks[layer, : length // self.cfg.block]
+
+
+@dataclass
+class Selection:
+    """One row's chosen blocks, kept for reuse by later rows of the same round."""
+
+    blocks: Tensor  # (k,) block ids
+    ok: Tensor  # (k,) bool
+    anchor: int  # the position of the row it was computed for
+
+
+@dataclass
+class SparseState:
+    """How a cache's sparse layers choose blocks: 'recompute' (the indexer on every row), 'record' (recompute, and
+    keep the pass's last row's selection per layer), or 'reuse' (the kept selection, no indexer)."""
+
+    mode: str = "recompute"
+    kept: dict[int, Selection] = field(default_factory=dict)
+
+    def reusing(self, layer: int) -> bool:
+        return self.mode == "reuse" and layer in self.kept
+
+
+def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, index: IndexKeys, layer: int, start: int,
+                  queries: tuple[Tensor, Tensor] | None, state: SparseState | None, scale: float) -> Tensor:
+    """Attention of rows at positions start..start+T-1 over the cache's keys (already written, with the indexer keys).
+
+    q (T, nh, hd); k, v (nkv, S >= start+T, hd); queries: the indexer's (q (T, heads, dim), w (T, heads)), None when
+    the state reuses a kept selection. -> (T, nh * hd)."""
+    t = q.shape[0]
+    pos = torch.arange(start, start + t)  # (T,)
+    reach = 0
+    if state is not None and state.reusing(layer):
+        kept = state.kept[layer]
+        reach = t + start - 1 - kept.anchor  # how far the last row lies past the anchor
+        if reach < 0 or reach > REUSE_REACH:
+            raise ValueError(f"a reused selection (anchor {kept.anchor}) cannot serve positions {start}..{start + t - 1}")
+        blocks, ok = kept.blocks.expand(t, -1), kept.ok.expand(t, -1)
+        lo = torch.full((t,), kept.anchor - cfg.window + 1)
+    else:
+        iq, iw = queries
+        bk = index.complete(layer, start + t)  # (nb, dim)
+        blocks, ok = select_blocks(block_scores(iq, iw, bk), pos, cfg)  # (T, k)
+        lo = pos - cfg.window + 1
+        if state is not None and state.mode == "record":
+            state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), start + t - 1)
+    if t <= GATHER_ROWS:
+        idx, valid = token_index(blocks, ok, pos, lo, cfg, reach)
+        return attend_gathered(q, k, v, idx, valid, scale)
+    return attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
+
+
+def block_attention_mass(probs: Tensor, pos: Tensor, nb: int, cfg: SparseAttentionConfig) -> Tensor:
+    """Full attention's probabilities probs (..., T, S) summed per block over the candidates of each row and
+    renormalised -> (..., T, nb): the distribution an indexer is distilled towards (rows without candidates are 0)."""
+    s = probs.shape[-1]
+    pad = nb * cfg.block - s
+    if pad > 0:
+        probs = F.pad(probs, (0, pad))
+    mass = probs[..., : nb * cfg.block].unflatten(-1, (nb, cfg.block)).sum(-1)  # (..., T, nb)
+    mass = mass * candidates(pos, nb, cfg)
+    return mass / mass.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def window_sparse_attention(cfg: SparseAttentionConfig, indexer: Indexer, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                            scale: float) -> Tensor:
+    """Whole windows from position 0 (training): x (B, T, H) the normed input, q (B, nh, T, hd), k / v (B, nkv, T, hd)
+    -> (B, nh, T, hd), differentiable in q, k, v (the selection is not: the indexer is trained by distillation)."""
+    b, _, t, _ = q.shape
+    nb = t // cfg.block  # complete blocks only (a candidate block is always complete)
+    pos = torch.arange(t)
+    with torch.no_grad():
+        keys = indexer.keys(x)[:, : nb * cfg.block]  # (B, nb r, dim)
+        bk = keys.unflatten(1, (nb, cfg.block)).mean(2)  # (B, nb, dim)
+        iq, iw = indexer.queries(x)  # (B, T, heads, dim), (B, T, heads)
+    out = []
+    for i in range(b):
+        blocks, ok = select_blocks(block_scores(iq[i], iw[i], bk[i]), pos, cfg)  # (T, k)
+        mask = attention_mask(blocks, ok, pos, pos - cfg.window + 1, t, cfg)  # (T, T)
+        out.append(F.scaled_dot_product_attention(q[i], k[i], v[i], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.stack(out)  # (B, nh, T, hd)
