@@ -9,7 +9,7 @@ earlier tokens that a light indexer scores highest:
   sum_j w_j relu(q_j . K_b) / sqrt(dim) (block_scores);
 - the candidates of a query at position p are the blocks that start before its window
   (b * block <= p - window); they are complete, since window >= block. The top_k are attended,
-  with the window (select_blocks, token_index). Tokens of a chosen block that lie in the window
+  with the window (select_blocks, attend_gathered). Tokens of a chosen block that lie in the window
   are counted once.
 
 With at most top_k candidates every earlier token is attended: sparse equals full attention (up to
@@ -21,9 +21,9 @@ the chained steps. That row must be the last *accepted* token's (the catch-up's 
 never a row of a rejected branch. The reused blocks keep their anchor's window start, so a token
 that leaves a later step's window is still seen.
 
-A decode or verify pass (T <= GATHER_ROWS rows) gathers each row's keys and values (a fixed
-top_k * block + window + reach per row): a plain step and a verify row compute the same function
-over the same keys. Longer passes (a prompt) run masked attention over the whole cache in chunks.
+A decode or verify pass (T <= GATHER_ROWS rows) gathers each row's chosen blocks and reads the
+rows' windows as one slice: a plain step and a verify row compute the same function over the same
+keys. Longer passes (a prompt) run masked attention over the whole cache in chunks.
 """
 
 from __future__ import annotations
@@ -119,36 +119,49 @@ def select_blocks(scores: Tensor, pos: Tensor, cfg: SparseAttentionConfig) -> tu
     return blocks[:, :k], top[:, :k] > float("-inf")
 
 
-def token_index(blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor, cfg: SparseAttentionConfig, reach: int) -> tuple[Tensor, Tensor]:
-    """The keys each row attends: the chosen blocks' tokens before the window, then the window.
+def attend_gathered(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor,
+                    cfg: SparseAttentionConfig, scale: float, scratch: "IndexKeys") -> Tensor:
+    """A short pass: q (T, nh, hd), k / v (nkv, S, hd) the cache, blocks / ok (T, k), rows at pos (T,) with windows
+    starting at lo (T,) -> (T, nh * hd).
 
-    blocks, ok (T, k); pos (T,) the rows' positions; lo (T,) where each row's window starts (pos - window + 1,
-    or a reused selection's anchor's); reach: window slots beyond `window` (a reused selection's rows lie up to
-    `reach` past their anchor). -> idx (T, k * block + window + reach) positions, valid (same) bool."""
-    r = cfg.block
-    tok = (blocks[..., None] * r + torch.arange(r)).flatten(1)  # (T, k r)
-    tok_ok = ok.repeat_interleave(r, dim=1) & (tok < lo[:, None])  # a chosen block's tokens inside the window count once
-    win = lo[:, None] + torch.arange(cfg.window + reach)  # (T, W + reach)
-    win_ok = (win >= 0) & (win <= pos[:, None])
-    idx = torch.cat([tok, win], dim=1).clamp(min=0)
-    return idx, torch.cat([tok_ok, win_ok], dim=1)
-
-
-def attend_gathered(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, scale: float) -> Tensor:
-    """q (T, nh, hd), k / v (nkv, S, hd) the cache, idx / valid (T, n) -> (T, nh * hd): each row attends its own keys."""
+    Each row's chosen blocks are gathered whole (r * hd contiguous values each, into buffers kept on `scratch`: a
+    fresh megabyte per call would cost page faults); the windows are one slice shared by the rows, masked per row.
+    A chosen block's tokens inside the row's window count once (the window's)."""
     t, nh, hd = q.shape
-    nkv = k.shape[0]
+    nkv, r, kb = k.shape[0], cfg.block, blocks.shape[1]
     g = nh // nkv
-    ks, vs = k[:, idx], v[:, idx]  # (nkv, T, n, hd)
     rows = q.view(t, nkv, g, hd).transpose(0, 1)  # (nkv, T, g, hd)
-    w = (rows @ ks.transpose(-1, -2)) * scale  # (nkv, T, g, n)
-    w = w.masked_fill(~valid[None, :, None, :], float("-inf"))
-    y = torch.softmax(w, dim=-1) @ vs  # (nkv, T, g, hd)
+    a, b = max(int(lo.min()), 0), int(pos.max()) + 1
+    kw, vw = k[:, a:b], v[:, a:b]  # (nkv, Wn, hd) the rows' windows
+    keys = torch.arange(a, b)
+    masks = [(keys[None] >= lo[:, None]) & (keys[None] <= pos[:, None])]  # (T, Wn)
+    scores = [(rows.reshape(nkv, t * g, hd) @ kw.transpose(1, 2)).view(nkv, t, g, b - a)]  # (nkv, T, g, Wn)
+    if kb:
+        nbf = k.shape[1] // r  # blocks wholly in the cache (every chosen one is)
+        flat = blocks.reshape(-1)  # (T k,)
+        kb_all, vb_all = k[:, : nbf * r].view(nkv, nbf, r * hd), v[:, : nbf * r].view(nkv, nbf, r * hd)
+        if torch.is_grad_enabled() and (k.requires_grad or q.requires_grad):  # autograd: no out= buffers
+            kg, vg = kb_all.index_select(1, flat), vb_all.index_select(1, flat)
+        else:
+            kg, vg = scratch.buffers((nkv, t * kb, r * hd), k.dtype)
+            for h in range(nkv):  # per head: a cache view is strided across heads, and index_select would copy it whole
+                torch.index_select(kb_all[h], 0, flat, out=kg[h])
+                torch.index_select(vb_all[h], 0, flat, out=vg[h])
+        kg, vg = kg.view(nkv, t, kb * r, hd), vg.view(nkv, t, kb * r, hd)
+        tok = (blocks[..., None] * r + torch.arange(r)).flatten(1)  # (T, k r) their positions
+        masks.insert(0, ok.repeat_interleave(r, dim=1) & (tok < lo[:, None]))
+        scores.insert(0, rows @ kg.transpose(-1, -2))  # (nkv, T, g, k r)
+    w = torch.cat(scores, dim=-1) * scale  # (nkv, T, g, k r + Wn)
+    w = w.masked_fill(~torch.cat(masks, dim=1)[None, :, None, :], float("-inf"))
+    p = torch.softmax(w, dim=-1)
+    y = (p[..., -(b - a):].reshape(nkv, t * g, b - a) @ vw).view(nkv, t, g, hd)  # (nkv, T, g, hd)
+    if kb:
+        y = y + p[..., : kb * r] @ vg
     return y.transpose(0, 1).reshape(t, nh * hd)
 
 
 def attention_mask(blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor, s: int, cfg: SparseAttentionConfig) -> Tensor:
-    """The same key sets as token_index, as a (T, s) bool mask over cache positions 0..s-1."""
+    """The key sets attend_gathered reads, as a (T, s) bool mask over cache positions 0..s-1."""
     t = blocks.shape[0]
     nb = -(-s // cfg.block)
     chosen = torch.zeros(t, nb + 1, dtype=torch.bool)
@@ -186,6 +199,7 @@ class IndexKeys:
         nb = -(-max_len // cfg.block)
         self.keys = torch.zeros(n_layers, nb * cfg.block, cfg.dim, dtype=dtype)  # (L, max_len rounded up, dim)
         self.blocks = torch.zeros(n_layers, nb, cfg.dim, dtype=dtype)  # (L, nb, dim)
+        self._scratch = None  # (key, gathered keys, gathered values): attend_gathered's buffers
 
     def write(self, layer: int, start: int, keys: Tensor) -> None:
         """keys (T, dim) at positions start.."""
@@ -193,6 +207,13 @@ class IndexKeys:
         self.keys[layer, start:end] = keys
         a, b = start // r, -(-end // r)  # the blocks touched
         self.blocks[layer, a:b] = self.keys[layer, a * r : b * r].view(b - a, r, -1).mean(1)
+
+    def buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Two scratch tensors of `shape` for gathered keys and values, reused while the shape repeats."""
+        key = (shape, dtype)
+        if self._scratch is None or self._scratch[0] != key:
+            self._scratch = (key, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+        return self._scratch[1], self._scratch[2]
 
     def complete(self, layer: int, length: int) -> Tensor:
         """(nb, dim): the blocks entirely below `length`."""
@@ -228,7 +249,6 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
     the state reuses a kept selection. -> (T, nh * hd)."""
     t = q.shape[0]
     pos = torch.arange(start, start + t)  # (T,)
-    reach = 0
     if state is not None and state.reusing(layer):
         kept = state.kept[layer]
         reach = t + start - 1 - kept.anchor  # how far the last row lies past the anchor
@@ -244,8 +264,7 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
         if state is not None and state.mode == "record":
             state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), start + t - 1)
     if t <= GATHER_ROWS:
-        idx, valid = token_index(blocks, ok, pos, lo, cfg, reach)
-        return attend_gathered(q, k, v, idx, valid, scale)
+        return attend_gathered(q, k, v, blocks, ok, pos, lo, cfg, scale, index)
     return attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
 
 
