@@ -15,7 +15,7 @@ Our parameter names and layouts already are Hugging Face's (the llama2.c loader 
 into the half-split rotary layout; loading/hf.py maps HF names 1:1 onto HybridLM), so the weights
 are the state_dict (Qwen3-Next: in_proj_qkvz / in_proj_ba fused back), the reverse of
 loading/hf.py. A hybrid's MTP module is kept as `mtp.*` (`mtp.fc`, `mtp.pre_fc_norm_embedding`,
-`mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`) with `mtp_num_hidden_layers` in
+`mtp.pre_fc_norm_hidden`, `mtp.layers.{i}.*` per MTP layer, `mtp.norm`) with `mtp_num_hidden_layers` in
 config.json, the names vLLM's Qwen3.5 / Qwen3-Next MTP loads; transformers
 ignores them, our own loader reads the folder back with its MTP module. The export is verified by
 running transformers on the written directory and comparing fp32 logits with ours (tolerance: see

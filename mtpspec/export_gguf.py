@@ -236,7 +236,8 @@ def _hybrid_metadata(c, arch: str) -> dict:
         if not c.norm_topk_prob:
             raise ConfigError("llama.cpp's qwen3next renormalises the top-k expert weights; this model has norm_topk_prob false")
     if c.mtp_num_layers > 1:
-        raise ConfigError(f"llama.cpp runs one MTP layer; this model has {c.mtp_num_layers}")
+        raise ConfigError(f"llama.cpp runs one MTP (nextn) layer; this model's MTP module has {c.mtp_num_layers} "
+                          "(export it in Hugging Face format instead: mtpspec export MODEL --out DIR)")
     a = arch
     meta = {
         "general.type": "model",

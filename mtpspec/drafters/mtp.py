@@ -12,6 +12,17 @@ Bookkeeping, with the engine's convention (the target cache holds every token bu
 - commit after a verify over [t_{L-1}, d1..dD] with n accepted: crop the MTP cache to the real
   pairs, and the pending pairs become (out.hidden[j], verdict.tokens[j]) for j = 0..n.
 
+Multi-layer modules (n = mtp_num_layers > 1, docs/mtp-layers.md) follow DeepSeek-V3's definition, the
+one training uses (train/pretrain.py `mtp_hiddens`): depth k (1-based) at position i reads h^{k-1}_i (h^0 =
+the target's hidden) and e(t_{i+k}), runs layer (k-1) % n, and its output h^k_i predicts t_{i+k+1}. Draft
+step k is depth k at the last position with a target hidden (L-2), so d_k = argmax head(h^k_{L-2}) and
+steps beyond n cycle the layers as training does. Each depth has its own KV cache (`DepthChain`, one
+cache per depth drafted so far, created on first use); depth k's entries with all inputs real lag the
+target by k-1 positions, a round fills the missing ones from the drafted tokens, and commit crops each
+depth to the entries whose inputs were real (tokens up to the last accepted one), to be caught up next
+round. The n > 1 path runs eagerly one sequence at a time: no token trees (refused), propose_batch
+falls back to propose, and the compiled draft step is not used. For n == 1 nothing here changes.
+
 Greedy: drafts are argmaxes and q is None. Sampling: drafts are sampled from q = sampler.probs
 (the same transform the target's p gets), and q is returned so rejection sampling stays exact.
 With a draft vocabulary (draft_vocab.py) the head scores only the N most frequent tokens; greedy
@@ -23,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..cache import KVCache
 from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
@@ -51,8 +63,10 @@ class MTPDrafter:
         self.prenorm = prenorm_hidden  # feed the pre-final-norm hidden (for heads trained that way)
         self.head = make_draft_head(target, draft_vocab)  # None = the target's full LM head
         self.n_layers = target.config.mtp_num_layers
-        if self.n_layers != 1:
-            raise ConfigError(f"MTP modules with {self.n_layers} decoder layers are not supported yet (only 1)")
+        if self.n_layers > 1 and tree is not None:
+            raise ConfigError(f"token trees (--tree) need a one-layer MTP module; this one has {self.n_layers} layers "
+                              "(multi-layer MTP drafts a chain, one depth per step)")
+        self.depths: DepthChain | None = None  # n_layers > 1: the per-depth state (set by prefill)
         if sparse_select not in SPARSE_SELECT:
             raise ConfigError(f"sparse_select must be one of {', '.join(SPARSE_SELECT)}, got {sparse_select!r}")
         # a sparse-attention MTP (sparse_attention.py): its indexer runs on the round's first row only ("reuse"), or on every step
@@ -60,6 +74,8 @@ class MTPDrafter:
         self.select = sparse_select
         if self.sparse and tree is not None:
             raise ConfigError("token trees are not available with a sparse-attention MTP module yet: use a chain (no --tree)")
+        if self.sparse and self.n_layers > 1:
+            raise ConfigError(f"a sparse-attention MTP module drafts with one layer; this one has {self.n_layers}")
         self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
         self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
@@ -89,6 +105,11 @@ class MTPDrafter:
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         self.sampler = sampler
+        if self.n_layers > 1:
+            self.depths = DepthChain(self.target, self.fused)
+            if out is not None:
+                self.depths.add_target(self._hidden(out))
+            return
         self.cache = self.target.new_mtp_cache()
         self.pending_h = self.pending_t = None
         if out is not None:  # pairs (h_i, t_{i+1}) for i = 0..L-2
@@ -96,6 +117,8 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Tensor, k: int) -> Draft:
+        if self.depths is not None:
+            return self._propose_depths(context, k)
         if self.pending_h is None or self.pending_h.shape[0] == 0:
             return Draft.empty()  # the prompt was BOS alone: no hidden state yet
         k = min(k, self.cache.max_len - self.cache.length - self.pending_h.shape[0] + 1)
@@ -138,7 +161,7 @@ class MTPDrafter:
         from ..models.static import draft_module_forward
 
         module = drafters[0].target.mtp
-        if any(d.tree is not None or d.sparse for d in drafters):  # trees and sparse attention draft one sequence at a time
+        if any(d.tree is not None or d.depths is not None or d.sparse for d in drafters):  # trees, multi-layer, sparse: one at a time
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
         if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
@@ -191,6 +214,18 @@ class MTPDrafter:
             toks_i = torch.stack(tokens[i])  # (k_i,)
             drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
         return drafts
+
+    def _propose_depths(self, context: Tensor, k: int) -> Draft:
+        """A multi-layer module's chain: draft step j is depth j at the last target position (module docstring)."""
+        if self.depths.known == 0 or k < 1:
+            return Draft.empty()  # (known == 0: the prompt was BOS alone, no hidden state yet)
+        tokens, qs = [], []
+        for depth in range(1, k + 1):
+            x, q = self._next(self.depths.run(context, tokens, depth))
+            tokens.append(x)
+            if q is not None:
+                qs.append(q)
+        return Draft(tokens=torch.stack(tokens), q=torch.stack(qs) if qs else None)  # (k,), q (k, V)
 
     def _propose_tree(self, h: Tensor, k: int, budget: int) -> Draft:
         """A dynamic token tree (EAGLE-2): the root's top guesses, then level by level the most probable nodes
@@ -258,6 +293,9 @@ class MTPDrafter:
         return self.sampler.sample(q), q
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
+        if self.depths is not None:
+            self.depths.commit(verdict.num_accepted, self._hidden(out)[: verdict.num_accepted + 1])
+            return
         observe_step(self.sizer, verdict)
         if verdict.path is not None and self.proposed is not None:
             self.ranks.observe(self.proposed.parents, self.proposed.ranks, verdict.path)
@@ -265,3 +303,66 @@ class MTPDrafter:
             self.cache.crop(self.committed)  # drop the entries built from drafted (not target) states
         n = verdict.num_accepted
         self._queue(self._hidden(out)[: n + 1], verdict.tokens[: n + 1])
+
+
+class DepthCache(KVCache):
+    """One draft depth's KV cache: a single slot, written by whichever MTP layer runs that depth."""
+
+    def __init__(self, target) -> None:
+        c = target.config
+        super().__init__(1, c.num_kv_heads, c.head_dim, c.max_seq_len, target.dtype)
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return super().write(0, start, k, v)
+
+
+class DepthChain:
+    """A multi-layer MTP module's draft state: DeepSeek-V3 depths, each with its own KV cache.
+
+    Position i of depth k (1-based) reads h^{k-1}_i and e(t_{i+k}) and writes h^k_i into outs[k-1] and
+    its keys / values into caches[k-1] at index i. Entries 0..caches[k-1].length-1 are valid. Memory: per
+    depth drafted, one KV layer and a (max_len, H) buffer of its outputs (the next depth's inputs)."""
+
+    def __init__(self, target, fused) -> None:
+        self.target, self.fused, self.n = target, fused, target.config.mtp_num_layers
+        self.caches: list[DepthCache] = []  # depth k at index k-1, created the first time a round drafts k tokens
+        self.outs: list[Tensor] = []  # (max_len, H) h^k per position
+        self.h0: Tensor | None = None  # (max_len, H) the target's hiddens
+        self.known = 0  # target hiddens known: positions 0..known-1 (the target cache's length)
+
+    @torch.inference_mode()
+    def add_target(self, h: Tensor) -> None:
+        """h (T, H) the target's hiddens at positions known.. (prefill, then each verify's accepted rows)."""
+        if self.h0 is None:
+            self.h0 = h.new_zeros(self.target.config.max_seq_len, h.shape[-1])
+        self.h0[self.known : self.known + h.shape[0]] = h
+        self.known += h.shape[0]
+
+    @torch.inference_mode()
+    def run(self, context: Tensor, drafts: list[Tensor], depth: int) -> Tensor:
+        """Depth `depth` over its missing positions up to known-1 -> its output there (1, H).
+
+        context (L,) the real tokens (L = known + 1), drafts: d_1..d_{depth-1} of this round."""
+        if len(self.caches) < depth:  # a new depth: it catches up from position 0 (the previous depth's outs are whole)
+            self.caches.append(DepthCache(self.target))
+            self.outs.append(torch.zeros_like(self.h0))
+        cache, out = self.caches[depth - 1], self.outs[depth - 1]
+        a, end = cache.length, self.known  # positions a..end-1 to compute
+        seq = torch.cat([context, torch.stack(drafts)]) if drafts else context  # (L + depth - 1,) t_0..t_{L-1}, d_1..
+        hidden = (self.h0 if depth == 1 else self.outs[depth - 2])[a:end]  # (T, H) h^{depth-1}_i
+        tokens = seq[a + depth : end + depth]  # (T,) t_{i+depth}
+        layer = (depth - 1) % self.n
+        if self.fused is None:
+            h = self.target.mtp_forward(hidden, tokens, cache, layer=layer)  # (T, H)
+        else:
+            h = self.fused(hidden, self.target.embed(tokens), cache, a, layer)
+            cache.advance(tokens.shape[0])
+        out[a:end] = h
+        return h[-1:]
+
+    def commit(self, n: int, hidden: Tensor) -> None:
+        """After a verify that accepted n drafts: keep each depth's entries whose tokens were real (t_{i+k} up to
+        the last accepted draft, index known + n), then add the target's hiddens (n + 1, H)."""
+        for k, cache in enumerate(self.caches, 1):
+            cache.crop(max(0, min(cache.length, self.known + n - k + 1)))
+        self.add_target(hidden)

@@ -487,6 +487,9 @@ def load_hf_model(path: Path, dtype: torch.dtype, max_seq_len: int | None = None
     if n_layers > len(present):  # before building anything: a config far bigger than its checkpoint
         raise ModelLoadError(f"{path}: config.json has num_hidden_layers {n_layers} but the checkpoint holds tensors for {len(present)} layers")
     mtp_layers = count_mtp_layers(names, n_layers) if text.get("model_type") in HYBRID_TYPES else 0
+    declared = text.get("mtp_num_hidden_layers")
+    if mtp_layers and isinstance(declared, int) and not isinstance(declared, bool) and 0 < declared <= MAX_LAYERS:
+        mtp_layers = declared  # MTP tensors present: the config's layer count, so strict loading names any missing mtp.layers.N.*
     cfg, arch = config_from_hf(raw, path, mtp_layers, max_seq_len)
     items = []
     for name, load, shape in listing:

@@ -81,7 +81,9 @@ def _check_sizes(cfg, listing, path: Path, arch: str) -> None:
     for prefix, n in (("model.layers", cfg.num_layers), ("mtp.layers", getattr(cfg, "mtp_num_layers", 0))):
         found = {int(m.group(1)) for name, _, _ in listing if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", name))}
         if len(found) != n or (n and max(found) != n - 1):
-            raise ModelLoadError(f"{path}: the config has {n} {prefix.split('.')[0]} layers, model.safetensors has {len(found)}")
+            absent = [f"{prefix}.{i}.*" for i in range(n) if i not in found][:4]  # (the first few)
+            raise ModelLoadError(f"{path}: the config has {n} {prefix.split('.')[0]} layers, model.safetensors has {len(found)}"
+                                 + (f" (no {', '.join(absent)} tensors)" if absent else ""))
     experts = {int(m.group(1)) for name, _, _ in listing if (m := re.search(r"\.experts\.(\d+)\.", name))}
     n_exp = getattr(cfg, "num_experts", 0)
     if n_exp and (len(experts) != n_exp or max(experts) != n_exp - 1):

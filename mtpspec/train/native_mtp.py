@@ -5,9 +5,10 @@ agreement with the model's own next-token choices. This fits it to exactly that:
 
 1. The model continues training prompts (never held-out ones): half greedy, half sampled
    (train/heads.py `self_distill_data`), and one teacher pass gives its hidden states.
-2. Only `mtp.*` is trained: depth k (chained on the module's own output, as the drafter chains it)
-   at position i is fitted to the model's distribution of t_{i+k+1} (soft cross-entropy), depth k
-   weighted decay^(k-1).
+2. Only `mtp.*` is trained: depth k (chained on the module's own output, train/pretrain.py
+   `mtp_hiddens`; layer (k-1) % n of a module with n layers) at position i is fitted to the model's
+   distribution of t_{i+k+1} (soft cross-entropy), depth k weighted decay^(k-1). With depth < n,
+   layers depth..n-1 are left as they are (the report's `mtp_layers_trained` says which were trained).
 3. The whole checkpoint is written again (only `mtp.*` changed; the tokenizer and draft vocabulary
    are copied), with `mtp_tune_report.json`: held-out acceptance by position before and after.
 """
@@ -127,6 +128,7 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
         "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,
         "distill_loss_before": loss_before, "distill_loss_after": loss_after,  # held-out tenth of the generated text
         "heldout_greedy_before": before, "heldout_greedy_after": after, "config": asdict(cfg), "history": history,
+        "mtp_layers": len(module.mtp.layers), "mtp_layers_trained": sorted({k % len(module.mtp.layers) for k in range(cfg.depth)}),
     }
     (out / "mtp_tune_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..models.qwen35 import HybridConfig, HybridLM
 from . import data as D
 
@@ -48,7 +49,8 @@ class PretrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    mtp_depth: int = 1  # MTP depths trained (>= 1), chained through the one MTP module
+    mtp_depth: int = 1  # MTP depths trained (>= 1), chained through the MTP module's layers
+    mtp_num_layers: int = 1  # decoder layers of the MTP module: depth k trains layer (k-1) % n (needs mtp_depth >= n)
     mtp_lambda: float = 0.3
     mtp_lambda_final: float = 0.1
     lambda_switch: float = 0.8  # fraction of training after which lambda = mtp_lambda_final
@@ -69,7 +71,7 @@ class PretrainConfig:
             intermediate_size=self.intermediate_size, max_seq_len=self.max_seq_len, tie_embeddings=True,
             linear_key_head_dim=self.linear_head_dim, linear_value_head_dim=self.linear_head_dim,
             linear_num_key_heads=self.linear_key_heads, linear_num_value_heads=self.linear_value_heads,
-            mtp_num_layers=1,
+            mtp_num_layers=self.mtp_num_layers,
         )
 
 
@@ -200,6 +202,9 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     from ..drafters.draft_vocab import write_draft_vocab
     from ..loading.native import save_checkpoint
 
+    if not 1 <= cfg.mtp_num_layers <= cfg.mtp_depth:
+        raise ConfigError(f"--mtp-num-layers must be from 1 to --mtp-depth ({cfg.mtp_depth}): depth k trains MTP layer "
+                          f"(k-1) % n, so with {cfg.mtp_num_layers} layers some would never be trained")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
