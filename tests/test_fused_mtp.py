@@ -39,7 +39,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err < ULPS[want.dtype], f"{what}: {err:.1f} eps * scale apart"
 
 
-def _compare(module, new_cache, hidden_size: int, vocab: int, embed) -> None:
+def _compare(module, new_cache, hidden_size: int, vocab: int, embed, windows=(20, 1, 2, 1, 4, 3, 1)) -> None:
     """Module vs folded copy on the same (hidden, token) pairs, window by window, each on its own cache."""
     fused = fused_mtp(module)
     assert fused is not None
@@ -47,7 +47,7 @@ def _compare(module, new_cache, hidden_size: int, vocab: int, embed) -> None:
     ref_cache, fused_cache = new_cache(), new_cache()
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for t in (20, 1, 2, 1, 4, 3, 1):  # a prompt-long window (SDPA), then short ones (matmuls)
+        for t in windows:  # a prompt-long window (SDPA), then short ones (matmuls)
             h = torch.randn(t, hidden_size, generator=g).to(dtype)
             e = embed(torch.randint(0, vocab, (t,), generator=g))
             want = module(h, e, ref_cache, ref_cache.length)
@@ -64,6 +64,23 @@ def _compare(module, new_cache, hidden_size: int, vocab: int, embed) -> None:
 def test_native_mtp_matches_module(dtype):
     m = _model().to(dtype)
     _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed)
+
+
+@DTYPES
+def test_long_catch_up_in_chunks_matches_module(dtype):
+    """A catch-up longer than LONG_CHUNK rows (a long prompt's pairs) attends chunk by chunk."""
+    m = _model(replace(CFG, max_seq_len=1400)).to(dtype)
+    _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed, windows=(1100, 1, 3, 200))
+
+
+@DTYPES
+def test_sparse_mtp_matches_module(dtype):
+    """A sparse-attention MTP layer folds too: its indexer's projections join the fused product."""
+    from mtpspec.models.sparse_attention import SparseAttentionConfig
+
+    sparse = SparseAttentionConfig(block=4, top_k=3, window=8, heads=2, dim=8)
+    m = _model(replace(CFG, mtp_sparse_attention=sparse)).to(dtype)
+    _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed, windows=(60, 1, 2, 1, 4, 40, 1))
 
 
 @DTYPES
