@@ -94,6 +94,9 @@ def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -
     """config.json for transformers' Qwen3_5TextConfig, or Qwen3NextConfig for a mixture of experts
     (the reverse of loading/hf.py's config_from_hf)."""
     c = module.config
+    if c.sparse_attention is not None:
+        raise ConfigError("transformers' Qwen3.5 has no block-sparse attention: a model whose full-attention layers are sparse "
+                          "would compute another function there; keep it in the project format (mtpspec.json)")
     cfg = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
@@ -120,6 +123,8 @@ def _qwen35_config(module, bos_id: int | None, eos_id: int | list[int] | None) -
         "mtp_use_dedicated_embeddings": False,  # the MTP module shares the target's embedding and head
         **_common(bos_id, eos_id),
     }
+    if c.mtp_sparse_attention is not None:  # ours: the MTP layer's indexer (mtp.layers.0.self_attn.indexer.*); transformers skips mtp.*
+        cfg["mtp_sparse_attention"] = c.mtp_sparse_attention.to_dict()
     if c.num_experts > 0:
         cfg.update(
             architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_experts=c.num_experts,

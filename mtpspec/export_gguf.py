@@ -235,6 +235,9 @@ def _hybrid_metadata(c, arch: str) -> dict:
             raise ConfigError(f"llama.cpp's qwen3next has experts in every layer; layers {dense} of this model have a dense MLP")
         if not c.norm_topk_prob:
             raise ConfigError("llama.cpp's qwen3next renormalises the top-k expert weights; this model has norm_topk_prob false")
+    if c.sparse_attention is not None or c.mtp_sparse_attention is not None:
+        raise ConfigError("llama.cpp has no tensor names for this model's block-sparse attention indexer "
+                          "(export it in Hugging Face format instead: mtpspec export MODEL --out DIR)")
     if c.mtp_num_layers > 1:
         raise ConfigError(f"llama.cpp runs one MTP (nextn) layer; this model's MTP module has {c.mtp_num_layers} "
                           "(export it in Hugging Face format instead: mtpspec export MODEL --out DIR)")

@@ -205,3 +205,37 @@ def test_reuse_refused_past_its_reach_and_trees_refused():
     with pytest.raises(ConfigError, match="sparse_select"):
         make_drafter("mtp", m, sparse_select="sometimes")
     assert isinstance(m.new_mtp_cache().sparse, SparseState) and m.new_cache().kv.sparse is None  # the target never reuses
+
+
+def test_checkpoint_formats_keep_the_sparse_mtp(tmp_path):
+    """Our format and the Hugging Face export keep the config and the indexer tensors; a bad sparse config is named;
+    formats that cannot express it refuse (transformers for sparse target layers, llama.cpp for any indexer)."""
+    import json
+
+    from pathlib import Path
+
+    import mtpspec
+    from mtpspec.export import export_hf
+    from mtpspec.loading.tokenizer_hf import HFTokenizer
+    from mtpspec.export_gguf import export_gguf
+    from mtpspec.errors import ModelLoadError
+    from mtpspec.loading import load_module
+    from mtpspec.loading.native import save_checkpoint
+
+    m = build(None, FEW, torch.float32)
+    for d, write in ((tmp_path / "native", lambda d: save_checkpoint(m, None, d)), (tmp_path / "hf", lambda d: export_hf(m, d))):
+        write(d)
+        back = load_module(d)
+        assert back.config.mtp_sparse_attention == FEW and back.config.sparse_attention is None
+        sd, sd2 = m.state_dict(), back.state_dict()
+        assert set(sd) == set(sd2) and all(torch.equal(sd[k], sd2[k]) for k in sd)
+        assert any(".indexer." in k for k in sd2)
+    meta = json.loads((tmp_path / "native" / "mtpspec.json").read_text())
+    meta["config"]["mtp_sparse_attention"]["window"] = 2  # smaller than a block
+    (tmp_path / "native" / "mtpspec.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match="window"):
+        load_module(tmp_path / "native")
+    with pytest.raises(ConfigError, match="transformers"):
+        export_hf(build(FEW, None, torch.float32), tmp_path / "hf2")
+    with pytest.raises(ConfigError, match="indexer"):
+        export_gguf(m, HFTokenizer.load(Path(mtpspec.__file__).parent.parent / "models" / "demo" / "tokenizer.json"), tmp_path / "m.gguf")

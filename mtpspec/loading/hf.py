@@ -71,7 +71,7 @@ _CORE = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
 _WINDOWS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 _HYBRID = {"attention_bias", "layer_types", "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "mtp_num_hidden_layers",
-           "mtp_use_dedicated_embeddings", "attn_output_gate"}
+           "mtp_use_dedicated_embeddings", "attn_output_gate", "mtp_sparse_attention"}
 _MOE = {"num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
         "moe_intermediate_size", "shared_expert_intermediate_size"}
 USED = {
@@ -301,6 +301,17 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
     return dc, mtype.capitalize()
 
 
+def _sparse_config(f: _Fields):
+    """mtp_sparse_attention (our export's field for a block-sparse MTP layer), checked."""
+    from ..errors import ConfigError
+    from ..models.sparse_attention import SparseAttentionConfig
+
+    try:
+        return SparseAttentionConfig.parse(f.get("mtp_sparse_attention"))
+    except ConfigError as e:
+        raise f.error(f"mtp_sparse_attention: {e}") from None
+
+
 def _hybrid_config(f: _Fields, n_layers: int, head_dim: int, factor: float, mtp_layers: int, common: dict):
     cfg, path, mtype = f.cfg, f.path, f.mtype
     if f.get("attn_output_gate") is not None and not f.flag("attn_output_gate"):
@@ -337,6 +348,7 @@ def _hybrid_config(f: _Fields, n_layers: int, head_dim: int, factor: float, mtp_
         linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", 4), linear_key_head_dim=f.int("linear_key_head_dim", 128),
         linear_value_head_dim=f.int("linear_value_head_dim", 128), linear_num_key_heads=f.int("linear_num_key_heads", 16),
         linear_num_value_heads=f.int("linear_num_value_heads", 32), mtp_num_layers=mtp_layers, **moe, **common,
+        mtp_sparse_attention=_sparse_config(f) if mtp_layers else None,
     )
     if hc.linear_num_value_heads % hc.linear_num_key_heads:
         raise f.error(f"linear_num_value_heads ({hc.linear_num_value_heads}) is not a multiple of linear_num_key_heads ({hc.linear_num_key_heads})")
