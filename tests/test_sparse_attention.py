@@ -143,12 +143,13 @@ def test_sparse_target_and_mtp_greedy_identical_to_plain(select):
     assert accepted > 0
 
 
+@pytest.mark.slow  # ~20 s: 400 seeded runs
 def test_sparse_mtp_sampling_matches_plain_distribution():
     """Sampling with the sparse MTP drafting keeps the target's distribution: over many seeds the first and the second
     sampled tokens' frequencies match the target's exact probabilities (chi-square; the second token's marginal is
     sum over t1 of p(t1) p(t2 | t1), 16 forwards)."""
     m = build(FEW, FEW, torch.float32)
-    prompt = PROMPTS[1]
+    prompt = PROMPTS[1][:40]  # past window + top_k blocks (20 tokens): the draft rows attend sparsely
     params = SamplingParams(temperature=1.0)
     with torch.no_grad():
         p1 = torch.softmax(m.forward_tokens(torch.tensor(prompt), m.new_cache()).logits[-1].double(), -1)  # (V,)
