@@ -240,3 +240,16 @@ def test_checkpoint_formats_keep_the_sparse_mtp(tmp_path):
         export_hf(build(FEW, None, torch.float32), tmp_path / "hf2")
     with pytest.raises(ConfigError, match="indexer"):
         export_gguf(m, HFTokenizer.load(Path(mtpspec.__file__).parent.parent / "models" / "demo" / "tokenizer.json"), tmp_path / "m.gguf")
+
+
+def test_sparse_target_in_a_batch_equals_separate_runs():
+    """A batch of sequences on a sparse target (each verified in its own forward) gives each one's separate output."""
+    from mtpspec.engine import Engine
+
+    m = build(FEW, FEW, torch.float32)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1][:30]]
+    want = [run(m, p, "none", 1, n=24).tokens for p in prompts]
+    engine = Engine(m, max_batch=3)
+    ids = [engine.add(p, make_drafter("mtp", m), Sampler(SamplingParams()), k=3, max_new_tokens=24) for p in prompts]
+    results = engine.run()
+    assert [results[i].tokens for i in ids] == want
