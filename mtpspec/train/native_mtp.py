@@ -11,6 +11,10 @@ agreement with the model's own next-token choices. This fits it to exactly that:
    layers depth..n-1 are left as they are (the report's `mtp_layers_trained` says which were trained).
 3. The whole checkpoint is written again (only `mtp.*` changed; the tokenizer and draft vocabulary
    are copied), with `mtp_tune_report.json`: held-out acceptance by position before and after.
+
+With `--sparse 1` the MTP layer's attention becomes block-sparse and is trained in two phases on long
+windows of the training text (indexer distillation, then this objective with the sparse attention on):
+train/sparse_mtp.py.
 """
 
 from __future__ import annotations
@@ -47,7 +51,27 @@ class MTPTuneConfig:
     seed: int = 0
     threads: int = 1
     eval_tokens: int = 128
-    data_cache: str = ""  # a .pt file: self-distillation data is loaded from it if present, else written to it
+    eval_k: int = 0  # draft length of the held-out acceptance measurements; 0 = depth
+    data_cache: str = ""  # a .pt file: self-distillation data (--sparse: the windows' hiddens) loaded from it if present, else written to it
+    # --sparse 1: block-sparse MTP attention, trained on long windows (train/sparse_mtp.py); steps / lr / depth above apply
+    sparse: bool = False
+    sparse_block: int = 4  # r: tokens per compressed block
+    sparse_top_k: int = 512  # blocks attended per query (512 x 4 = 2,048 tokens, as Qwen's)
+    sparse_window: int = 128  # the last positions always attended (>= sparse_block)
+    sparse_heads: int = 4  # indexer heads
+    sparse_dim: int = 32  # indexer key / query width
+    sparse_text: str = "stdlib"  # the windows' text: stdlib (training modules; held-out modules for evaluation) | a text file (last 10% held out)
+    window_tokens: int = 2048  # window length of both sparse phases: long, so that most queries choose among many blocks
+    sparse_windows: int = 24  # training windows; the frozen model's hiddens over them are computed once
+    window_batch: int = 1  # windows per tuning step (phase 2)
+    indexer_steps: int = 200  # phase 1: indexer distillation (KL to the full attention's block mass), one window per step
+    indexer_lr: float = 1e-2
+    indexer_rows: int = 1024  # random query rows (with candidate blocks) of the window per indexer step; 0 = all
+    heldout_windows: int = 2  # held-out windows: indexer recall and KL, distillation loss
+    long_prompts: int = 2  # held-out prompts of about window_tokens tokens: acceptance at long context
+
+    def __post_init__(self) -> None:
+        self.sparse = bool(self.sparse)  # the command line gives --sparse 1
 
 
 def mtp_distill_loss(model, tokens: torch.Tensor, hidden: torch.Tensor, depth: int, decay: float) -> tuple[torch.Tensor, dict]:
@@ -66,24 +90,35 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     from tqdm import tqdm
 
     from ..loading import load_checkpoint, resolve_demo
-    from ..loading.native import save_checkpoint
 
-    if cfg.depth < 1 or cfg.steps < 0:
-        raise ConfigError(f"--depth must be >= 1 and --steps >= 0 (got {cfg.depth}, {cfg.steps})")
+    if cfg.depth < 1 or cfg.steps < 0 or cfg.eval_k < 0:
+        raise ConfigError(f"--depth must be >= 1, --steps and --eval-k >= 0 (got {cfg.depth}, {cfg.steps}, {cfg.eval_k})")
+    if cfg.sparse:
+        from .sparse_mtp import check_sparse, sparse_config
+
+        check_sparse(cfg, sparse_config(cfg))  # before the model is loaded
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     src = resolve_demo()[0] if str(model) == "demo" else Path(model)
     module, tok = load_checkpoint(model, tokenizer)
     if getattr(module, "mtp", None) is None:
-        raise ConfigError(f"{model}: the model has no MTP module to tune (train one for it with `mtpspec train head --kind mtp`)")
+        raise ConfigError(f"{model}: the model has no MTP module to tune{' (--sparse makes an MTP module sparse)' if cfg.sparse else ''} "
+                          "(train one for it with `mtpspec train head --kind mtp`)")
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
+    if cfg.sparse:
+        from .sparse_mtp import tune_sparse_mtp
+
+        net, fields = tune_sparse_mtp(module, tok, cfg, progress_bar)
+        report = {"source": str(model), **fields, "config": asdict(cfg)}
+        write_checkpoint(net, tok, src, Path(cfg.out), report)
+        return report
     params = list(module.mtp.parameters())
     for p in params:
         p.requires_grad_(True)
     train_p, held_p = training_prompts(cfg, tok)
-    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.depth, cfg.eval_tokens, drafter="mtp")
+    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.eval_k or cfg.depth, cfg.eval_tokens, drafter="mtp")
     t0 = time.perf_counter()
     seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
     gen_s = time.perf_counter() - t0
@@ -117,12 +152,7 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     loss_after = distill_loss()
     for p in params:
         p.requires_grad_(False)
-    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.depth, cfg.eval_tokens, drafter="mtp")
-    out = Path(cfg.out)
-    save_checkpoint(module, tok, out)
-    for name in ("draft_vocab.json", "report.json", "train_config.json"):  # pretraining's, unchanged
-        if src.is_dir() and (src / name).exists() and not (out / name).exists():
-            shutil.copy(src / name, out / name)
+    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.eval_k or cfg.depth, cfg.eval_tokens, drafter="mtp")
     report = {
         "source": str(model), "train_prompts": len(train_p), "distill_tokens": sum(t.shape[0] for t, _ in seqs),
         "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,
@@ -130,5 +160,16 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
         "heldout_greedy_before": before, "heldout_greedy_after": after, "config": asdict(cfg), "history": history,
         "mtp_layers": len(module.mtp.layers), "mtp_layers_trained": sorted({k % len(module.mtp.layers) for k in range(cfg.depth)}),
     }
-    (out / "mtp_tune_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_checkpoint(module, tok, src, Path(cfg.out), report)
     return report
+
+
+def write_checkpoint(module, tok, src: Path, out: Path, report: dict) -> None:
+    """The whole checkpoint (only mtp.* changed), pretraining's files copied unchanged, and mtp_tune_report.json."""
+    from ..loading.native import save_checkpoint
+
+    save_checkpoint(module, tok, out)
+    for name in ("draft_vocab.json", "report.json", "train_config.json"):  # pretraining's, unchanged
+        if src.is_dir() and (src / name).exists() and not (out / name).exists():
+            shutil.copy(src / name, out / name)
+    (out / "mtp_tune_report.json").write_text(json.dumps(report, indent=2) + "\n")
