@@ -6,6 +6,10 @@
 
 With --batch 1,2,4,8 it measures instead throughput and per-sequence latency of B sequences decoding
 together (plain, each fixed depth, auto; bench/batch.py), into OUT/batch.json, batch.md and a plot.
+
+With --contexts 512,...,16384 --sparse-model S it measures instead full-attention MTP (--model) against sparse MTP
+(S: the same target, a sparse MTP module; indexer recomputed or reused) at one depth --k against context length,
+on prompts of exactly L tokens of held-out text (bench/contexts.py), into OUT/contexts.json, contexts.md and plots.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ def _list(text: str) -> list[str]:
 
 def _args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--prompts", required=True, help="spec_bench | mt_bench | humaneval | tinystories, or a .jsonl / .jsonl.gz / .txt file")
+    p.add_argument("--prompts", help="(required but with --contexts) spec_bench | mt_bench | humaneval | tinystories, or a .jsonl / .jsonl.gz / .txt file")
     p.add_argument("--drafters", default="none,ngram", help="comma-separated: none,ngram,draft,mtp,...")
     p.add_argument("--draft-model", help="draft model for the 'draft' drafter (and the assisted-generation peer), "
                    "or a head folder (mtp / eagle / medusa, from `mtpspec train head`) for that drafter")
-    p.add_argument("--k", default="1,2,4,auto", help="comma-separated draft depths, e.g. 1,2,4,auto")
+    p.add_argument("--k", help="comma-separated draft depths, e.g. 1,2,4,auto (default; with --contexts: one depth, default 4)")
     p.add_argument("--limit", type=int, help="number of prompts (taken round-robin over categories)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -57,6 +61,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="with --batch: rounds (methods alternate within one); medians are reported")
     p.add_argument("--trees", help="with --batch: token-tree node budgets, comma-separated (e.g. 8,16): each drafter at each "
                    "fixed --k also drafts trees of that many nodes (depth <= k), measured beside the chains")
+    p.add_argument("--contexts", help="context lengths in tokens, comma-separated (e.g. 512,1024,4096,16384): full-attention MTP "
+                   "(--model) vs sparse MTP (--sparse-model, recompute and reuse) vs plain at one depth --k on prompts of exactly "
+                   "that many tokens of held-out text (--prompts: a text file or folder of .py files; default the demo's held-out "
+                   "stdlib modules); --limit prompts per context (default 4 up to 2k tokens, fewer beyond)")
+    p.add_argument("--sparse-model", help="with --contexts: a checkpoint of the same target with a sparse-attention MTP module")
     p.add_argument("--out", required=True, help="output directory")
 
 
@@ -264,8 +273,12 @@ def _admit(runner, candidates: list[Method], methods: list[Method], skipped: dic
 @command("bench")(_args)
 def run_bench_cmd(args: argparse.Namespace) -> int:
     use_threads(args.threads)  # a bad --threads is named before anything loads
+    if args.contexts is not None or args.sparse_model is not None:
+        return _run_contexts_cmd(args)
+    if args.prompts is None:
+        raise ConfigError("--prompts is required (a named set or a file), except with --contexts")
     try:
-        ks = [parse_k(k) for k in _list(args.k)]
+        ks = [parse_k(k) for k in _list(args.k or "1,2,4,auto")]
     except argparse.ArgumentTypeError as e:
         raise ConfigError(str(e)) from None
     if args.batch is not None:
@@ -313,6 +326,28 @@ def _run_batch_cmd(args: argparse.Namespace, ks: list[int | str]) -> int:
         progress=not args.no_progress, quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
         trees=_trees(args.trees),
     )
+    print(Path(res["files"]["markdown"]).read_text())
+    print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
+    return 0
+
+
+def _run_contexts_cmd(args: argparse.Namespace) -> int:
+    """`mtpspec bench --contexts ... --sparse-model S`: MTP against context length (bench/contexts.py)."""
+    from .contexts import parse_contexts, run_contexts
+
+    if args.contexts is None or args.sparse_model is None:
+        raise ConfigError("--contexts and --sparse-model go together (full-attention vs sparse MTP against context length)")
+    unused = {"--batch": args.batch, "--peers": args.peers, "--draft-model": args.draft_model, "--trees": args.trees,
+              "--quant": args.quant, "--compile": args.compile, "--repeat": args.repeat != 1, "--temperature": args.temperature != 0}
+    if any(unused.values()):
+        raise ConfigError(f"{', '.join(k for k, v in unused.items() if v)}: not measured with --contexts (greedy, one round, fp weights)")
+    try:
+        k = int(args.k or 4)
+    except ValueError:
+        raise ConfigError(f"--k with --contexts is one fixed draft depth (e.g. 4), got {args.k!r}") from None
+    res = run_contexts(args.model, args.sparse_model, parse_contexts(args.contexts), args.out, k=k, limit=args.limit,
+                       max_new_tokens=args.max_new_tokens, text=args.prompts, tokenizer=args.tokenizer, dtype=args.dtype,
+                       threads=args.threads, seed=args.seed, plot_prefix=args.plot_prefix, progress=not args.no_progress)
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
     return 0
