@@ -253,3 +253,8 @@ def test_sparse_target_in_a_batch_equals_separate_runs():
     ids = [engine.add(p, make_drafter("mtp", m), Sampler(SamplingParams()), k=3, max_new_tokens=24) for p in prompts]
     results = engine.run()
     assert [results[i].tokens for i in ids] == want
+
+
+def test_sparse_select_needs_a_sparse_mtp():
+    with pytest.raises(ConfigError, match="sparse-select"):
+        make_drafter("mtp", build(None, None, torch.float32), sparse_select="reuse")

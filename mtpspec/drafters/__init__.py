@@ -125,6 +125,9 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
     from .mtp import MTPDrafter
 
     source = target if draft_model is None else _attached(target, draft_model, "mtp")
+    if options.sparse_select is not None and getattr(source.config, "mtp_sparse_attention", None) is None:
+        raise ConfigError("--sparse-select needs a sparse-attention MTP module (mtp_sparse_attention in the model's config, "
+                          "from `mtpspec train mtp --sparse`); this model's MTP attends to its whole context")
     return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree,
                       sparse_select=options.sparse_select or "reuse")
 
