@@ -55,3 +55,9 @@ llamacpp: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The demo model continued at a 32k context on 4096-token windows, 25 minutes on one thread
+# (docs/long-context.md): the checkpoint lands in build/demo-long (not committed). Rerun to resume.
+.PHONY: demo-long
+demo-long: $(STAMP)
+	$(BIN)/mtpspec train longctx --out build/demo-long --max-minutes 25

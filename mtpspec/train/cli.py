@@ -1,5 +1,5 @@
-"""`mtpspec train pretrain | head | mtp | eval`: thin argparse wrappers over train.pretrain, train.heads,
-train.native_mtp and train.evaluate."""
+"""`mtpspec train pretrain | head | mtp | longctx | eval`: thin argparse wrappers over train.pretrain, train.heads,
+train.native_mtp, train.longctx and train.evaluate."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
     _add_dataclass_args(tune, MTPTuneConfig)
     tune.add_argument("--no-progress", action="store_true")
+    long = sub.add_parser("longctx", help="continue training a model with an MTP module at a longer context (pretraining's objective)")
+    long.add_argument("--model", default="demo", help="a hybrid model with an MTP module (project checkpoint, HF directory, 'demo')")
+    long.add_argument("--tokenizer")
+    from .longctx import LongCtxConfig
+
+    _add_dataclass_args(long, LongCtxConfig)
+    long.add_argument("--no-progress", action="store_true")
     ev = sub.add_parser("eval", help="side-by-side table: plain and drafter x D on held-out prompts (greedy)")
     ev.add_argument("--model", required=True)
     ev.add_argument("--tokenizer")
@@ -66,6 +73,15 @@ def run_train(args: argparse.Namespace) -> int:
         names = {f.name for f in dataclasses.fields(PretrainConfig)}
         cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
         report = pretrain(cfg, progress_bar=not args.no_progress)
+    elif args.train_command == "longctx":
+        from .longctx import LongCtxConfig, loss_table, train_longctx
+
+        names = {f.name for f in dataclasses.fields(LongCtxConfig)}
+        cfg = LongCtxConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+        report = train_longctx(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
+        print(json.dumps({k: v for k, v in report.items() if k not in ("history", "loss_by_position", "config")}, indent=2))
+        print(loss_table(report))
+        return 0
     elif args.train_command == "mtp":
         from .native_mtp import MTPTuneConfig, tune_native_mtp
 
