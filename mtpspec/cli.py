@@ -117,9 +117,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="mtp / eagle / draft / medusa / ngram: draft a token tree of at most N nodes (depth <= --k), verified "
                         "in one forward; auto: a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens/s "
                         "(default: a chain)")
-    p.add_argument("--sparse-select", choices=("reuse", "recompute"), default=None,
+    p.add_argument("--sparse-select", choices=("reuse", "recompute", "full"), default=None,
                    help="mtp with a sparse-attention MTP module: run its indexer on the round's first draft step and reuse "
-                        "those blocks for the rest (reuse, default), or on every step (recompute)")
+                        "those blocks for the rest (reuse, default), on every step (recompute), or attend the whole context "
+                        "with the same weights (full)")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:

@@ -129,7 +129,7 @@ def run(model, prompt, drafter, k, n=60, params=SamplingParams(), **opts):
 PROMPTS = [list(range(16)) * 4 + [3, 1, 4], [int(x) for x in torch.randint(0, V, (90,), generator=torch.Generator().manual_seed(4))]]
 
 
-@pytest.mark.parametrize("select", ["reuse", "recompute"])
+@pytest.mark.parametrize("select", ["reuse", "recompute", "full"])
 def test_sparse_target_and_mtp_greedy_identical_to_plain(select):
     """fp32: a target whose full-attention layers are sparse, drafted by its sparse MTP, emits plain greedy's tokens."""
     m = build(FEW, FEW, torch.float32)
@@ -258,3 +258,21 @@ def test_sparse_target_in_a_batch_equals_separate_runs():
 def test_sparse_select_needs_a_sparse_mtp():
     with pytest.raises(ConfigError, match="sparse-select"):
         make_drafter("mtp", build(None, None, torch.float32), sparse_select="reuse")
+
+
+def test_full_select_is_the_dense_module():
+    """sparse_select='full' drafts exactly as the same weights without an indexer (a dense MTP) would."""
+    sparse, dense = build(FEW, FEW, torch.float64), build(FEW, None, torch.float64)
+    dense.load_state_dict(sparse.state_dict(), strict=False)
+    prompt = PROMPTS[1]
+    for fused in (True, False):
+        a = make_drafter("mtp", sparse, sparse_select="full")
+        b = make_drafter("mtp", dense)
+        a.fused = a.fused if fused else None
+        b.fused = b.fused if fused else None
+        outs = []
+        for d in (a, b):
+            out = sparse.forward_tokens(torch.tensor(prompt[:-1]), sparse.new_cache())
+            d.prefill(torch.tensor(prompt), out, Sampler(SamplingParams()))
+            outs.append(d._mtp(d.pending_h, d.pending_t, 0))
+        assert (outs[0] - outs[1]).abs().max() <= 1e-12 * scale(outs[1])

@@ -46,7 +46,7 @@ class MTPOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
     tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
-    sparse_select: str | None = option("sparse_select", "--sparse-select", None)  # a sparse MTP: reuse (default) | recompute
+    sparse_select: str | None = option("sparse_select", "--sparse-select", None)  # a sparse MTP: reuse (default) | recompute | full
 
 
 @dataclass(frozen=True)

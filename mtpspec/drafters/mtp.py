@@ -44,7 +44,7 @@ from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 
 
-SPARSE_SELECT = ("reuse", "recompute")  # a sparse MTP's block choice for chained draft steps
+SPARSE_SELECT = ("reuse", "recompute", "full")  # a sparse MTP's block choice for chained draft steps (full: attend everything)
 MAX_PENDING = 16  # pairs queued before a catch-up runs without a draft (plain steps chosen by --k auto, a long prompt)
 TREE_BRANCH = 4  # a tree: children per expanded node (the drafter's top guesses there)
 TREE_BEAM = 4  # a tree: nodes expanded per level
@@ -111,6 +111,8 @@ class MTPDrafter:
                 self.depths.add_target(self._hidden(out))
             return
         self.cache = self.target.new_mtp_cache()
+        if self.cache.sparse is not None and self.select == "full":
+            self.cache.sparse.mode = "full"  # the same module attending its whole context (the ablation of sparsity)
         self.pending_h = self.pending_t = None
         if out is not None:  # pairs (h_i, t_{i+1}) for i = 0..L-2
             self._queue(self._hidden(out), context[1 : out.hidden.shape[0] + 1])
@@ -146,7 +148,7 @@ class MTPDrafter:
                     h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers)
         finally:
             if state is not None:
-                state.mode = "recompute"  # catch-ups outside propose (a long plain stretch) choose for every row
+                state.mode = "full" if self.select == "full" else "recompute"  # catch-ups outside propose choose for every row
         self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)

@@ -129,6 +129,8 @@ class FusedAttentionBlock:
         iq, ik, iw = index
         kv.index.write(self.kv_index, start, ik)
         state = kv.sparse
+        if state is not None and state.dense:  # sparse_select "full": this layer's dense attention
+            return self._attend(q, k, v, start)
         queries = None if state is not None and state.reusing(self.kv_index) else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
         return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0)
 

@@ -232,13 +232,18 @@ class Selection:
 @dataclass
 class SparseState:
     """How a cache's sparse layers choose blocks: 'recompute' (the indexer on every row), 'record' (recompute, and
-    keep the pass's last row's selection per layer), or 'reuse' (the kept selection, no indexer)."""
+    keep the pass's last row's selection per layer), 'reuse' (the kept selection, no indexer), or 'full' (no
+    choice: dense causal attention over every key, the same weights without sparsity)."""
 
     mode: str = "recompute"
     kept: dict[int, Selection] = field(default_factory=dict)
 
     def reusing(self, layer: int) -> bool:
         return self.mode == "reuse" and layer in self.kept
+
+    @property
+    def dense(self) -> bool:
+        return self.mode == "full"
 
 
 def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, index: IndexKeys, layer: int, start: int,
