@@ -419,7 +419,8 @@ def tune_sparse_mtp(module: HybridLM, tok, cfg, progress_bar: bool = True) -> tu
     t0 = time.perf_counter()
     tuned = {"short": measure(net, tok, None, held_p, k_eval, cfg.eval_tokens, drafter="mtp"),
              "long": measure(net, tok, None, long_p, k_eval, cfg.eval_tokens, drafter="mtp") if long_p else None,
-             "distill_loss": distill_loss(net, held_w, cfg.depth, cfg.depth_decay) if cfg.steps else indexer_only["distill_loss"]}
+             "distill_loss": distill_loss(net, held_w, cfg.depth, cfg.depth_decay) if cfg.steps else indexer_only["distill_loss"],
+             "recall": [evaluate_indexer(net, held_w, scfg, j) for j in range(len(net.mtp.layers))] if cfg.steps else recall_after}
     measure_s += time.perf_counter() - t0
     n = len(net.mtp.layers)
     report = {
@@ -430,6 +431,7 @@ def tune_sparse_mtp(module: HybridLM, tok, cfg, progress_bar: bool = True) -> tu
         "phases": {"frozen_model_pass": frozen.to_dict(), "indexer": idx_phase.to_dict(), "tune": tune_phase.to_dict(),
                    "measurements_seconds": round(measure_s, 1)},
         "indexer": {"recall_before": [asdict(r) for r in recall_before], "recall_after": [asdict(r) for r in recall_after],
+                    "recall_after_tune": [asdict(r) for r in tuned["recall"]],  # phase 2 moves the attention the indexer imitates
                     "kl_history": idx_hist[:: max(1, len(idx_hist) // 40)] + idx_hist[-1:]},
         "distill_loss_heldout_windows": {"full_attention": full["distill_loss"], "sparse_indexer_only": indexer_only["distill_loss"],
                                          "sparse_tuned": tuned["distill_loss"]},
