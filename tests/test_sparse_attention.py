@@ -276,3 +276,27 @@ def test_full_select_is_the_dense_module():
             d.prefill(torch.tensor(prompt), out, Sampler(SamplingParams()))
             outs.append(d._mtp(d.pending_h, d.pending_t, 0))
         assert (outs[0] - outs[1]).abs().max() <= 1e-12 * scale(outs[1])
+
+
+def test_reused_blocks_gathered_once_equal_per_row_gathering():
+    """attend_reused (the kept blocks gathered once per round, shared by the rows) computes what gathering them for
+    every row computes, and dense_attend what choosing every block computes (fp64)."""
+    from mtpspec.models.sparse_attention import IndexKeys, Selection, attend_gathered, attend_reused, dense_attend
+
+    g = torch.Generator().manual_seed(7)
+    cfg = SparseAttentionConfig(block=4, top_k=5, window=8, heads=1, dim=2)
+    k, v = torch.randn(2, 120, 16, generator=g, dtype=torch.float64), torch.randn(2, 120, 16, generator=g, dtype=torch.float64)
+    q = torch.randn(3, 4, 16, generator=g, dtype=torch.float64)
+    blocks, ok = torch.tensor([3, 17, 9, 0, 20]), torch.tensor([True, True, True, False, True])
+    anchor, pos = 99, torch.arange(100, 103)
+    kept = Selection(blocks, ok, anchor)
+    scratch = IndexKeys(1, 120, cfg, torch.float64)
+    lo = torch.full((3,), anchor - cfg.window + 1)
+    want = attend_gathered(q, k, v, blocks.expand(3, -1), ok.expand(3, -1), pos, lo, cfg, 0.25, scratch)
+    got = attend_reused(q, k, v, kept, pos, cfg, 0.25)
+    again = attend_reused(q, k, v, kept, pos, cfg, 0.25)  # the second call reads kept.keys
+    assert (got - want).abs().max() <= 1e-13 and torch.equal(got, again)
+    every = torch.arange(30).expand(3, -1)  # every block of 120 keys
+    want = attend_gathered(q, k, v, every, torch.ones(3, 30, dtype=torch.bool), pos, pos - cfg.window + 1,
+                           SparseAttentionConfig(block=4, top_k=30, window=8, heads=1, dim=2), 0.25, scratch)
+    assert (dense_attend(q, k, v, 100, 0.25) - want).abs().max() <= 1e-13

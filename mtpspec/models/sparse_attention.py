@@ -199,7 +199,7 @@ class IndexKeys:
         nb = -(-max_len // cfg.block)
         self.keys = torch.zeros(n_layers, nb * cfg.block, cfg.dim, dtype=dtype)  # (L, max_len rounded up, dim)
         self.blocks = torch.zeros(n_layers, nb, cfg.dim, dtype=dtype)  # (L, nb, dim)
-        self._scratch = None  # (key, gathered keys, gathered values): attend_gathered's buffers
+        self._scratch: dict = {}  # (use, shape, dtype) -> (keys, values): gather buffers
 
     def write(self, layer: int, start: int, keys: Tensor) -> None:
         """keys (T, dim) at positions start.."""
@@ -208,12 +208,15 @@ class IndexKeys:
         a, b = start // r, -(-end // r)  # the blocks touched
         self.blocks[layer, a:b] = self.keys[layer, a * r : b * r].view(b - a, r, -1).mean(1)
 
-    def buffers(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Two scratch tensors of `shape` for gathered keys and values, reused while the shape repeats."""
-        key = (shape, dtype)
-        if self._scratch is None or self._scratch[0] != key:
-            self._scratch = (key, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-        return self._scratch[1], self._scratch[2]
+    def buffers(self, shape: tuple[int, ...], dtype: torch.dtype, use: str = "rows") -> tuple[Tensor, Tensor]:
+        """Two scratch tensors of `shape` for gathered keys and values, kept per use and shape (a few shapes recur:
+        one per verify width)."""
+        key = (use, shape, dtype)
+        if key not in self._scratch:
+            if len(self._scratch) >= 8:
+                self._scratch.clear()
+            self._scratch[key] = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+        return self._scratch[key]
 
     def complete(self, layer: int, length: int) -> Tensor:
         """(nb, dim): the blocks entirely below `length`."""
@@ -227,6 +230,8 @@ class Selection:
     blocks: Tensor  # (k,) block ids
     ok: Tensor  # (k,) bool
     anchor: int  # the position of the row it was computed for
+    dense: bool = False  # the row had at most top_k candidates: it attended everything (and so do its reusers)
+    keys: tuple[Tensor, Tensor, Tensor] | None = None  # (kg, vg (nkv, k r, hd), mask (k r,)): the blocks, gathered once
 
 
 @dataclass
@@ -259,18 +264,77 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
         reach = t + start - 1 - kept.anchor  # how far the last row lies past the anchor
         if reach < 0 or reach > REUSE_REACH:
             raise ValueError(f"a reused selection (anchor {kept.anchor}) cannot serve positions {start}..{start + t - 1}")
-        blocks, ok = kept.blocks.expand(t, -1), kept.ok.expand(t, -1)
-        lo = torch.full((t,), kept.anchor - cfg.window + 1)
-    else:
-        iq, iw = queries
-        bk = index.complete(layer, start + t)  # (nb, dim)
-        blocks, ok = select_blocks(block_scores(iq, iw, bk), pos, cfg)  # (T, k)
-        lo = pos - cfg.window + 1
+        if kept.dense:
+            return dense_attend(q, k, v, start, scale)
+        return attend_reused(q, k, v, kept, pos, cfg, scale)
+    last = start + t - 1
+    if (last - cfg.window) // cfg.block + 1 <= cfg.top_k:  # no row has more than top_k candidates: all are chosen
         if state is not None and state.mode == "record":
-            state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), start + t - 1)
+            state.kept[layer] = Selection(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), last, dense=True)
+        return dense_attend(q, k, v, start, scale)
+    iq, iw = queries
+    bk = index.complete(layer, start + t)  # (nb, dim)
+    blocks, ok = select_blocks(block_scores(iq, iw, bk), pos, cfg)  # (T, k)
+    lo = pos - cfg.window + 1
+    if state is not None and state.mode == "record":
+        state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), last)
     if t <= GATHER_ROWS:
         return attend_gathered(q, k, v, blocks, ok, pos, lo, cfg, scale, index)
     return attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
+
+
+def dense_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """Causal attention over every cached key (what sparse attention equals while a row has at most top_k candidate
+    blocks): q (T, nh, hd), k / v (nkv, S, hd) -> (T, nh * hd)."""
+    t, nh, hd = q.shape
+    nkv = k.shape[0]
+    g = nh // nkv
+    if t > GATHER_ROWS:  # a prompt: SDPA in chunks of rows
+        out = []
+        for a in range(0, t, MASK_CHUNK):
+            b = min(a + MASK_CHUNK, t)
+            mask = torch.ones(b - a, start + b, dtype=torch.bool).tril(diagonal=start + a)  # (Tc, start + b)
+            y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, : start + b], v[:, : start + b], attn_mask=mask,
+                                               scale=scale, enable_gqa=g > 1)  # (nh, Tc, hd)
+            out.append(y.transpose(0, 1).reshape(b - a, nh * hd))
+        return torch.cat(out)
+    rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd), row = (position, head)
+    w = (rows @ k[:, : start + t].transpose(1, 2)) * scale  # (nkv, T g, start + T)
+    if t > 1:  # causal among the new positions
+        future = torch.ones(t, t, dtype=torch.bool).triu(1).repeat_interleave(g, 0)  # (T g, T)
+        w[:, :, start:] = w[:, :, start:].masked_fill(future, float("-inf"))
+    y = torch.softmax(w, dim=-1) @ v[:, : start + t]  # (nkv, T g, hd)
+    return y.view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
+
+
+def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor, cfg: SparseAttentionConfig,
+                  scale: float) -> Tensor:
+    """Rows of a round's chained draft steps attending a kept selection: q (T, nh, hd), k / v (nkv, S, hd) ->
+    (T, nh * hd). The kept blocks lie before the anchor's window, in committed positions no draft step rewrites, so
+    they are gathered once per round (kept.keys) and shared by every row; the window runs from the anchor's window
+    start to each row."""
+    t, nh, hd = q.shape
+    nkv, r = k.shape[0], cfg.block
+    g = nh // nkv
+    lo = kept.anchor - cfg.window + 1
+    if kept.keys is None:
+        nbf = k.shape[1] // r
+        kb_all, vb_all = k[:, : nbf * r].view(nkv, nbf, r * hd), v[:, : nbf * r].view(nkv, nbf, r * hd)
+        kg = torch.stack([kb_all[h].index_select(0, kept.blocks) for h in range(nkv)]).view(nkv, -1, hd)  # (nkv, k r, hd)
+        vg = torch.stack([vb_all[h].index_select(0, kept.blocks) for h in range(nkv)]).view(nkv, -1, hd)
+        tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,)
+        kept.keys = (kg, vg, kept.ok.repeat_interleave(r) & (tok < lo))
+    kg, vg, bmask = kept.keys
+    a, b = max(lo, 0), int(pos[-1]) + 1
+    kw, vw = k[:, a:b], v[:, a:b]  # (nkv, Wn, hd)
+    rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd)
+    w = torch.cat([rows @ kg.transpose(1, 2), rows @ kw.transpose(1, 2)], dim=-1) * scale  # (nkv, T g, k r + Wn)
+    wmask = (torch.arange(a, b)[None] <= pos[:, None]).repeat_interleave(g, 0)  # (T g, Wn)
+    mask = torch.cat([bmask.expand(t * g, -1), wmask], dim=1)  # (T g, k r + Wn)
+    p = torch.softmax(w.masked_fill(~mask, float("-inf")), dim=-1)
+    n = kg.shape[1]
+    y = p[..., :n] @ vg + p[..., n:] @ vw  # (nkv, T g, hd)
+    return y.view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
 
 def block_attention_mass(probs: Tensor, pos: Tensor, nb: int, cfg: SparseAttentionConfig) -> Tensor:
