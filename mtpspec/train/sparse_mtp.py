@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError, ModelLoadError
