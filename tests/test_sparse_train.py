@@ -1,4 +1,4 @@
-"""`mtpspec train mtp --sparse 1` (train/sparse_mtp.py): the indexer's distillation, the tuned sparse checkpoint, errors."""
+"""`mtpspec train mtp --sparse` (train/sparse_mtp.py): the indexer's distillation, the tuned sparse checkpoint, errors."""
 
 from __future__ import annotations
 

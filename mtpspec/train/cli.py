@@ -19,6 +19,8 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
         flag = "--" + f.name.replace("_", "-")
         if f.name == "out":
             p.add_argument(flag, required=True, help="output folder")
+        elif str(f.type) == "bool":  # --sparse / --no-sparse
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f"default {'on' if default else 'off'}")
         else:
             typ = {"int": int, "float": float, "str": str, "bool": int}.get(str(f.type), str)
             p.add_argument(flag, type=typ, default=default, help=f"default {default}")

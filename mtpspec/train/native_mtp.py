@@ -12,7 +12,7 @@ agreement with the model's own next-token choices. This fits it to exactly that:
 3. The whole checkpoint is written again (only `mtp.*` changed; the tokenizer and draft vocabulary
    are copied), with `mtp_tune_report.json`: held-out acceptance by position before and after.
 
-With `--sparse 1` the MTP layer's attention becomes block-sparse and is trained in two phases on long
+With `--sparse` the MTP layer's attention becomes block-sparse and is trained in two phases on long
 windows of the training text (indexer distillation, then this objective with the sparse attention on):
 train/sparse_mtp.py.
 """
@@ -53,7 +53,7 @@ class MTPTuneConfig:
     eval_tokens: int = 128
     eval_k: int = 0  # draft length of the held-out acceptance measurements; 0 = depth
     data_cache: str = ""  # a .pt file: self-distillation data (--sparse: the windows' hiddens) loaded from it if present, else written to it
-    # --sparse 1: block-sparse MTP attention, trained on long windows (train/sparse_mtp.py); steps / lr / depth above apply
+    # --sparse: block-sparse MTP attention, trained on long windows (train/sparse_mtp.py); steps / lr / depth above apply
     sparse: bool = False
     sparse_block: int = 4  # r: tokens per compressed block
     sparse_top_k: int = 512  # blocks attended per query (512 x 4 = 2,048 tokens, as Qwen's)
@@ -71,7 +71,7 @@ class MTPTuneConfig:
     long_prompts: int = 2  # held-out prompts of about window_tokens tokens: acceptance at long context
 
     def __post_init__(self) -> None:
-        self.sparse = bool(self.sparse)  # the command line gives --sparse 1
+        self.sparse = bool(self.sparse)  # the command line gives --sparse
 
 
 def mtp_distill_loss(model, tokens: torch.Tensor, hidden: torch.Tensor, depth: int, decay: float) -> tuple[torch.Tensor, dict]:

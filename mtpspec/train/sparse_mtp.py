@@ -1,4 +1,4 @@
-"""`mtpspec train mtp --sparse 1`: give the MTP module block-sparse attention and train it, the model frozen.
+"""`mtpspec train mtp --sparse`: give the MTP module block-sparse attention and train it, the model frozen.
 
 The MTP layer's attention becomes block-sparse (models/sparse_attention.py): an indexer scores blocks of
 `sparse_block` tokens and each query attends to the `sparse_top_k` best plus a window of the last
