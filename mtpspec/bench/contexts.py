@@ -172,7 +172,8 @@ def targets(summary: dict[str, dict]) -> list[dict]:
 
 def markdown(result: dict, images: list[str]) -> str:
     c, k = result["config"], result["config"]["k"]
-    lines = [f"## {c['model']} (full-attention MTP) vs {c['sparse_model']} (sparse MTP) against context length", "",
+    kind = "an MTP with sparse attention too: 'mtp' drafts with it, reusing" if c.get("model_mtp_sparse") else "full-attention MTP"
+    lines = [f"## {c['model']} ({kind}) vs {c['sparse_model']} (sparse MTP) against context length", "",
              f"Greedy, D = {k}, {c['max_new_tokens']} new tokens per prompt (no stop token), prompts of exactly L tokens from "
              f"{c['text']}; torch threads {c['threads']}, methods interleaved {c['interleave']}; decode time only (prefill "
              f"excluded). Same target: {c['target_tensors_equal']} tensors outside mtp.* equal. Wall time {c['elapsed_seconds']:.0f} s.", "",
@@ -279,6 +280,7 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
                          "threads": full.threads, "interleave": "every 5 ms (lockstep)" if step else "run by run", "dtype": dtype,
                          "seed": seed, "text": text or "the held-out stdlib modules (train/data.py HELDOUT)", "text_tokens": len(stream),
                          "target_tensors_equal": equal, "sparse_config": models["sparse"].module.config.mtp_sparse_attention.to_dict(),
+                         "model_mtp_sparse": getattr(getattr(full.module, "config", None), "mtp_sparse_attention", None) is not None,
                          "torch": torch.__version__},
               "summary": {}, "runs": []}
     out.mkdir(parents=True, exist_ok=True)
