@@ -4,7 +4,7 @@ For each context length L, prompts of exactly L tokens are cut from held-out tex
 stdlib modules, never training text) at offsets spread over it, and each is decoded greedily at D = k by:
 
     plain             --model, no drafter: the reference for speedup and greedy identity
-    mtp               --model's full-attention MTP module
+    mtp               --model's MTP module attending its whole context
     sparse-full       --sparse-model's MTP weights attending their whole context (sparsity ablated, same weights)
     sparse-recompute  --sparse-model's sparse MTP, its indexer run on every draft step
     sparse-reuse      --sparse-model's sparse MTP, the indexer run on the round's first row, its blocks reused
@@ -135,7 +135,11 @@ def run_method(models: dict, method: str, k: int, max_new_tokens: int, prompt: t
     length, offset, ids = prompt
     sparse = method.startswith("sparse")
     module = models["sparse" if sparse else "full"].module
-    drafter = make_drafter("none" if method == "plain" else "mtp", module, **({"sparse_select": method[7:]} if sparse else {}))
+    if sparse:
+        opts = {"sparse_select": method[7:]}
+    else:  # 'mtp' attends fully, also when --model's module was trained with a sparse config (a control)
+        opts = {"sparse_select": "full"} if getattr(module.config, "mtp_sparse_attention", None) is not None and method == "mtp" else {}
+    drafter = make_drafter("none" if method == "plain" else "mtp", module, **opts)
     clock = MTPClock(drafter) if method != "plain" else None
     res = generate_tokens(module, ids, drafter, k, Sampler(SamplingParams(temperature=0.0)), max_new_tokens, (),
                           turn.step_done if turn is not None else None)
@@ -173,7 +177,7 @@ def targets(summary: dict[str, dict]) -> list[dict]:
 
 def markdown(result: dict, images: list[str]) -> str:
     c, k = result["config"], result["config"]["k"]
-    kind = "an MTP with sparse attention too: 'mtp' drafts with it, reusing" if c.get("model_mtp_sparse") else "full-attention MTP"
+    kind = "its MTP trained with a sparse config, drafting with dense attention" if c.get("model_mtp_sparse") else "full-attention MTP"
     lines = [f"## {c['model']} ({kind}) vs {c['sparse_model']} (sparse MTP) against context length", "",
              f"Greedy, D = {k}, {c['max_new_tokens']} new tokens per prompt (no stop token), prompts of exactly L tokens from "
              f"{c['text']}; torch threads {c['threads']}, methods interleaved {c['interleave']}; decode time only (prefill "
