@@ -35,7 +35,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..models.qwen35 import HybridLM
 from . import data as D
-from .pretrain import TrainCache, hybrid_hidden, losses, mtp_hiddens
+from .pretrain import TrainCache, adamw, hybrid_hidden, losses, mtp_hiddens, optimizer_step, resume, save_state
 
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384)  # position bucket edges of the loss table
 
@@ -192,42 +192,23 @@ def train_longctx(model: str | Path, cfg: LongCtxConfig, tokenizer=None, progres
         before = {"buckets": [asdict(b) for b in bucket_losses(net, evalseqs)], "seconds": round(time.perf_counter() - t0, 1)}
         before_path.write_text(json.dumps(before, indent=2) + "\n")
 
-    decay = [p for p in net.parameters() if p.ndim >= 2]
-    no_decay = [p for p in net.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    step, elapsed, history = 0, 0.0, []
+    opt, gen = adamw(net, cfg.lr, cfg.weight_decay), torch.Generator().manual_seed(cfg.seed)
     state_path = out / "train_state.pt"
-    if state_path.exists():  # resume
-        st = torch.load(state_path, weights_only=False)
-        net.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["generator"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+    step, elapsed, history = resume(state_path, net, opt, gen)
 
     def progress() -> float:
         p = step / cfg.steps if cfg.steps > 0 else 0.0
         return max(p, elapsed / (cfg.max_minutes * 60)) if cfg.max_minutes > 0 else p
 
-    def save_state() -> None:
-        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                    "step": step, "elapsed": elapsed, "history": history}, state_path)
 
     bar = tqdm(total=cfg.steps if cfg.max_minutes == 0 else None, initial=step, disable=not progress_bar, dynamic_ncols=True)
     net.train()
     t_last = time.perf_counter()
     while progress() < 1.0:
         lr = lr_at(cfg, progress(), step)
-        for g in opt.param_groups:
-            g["lr"] = lr
         batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)  # (B, seq_len)
         main, mtp = losses(net, batch, 1)
-        loss = main + cfg.mtp_lambda * mtp[0]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, net, main + cfg.mtp_lambda * mtp[0], lr)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         elapsed += dt
@@ -237,9 +218,9 @@ def train_longctx(model: str | Path, cfg: LongCtxConfig, tokenizer=None, progres
         bar.update(1)
         bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp[0].item():.3f}", lr=f"{lr:.1e}", tok_s=f"{batch.numel() / dt:.0f}")
         if step % cfg.save_every == 0:
-            save_state()
+            save_state(state_path, net, opt, gen, step, elapsed, history)
     bar.close()
-    save_state()
+    save_state(state_path, net, opt, gen, step, elapsed, history)
 
     t0 = time.perf_counter()
     after = [asdict(b) for b in bucket_losses(net, evalseqs)]

@@ -195,6 +195,41 @@ def prepare_data(cfg: PretrainConfig, out: Path):
     return tok, streams["train"], streams["heldout"], held_files
 
 
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95) with weight decay on matrices only (not norms, not biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def resume(state_path: Path, model: torch.nn.Module, opt, gen: torch.Generator) -> tuple[int, float, list]:
+    """(step, elapsed seconds, history) from a train_state.pt (model, optimizer and data RNG restored), or a fresh start."""
+    if not state_path.exists():
+        return 0, 0.0, []
+    st = torch.load(state_path, weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    gen.set_state(st["generator"])
+    return st["step"], st["elapsed"], st["history"]
+
+
+def save_state(state_path: Path, model: torch.nn.Module, opt, gen: torch.Generator, step: int, elapsed: float, history: list) -> None:
+    """What resume() reads back."""
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                "step": step, "elapsed": elapsed, "history": history}, state_path)
+
+
+def optimizer_step(opt, model: torch.nn.Module, loss: Tensor, lr: float) -> None:
+    """One update at learning rate lr, gradients clipped to norm 1."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     """Train (or resume) and write the checkpoint + report; returns the report."""
     from tqdm import tqdm
@@ -214,19 +249,9 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         cfg.vocab_size = tok.vocab_size
     model = HybridLM(cfg.model_config())
     _init(model)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    step, elapsed, history = 0, 0.0, []
+    opt, gen = adamw(model, cfg.lr, cfg.weight_decay), torch.Generator().manual_seed(cfg.seed)
     state_path = out / "train_state.pt"
-    if state_path.exists():  # resume
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["generator"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+    step, elapsed, history = resume(state_path, model, opt, gen)
     evalw = D.eval_windows(held, cfg.seq_len, cfg.eval_windows)
     write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")  # the counts never change
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -236,8 +261,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         return max(p, elapsed / (cfg.max_minutes * 60)) if cfg.max_minutes > 0 else p
 
     def save() -> None:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                    "step": step, "elapsed": elapsed, "history": history}, state_path)
+        save_state(state_path, model, opt, gen, step, elapsed, history)
         save_checkpoint(model, tok, out)
 
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress_bar, dynamic_ncols=True)
@@ -245,15 +269,9 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     t_last = time.perf_counter()
     while progress() < 1.0:
         lr, lam = schedule(cfg, progress(), step)
-        for g in opt.param_groups:
-            g["lr"] = lr
         batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)
         main, mtp = losses(model, batch, cfg.mtp_depth)
-        loss = main + lam * torch.stack(mtp).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model, main + lam * torch.stack(mtp).mean(), lr)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         elapsed += dt
