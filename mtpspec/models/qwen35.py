@@ -7,8 +7,10 @@ next to q in q_proj). All RMSNorms except the DeltaNet's gated norm are zero-cen
 shared expert.
 
 The MTP module (`mtp.*`) predicts t_{i+2} from the target's post-final-norm hidden h_i and the
-embedding of t_{i+1}: fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]) -> one full-attention
-decoder layer with its own KV cache -> mtp.norm -> the target's LM head.
+embedding of t_{i+1}: fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]) -> a full-attention
+decoder layer with its own KV cache (one per draft depth with several layers, drafters/mtp.py; its
+attention block-sparse with `mtp_sparse_attention`, sparse_attention.py) -> mtp.norm -> the target's
+LM head.
 
 Parameter names follow Hugging Face's Qwen3.5 layout, so checkpoints load by name.
 """
