@@ -11,6 +11,7 @@ Written by `save_checkpoint` (training, the shipped demo model) and read strictl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import struct
@@ -81,7 +82,7 @@ def _check_sizes(cfg, listing, path: Path, arch: str) -> None:
     for prefix, n in (("model.layers", cfg.num_layers), ("mtp.layers", getattr(cfg, "mtp_num_layers", 0))):
         found = {int(m.group(1)) for name, _, _ in listing if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", name))}
         if len(found) != n or (n and max(found) != n - 1):
-            absent = [f"{prefix}.{i}.*" for i in range(n) if i not in found][:4]  # (the first few)
+            absent = list(itertools.islice((f"{prefix}.{i}.*" for i in range(n) if i not in found), 4))  # the first few (n may be huge)
             raise ModelLoadError(f"{path}: the config has {n} {prefix.split('.')[0]} layers, model.safetensors has {len(found)}"
                                  + (f" (no {', '.join(absent)} tensors)" if absent else ""))
     experts = {int(m.group(1)) for name, _, _ in listing if (m := re.search(r"\.experts\.(\d+)\.", name))}
