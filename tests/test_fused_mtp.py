@@ -68,7 +68,7 @@ def test_native_mtp_matches_module(dtype):
 
 @DTYPES
 def test_long_catch_up_in_chunks_matches_module(dtype):
-    """A catch-up longer than LONG_CHUNK rows (a long prompt's pairs) attends chunk by chunk."""
+    """A catch-up longer than MASK_CHUNK rows (sparse_attention.py) (a long prompt's pairs) attends chunk by chunk."""
     m = _model(replace(CFG, max_seq_len=1400)).to(dtype)
     _compare(m.mtp, m.new_mtp_cache, CFG.hidden_size, CFG.vocab_size, m.embed, windows=(1100, 1, 3, 200))
 

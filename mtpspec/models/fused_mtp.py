@@ -32,10 +32,9 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import ConfigError
 from .common import RMSNorm, SwiGLU, weights_version, wide
-from .sparse_attention import sparse_attend
+from .sparse_attention import dense_attend, sparse_attend
 
-SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through SDPA
-LONG_CHUNK = 512  # rows per SDPA call of a long catch-up
+SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through dense_attend
 
 
 def _unit(x: Tensor, c: Tensor) -> Tensor:
@@ -107,15 +106,8 @@ class FusedAttentionBlock:
         if tree_mask is not None:  # a tree: SDPA with its mask
             y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=tree_mask, scale=1.0, enable_gqa=g > 1)
             return y.transpose(0, 1).reshape(t, nh * hd)
-        if t > SHORT:  # a long catch-up (the prompt's pairs): causal SDPA in chunks of rows (a whole 16k prompt's mask is 256 MB)
-            out = []
-            for a in range(0, t, LONG_CHUNK):
-                b = min(a + LONG_CHUNK, t)
-                mask = torch.ones(b - a, start + b, dtype=torch.bool).tril(diagonal=start + a)  # (Tc, start + b)
-                y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, : start + b], v[:, : start + b], attn_mask=mask,
-                                                   scale=1.0, enable_gqa=g > 1)
-                out.append(y.transpose(0, 1).reshape(b - a, nh * hd))
-            return torch.cat(out)
+        if t > SHORT:  # a long catch-up (the prompt's pairs): causal attention in chunks of rows (a 16k prompt's mask is 256 MB)
+            return dense_attend(q, k, v, start, 1.0)
         rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd), row = (position, head)
         w = rows @ k.transpose(1, 2)  # (nkv, T g, start + T)
         if t > 1:  # causal among the new positions (a view of a fixed -inf block, no mask built per call)

@@ -137,16 +137,10 @@ def attend_gathered(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor,
     masks = [(keys[None] >= lo[:, None]) & (keys[None] <= pos[:, None])]  # (T, Wn)
     scores = [(rows.reshape(nkv, t * g, hd) @ kw.transpose(1, 2)).view(nkv, t, g, b - a)]  # (nkv, T, g, Wn)
     if kb:
-        nbf = k.shape[1] // r  # blocks wholly in the cache (every chosen one is)
         flat = blocks.reshape(-1)  # (T k,)
-        kb_all, vb_all = k[:, : nbf * r].view(nkv, nbf, r * hd), v[:, : nbf * r].view(nkv, nbf, r * hd)
-        if torch.is_grad_enabled() and (k.requires_grad or q.requires_grad):  # autograd: no out= buffers
-            kg, vg = kb_all.index_select(1, flat), vb_all.index_select(1, flat)
-        else:
-            kg, vg = scratch.buffers((nkv, t * kb, r * hd), k.dtype)
-            for h in range(nkv):  # per head: a cache view is strided across heads, and index_select would copy it whole
-                torch.index_select(kb_all[h], 0, flat, out=kg[h])
-                torch.index_select(vb_all[h], 0, flat, out=vg[h])
+        grad = torch.is_grad_enabled() and (k.requires_grad or q.requires_grad)  # autograd: no out= buffers
+        kg, vg = (None, None) if grad else scratch.buffers((nkv, t * kb, r * hd), k.dtype)
+        kg, vg = gather_blocks(k, flat, r, kg), gather_blocks(v, flat, r, vg)
         kg, vg = kg.view(nkv, t, kb * r, hd), vg.view(nkv, t, kb * r, hd)
         tok = (blocks[..., None] * r + torch.arange(r)).flatten(1)  # (T, k r) their positions
         masks.insert(0, ok.repeat_interleave(r, dim=1) & (tok < lo[:, None]))
@@ -172,19 +166,37 @@ def attention_mask(blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor, s: int, 
     return in_blocks | in_window
 
 
-def attend_masked(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor,
-                  cfg: SparseAttentionConfig, scale: float) -> Tensor:
-    """A long pass (a prompt): q (T, nh, hd), k / v (nkv, S, hd) -> (T, nh * hd), masked SDPA in chunks of rows."""
+def chunked_sdpa(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, mask_for) -> Tensor:
+    """A long pass (a prompt) at positions start..: q (T, nh, hd), k / v (nkv, S, hd) -> (T, nh * hd), SDPA in chunks of
+    MASK_CHUNK rows; mask_for(a, b, end) gives rows a..b-1's (b - a, end) bool mask over keys 0..end-1."""
     t, nh, hd = q.shape
     out = []
     for a in range(0, t, MASK_CHUNK):
         b = min(a + MASK_CHUNK, t)
-        end = int(pos[b - 1]) + 1  # keys after the chunk's last row are seen by none of its rows
-        mask = attention_mask(blocks[a:b], ok[a:b], pos[a:b], lo[a:b], end, cfg)  # (Tc, end)
-        y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, :end], v[:, :end], attn_mask=mask,
+        end = start + b  # keys after the chunk's last row are seen by none of its rows
+        y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, :end], v[:, :end], attn_mask=mask_for(a, b, end),
                                            scale=scale, enable_gqa=nh != k.shape[0])  # (nh, Tc, hd)
         out.append(y.transpose(0, 1).reshape(b - a, nh * hd))
     return torch.cat(out)
+
+
+def attend_masked(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor,
+                  cfg: SparseAttentionConfig, scale: float) -> Tensor:
+    """A long pass (a prompt): q (T, nh, hd), k / v (nkv, S, hd) -> (T, nh * hd), the chosen key sets as masks."""
+    return chunked_sdpa(q, k, v, int(pos[0]), scale,
+                        lambda a, b, end: attention_mask(blocks[a:b], ok[a:b], pos[a:b], lo[a:b], end, cfg))
+
+
+def gather_blocks(k: Tensor, blocks: Tensor, r: int, out: Tensor | None = None) -> Tensor:
+    """k (nkv, S, hd) the cache -> (nkv, n, r * hd): the blocks of r tokens numbered `blocks` (n,), whole. One head at a
+    time: a cache view is strided across heads, and index_select over it would copy the whole cache first."""
+    nkv, s, hd = k.shape
+    whole = k[:, : s // r * r].view(nkv, s // r, r * hd)
+    if out is None:
+        return torch.stack([whole[h].index_select(0, blocks) for h in range(nkv)])
+    for h in range(nkv):
+        torch.index_select(whole[h], 0, blocks, out=out[h])
+    return out
 
 
 class IndexKeys:
@@ -289,15 +301,8 @@ def dense_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> T
     t, nh, hd = q.shape
     nkv = k.shape[0]
     g = nh // nkv
-    if t > GATHER_ROWS:  # a prompt: SDPA in chunks of rows
-        out = []
-        for a in range(0, t, MASK_CHUNK):
-            b = min(a + MASK_CHUNK, t)
-            mask = torch.ones(b - a, start + b, dtype=torch.bool).tril(diagonal=start + a)  # (Tc, start + b)
-            y = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[:, : start + b], v[:, : start + b], attn_mask=mask,
-                                               scale=scale, enable_gqa=g > 1)  # (nh, Tc, hd)
-            out.append(y.transpose(0, 1).reshape(b - a, nh * hd))
-        return torch.cat(out)
+    if t > GATHER_ROWS:  # a prompt: causal SDPA in chunks of rows
+        return chunked_sdpa(q, k, v, start, scale, lambda a, b, end: torch.ones(b - a, end, dtype=torch.bool).tril(diagonal=start + a))
     rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd), row = (position, head)
     w = (rows @ k[:, : start + t].transpose(1, 2)) * scale  # (nkv, T g, start + T)
     if t > 1:  # causal among the new positions
@@ -318,10 +323,8 @@ def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor,
     g = nh // nkv
     lo = kept.anchor - cfg.window + 1
     if kept.keys is None:
-        nbf = k.shape[1] // r
-        kb_all, vb_all = k[:, : nbf * r].view(nkv, nbf, r * hd), v[:, : nbf * r].view(nkv, nbf, r * hd)
-        kg = torch.stack([kb_all[h].index_select(0, kept.blocks) for h in range(nkv)]).view(nkv, -1, hd)  # (nkv, k r, hd)
-        vg = torch.stack([vb_all[h].index_select(0, kept.blocks) for h in range(nkv)]).view(nkv, -1, hd)
+        kg = gather_blocks(k, kept.blocks, r).view(nkv, -1, hd)  # (nkv, k r, hd)
+        vg = gather_blocks(v, kept.blocks, r).view(nkv, -1, hd)
         tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,)
         kept.keys = (kg, vg, kept.ok.repeat_interleave(r) & (tok < lo))
     kg, vg, bmask = kept.keys
