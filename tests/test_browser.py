@@ -185,3 +185,71 @@ def test_step_through_a_real_run(server, page, assets):
     assert page.inner_text("#step").startswith("Round 1:")
     page.click("#next")
     assert page.input_value("#step-i") == "2" and page.inner_text("#step").startswith("Round 2:")
+
+
+def test_step_through_draws_a_token_tree(server, page, tmp_path):
+    """Tree nodes 8: the round shown is drawn as a tree whose nodes carry the API's statuses (accepted path, rejected,
+    discarded) and the target's own token after the path; a chain run still draws its table."""
+    url, model = server
+    _open(page, url)
+    page.fill("#prefix", PREFIX)
+    page.select_option("#drafter", "draft")
+    page.select_option("#draft-model", "q80")
+    page.fill("#k", "4")
+    page.fill("#tree", "8")
+    page.fill("#steps-n", "24")
+    page.click("#run")
+    page.wait_for_selector("#tree-svg")
+    assert "identical to plain: yes" in page.inner_text("#run-summary")
+    api = httpx.post(url + "/api/step", json={"model": model, "prefix": PREFIX, "drafter": "draft", "draft_model": "q80", "k": 4,
+                                              "tree": 8, "max_new_tokens": 24}, timeout=60).json()
+    i = int(page.input_value("#step-i")) - 1
+    tree = api["steps"][i]["tree"]
+    assert tree["is_tree"]
+    nodes = page.query_selector_all("#tree-svg g.tnode")
+    drawn = {g.get_attribute("data-node"): (g.get_attribute("data-status"), int(g.get_attribute("data-id"))) for g in nodes}
+    want = {str(x["index"]): (x["status"], x["id"]) for x in tree["nodes"]}
+    want["root"] = ("root", tree["root"]["id"])
+    want["target"] = (tree["target"]["kind"], tree["target"]["id"])
+    assert drawn == want
+    statuses = {s for s, _ in drawn.values()}
+    assert {"accepted", "rejected", "discarded"} <= statuses  # the page opens on a round that shows all three
+    edges = page.query_selector_all("#tree-svg path.edge")
+    assert len(edges) == len(nodes) - 1  # one edge into every node but the root
+    assert sum(e.get_attribute("class") == "edge accepted" for e in edges) == len(tree["path"])
+    rows = page.query_selector_all("#tree-table tr[data-status]")
+    assert [r.get_attribute("data-status") for r in rows] == [x["status"] for x in tree["nodes"]] + [tree["target"]["kind"]]
+    assert "discarded (under a rejected node" in page.inner_text("#tree-summary")
+    shot = Path(os.environ.get("MTPSPEC_SCREENSHOT_DIR", tmp_path)) / "step_through_tree.png"
+    page.locator("#step-section").screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+    page.fill("#tree", "0")  # a chain again: the table, no tree
+    page.click("#run")
+    page.wait_for_selector("#step-table")
+    assert not page.query_selector("#tree-svg")
+    page.fill("#tree", "99")  # out of range: the API's error, shown on the page
+    page.click("#run")
+    page.wait_for_function("document.getElementById('error').textContent.includes('tree: ')")
+
+
+def test_verify_a_proposed_token_tree(server, page):
+    """One verify round of a drafter's tree: drawn with the API's statuses; the cells follow the accepted path."""
+    url, model = server
+    _open(page, url)
+    page.fill("#prefix", PREFIX)
+    page.select_option("#drafter", "draft")
+    page.select_option("#draft-model", "q80")
+    page.fill("#k", "4")
+    page.fill("#tree", "8")
+    page.click("#verify")
+    page.wait_for_selector("#verify-tree")
+    api = httpx.post(url + "/api/verify", json={"model": model, "prefix": PREFIX, "drafter": "draft", "draft_model": "q80", "k": 4,
+                                                "tree": 8}, timeout=30).json()
+    tree = api["tree"]
+    drawn = [(g.get_attribute("data-node"), g.get_attribute("data-status")) for g in page.query_selector_all("#verify-tree g.tnode")]
+    assert sorted(drawn) == sorted([(str(x["index"]), x["status"]) for x in tree["nodes"]] + [("root", "root"),
+                                                                                           ("target", tree["target"]["kind"])])
+    assert "rejected" in dict(drawn).values()
+    cells = page.query_selector_all("#cells .cell")
+    assert [c.get_attribute("data-status") for c in cells] == [p["status"] for p in api["positions"]]
+    assert f"tree of {api['num_drafted']} nodes" in page.inner_text("#verdict")

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from mtpspec.cli import main
 from mtpspec.server import create_app
 from mtpspec.server.registry import Served, load_served
-from mtpspec.server.verify_page import MAX_DRAFT, tokenize_draft
+from mtpspec.server.verify_page import MAX_DRAFT, FieldError, check_tree, tokenize_draft
 
 PREFIX = "Once upon a time, there was a little girl named Lily. She loved to"
 HEADS = "models/heads/stories260K-"
@@ -109,8 +109,100 @@ def test_step_through(client, stories, drafter, draft_model):
         assert [t["id"] for t in s["emitted"]][: n] == [t["id"] for t in s["draft"]][:n]
         assert s["emitted"][n]["id"] == s["target_choice"][n]["id"] if len(s["emitted"]) > n else True
         assert [t["id"] for t in s["discarded"]] == [t["id"] for t in s["draft"]][n + 1 :]
+        tree = s["tree"]  # a chain is the degenerate tree: node i's parent is i - 1
+        assert not tree["is_tree"] and [x["parent"] for x in tree["nodes"]] == list(range(-1, d - 1)) and tree["path"] == list(range(n))
+        assert [x["status"] for x in tree["nodes"]] == (["accepted"] * n + ["rejected"] + ["discarded"] * d)[:d]
+        assert tree["target"]["kind"] == s["last_kind"] and tree["target"]["id"] == s["target_choice"][n]["id"]
         assert s["cost_seconds"] == pytest.approx(s["draft_seconds"] + s["verify_seconds"])
         assert s["plain_cost_seconds"] == pytest.approx(r["plain_step_seconds"] * len(s["emitted"]))
+
+
+def check_tree_step(s: dict) -> tuple[str, ...]:
+    """One tree step of /api/step is a well-formed tree with the verdicts greedy verification gives; its statuses."""
+    tree, n = s["tree"], s["num_accepted"]
+    nodes, path = tree["nodes"], tree["path"]
+    assert [x["index"] for x in nodes] == list(range(len(nodes))) == list(range(s["num_drafted"]))
+    assert [x["id"] for x in nodes] == [t["id"] for t in s["draft"]]
+    for x in nodes:  # parents first; depth 1 right after the last token
+        assert -1 <= x["parent"] < x["index"]
+        assert x["depth"] == (1 if x["parent"] < 0 else nodes[x["parent"]]["depth"] + 1)
+    assert len(path) == n and [nodes[j]["parent"] for j in path] == ([-1] + path)[:n]  # a path down from the root
+    emitted = [t["id"] for t in s["emitted"]]
+    assert [nodes[j]["id"] for j in path] == emitted[:n]  # the accepted path is what was emitted
+    choice = [t["id"] for t in s["target_choice"]]  # the target's argmax at the root and at each accepted node
+    assert len(choice) == n + 1
+    reached = {-1: choice[0], **{j: choice[i + 1] for i, j in enumerate(path)}}
+    for x in nodes:
+        if x["index"] in path:
+            assert x["status"] == "accepted" and x["id"] == reached[x["parent"]] == x["target"]["id"]
+        elif x["parent"] in reached:  # checked against the target's choice after its parent, and refused
+            assert x["status"] == "rejected" and x["id"] != reached[x["parent"]] == x["target"]["id"]
+        else:  # under a refused node: never checked
+            assert x["status"] == "discarded" and x["target"] is None and nodes[x["parent"]]["status"] in ("rejected", "discarded")
+        assert 0.0 <= x["p"] <= 1.0
+    end = path[-1] if path else -1
+    target = tree["target"]
+    assert target["id"] == choice[n] and target["parent"] == end and target["depth"] == n + 1
+    assert target["kind"] == ("recovered" if any(x["parent"] == end for x in nodes) else "bonus") == s["last_kind"]
+    assert emitted[n:] == ([choice[n]] if target["emitted"] else [])
+    assert sorted(t["id"] for t in s["discarded"]) == sorted(x["id"] for x in nodes if x["status"] == "discarded")
+    return tuple(x["status"] for x in nodes)
+
+
+@pytest.mark.parametrize("drafter, draft_model, prefix", [
+    ("draft", "stories260K_q80", PREFIX), ("eagle", "stories260K-eagle", PREFIX), ("mtp", "stories260K-mtp", PREFIX),
+    ("medusa", "stories260K-medusa", PREFIX), ("ngram", None, "The cat sat on the mat. The dog sat on the log. The cat sat on the")])
+def test_step_through_a_token_tree(client, stories, drafter, draft_model, prefix):
+    """tree=N: every round's draft is a tree (nodes, parents, depths, statuses) whose accepted path is the tokens
+    emitted, and the whole output is plain greedy's."""
+    r = client.post("/api/step", json={"prefix": prefix, "drafter": drafter, "draft_model": draft_model, "k": 4, "tree": 8,
+                                       "max_new_tokens": 24})
+    assert r.status_code == 200, r.text
+    r = r.json()
+    assert r["tree"] == 8 and r["identical_to_plain"]
+    assert [t["id"] for s in r["steps"] for t in s["emitted"]] == stories.generate(prefix, max_new_tokens=24).tokens
+    trees = [s for s in r["steps"] if s["tree"]["is_tree"]]
+    assert trees and all(len(s["tree"]["nodes"]) <= 8 and s["tree"]["depth"] <= 4 for s in trees)
+    seen = {st for s in trees for st in check_tree_step(s)}
+    if drafter != "ngram":  # a model's tree branches where it is unsure: some guesses are refused, some never checked
+        assert seen == {"accepted", "rejected", "discarded"}
+
+
+@pytest.mark.parametrize("drafter, draft_model", [("draft", "stories260K_q80"), ("eagle", "stories260K-eagle")])
+def test_verify_a_proposed_token_tree(client, stories, drafter, draft_model):
+    """/api/verify with tree=N: the drafter's tree in one forward; positions follow the accepted path (each with the
+    children refused there), and what is emitted is plain greedy's."""
+    r = client.post("/api/verify", json={"prefix": PREFIX, "drafter": drafter, "draft_model": draft_model, "k": 4, "tree": 8,
+                                         "top_k": 3})
+    assert r.status_code == 200, r.text
+    r = r.json()
+    tree, n = r["tree"], r["num_accepted"]
+    assert tree["is_tree"] and r["num_drafted"] == len(tree["nodes"]) <= 8 and r["target_forwards"] == 1
+    emitted = [t["id"] for t in r["emitted"]]
+    assert emitted == stories.generate(PREFIX, max_new_tokens=n + 1).tokens
+    step = {"tree": tree, "num_accepted": n, "num_drafted": r["num_drafted"], "draft": r["draft"]["tokens"], "emitted": r["emitted"],
+            "target_choice": [p["target"] for p in r["positions"]], "last_kind": "bonus" if r["bonus"] else "recovered",
+            "discarded": r["discarded"]}
+    assert "rejected" in check_tree_step(step)
+    pos = r["positions"]
+    assert len(pos) == n + 1 and [p["node"] for p in pos] == tree["path"] + [None]
+    assert [p["status"] for p in pos] == ["accepted"] * n + ["rejected" if r["correction"] else "bonus"]
+    rows = [-1] + tree["path"]
+    for p, row in zip(pos, rows):
+        refused = [x["index"] for x in tree["nodes"] if x["parent"] == row and x["status"] == "rejected"]
+        assert sorted(x["node"] for x in p["refused"]) == refused
+        assert p["top"][0]["id"] == p["target"]["id"] and len(p["top"]) == 3
+    assert (r["correction"] or r["bonus"])["id"] == emitted[n]
+    r = client.post("/api/verify", json={"prefix": PREFIX, "draft": " play", "tree": 8})  # a typed draft is a chain
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("tree: ")
+
+
+def test_tree_nodes_only_for_drafters_that_grow_trees():
+    assert check_tree("eagle", 0) is None and check_tree("ngram", 63) == 63
+    for drafter, tree in [("lookahead", 4), ("suffix", 1), ("eagle", 64), ("eagle", -1), ("eagle", True)]:
+        with pytest.raises(FieldError) as e:
+            check_tree(drafter, tree)
+        assert e.value.field == "tree" and str(e.value).startswith("tree: ")
 
 
 def test_prefix_at_the_context_edge(client, stories):
@@ -209,6 +301,13 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/step", {"prefix": "Hi", "drafter": "medusa"}, 400, "draft_model"),
     ("/api/step", {"prefix": "Hi", "drafter": "draft", "draft_model": "/etc/passwd"}, 404, "draft_model"),
     ("/api/step", {"prefix": "Hi", "drafter": "ngram", "seed": 2**64}, 400, "seed"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "ngram", "tree": 64}, 400, "tree"),
+    ("/api/verify", {"prefix": "Hi", "draft_ids": [5], "tree": 4}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": 64}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": -1}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": "8"}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": 8.0}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": None}, 400, "tree"),
 ]
 
 
@@ -353,6 +452,10 @@ def test_demo_verify_windows_up_to_max_draft():
         assert r["num_accepted"] == k and r["bonus"]["id"] == plain[k]
     r = client.post("/api/step", json={"prefix": prefix, "drafter": "mtp", "k": 17, "max_new_tokens": 40})
     assert r.status_code == 200 and r.json()["identical_to_plain"]
+    r = client.post("/api/step", json={"prefix": prefix, "drafter": "mtp", "k": 4, "tree": 8, "max_new_tokens": 40})
+    assert r.status_code == 200 and r.json()["identical_to_plain"]  # a token tree on the hybrid: each node's own state
+    assert [t["id"] for s in r.json()["steps"] for t in s["emitted"]] == plain[:40]
+    assert {st for s in r.json()["steps"] for st in check_tree_step(s)} == {"accepted", "rejected", "discarded"}
 
 
 def test_mtpspec_serve_command_runs_a_real_server(assets):
@@ -435,11 +538,11 @@ def test_fuzzed_bodies_never_a_500(client):
         "draft_ids": st.lists(st.integers(-3, 520), max_size=8),
         "drafter": st.sampled_from(["ngram", "draft", "mtp", "eagle", "medusa", "none", "heads"]),
         "draft_model": st.sampled_from(["stories260K_q80", "stories260K-mtp", "stories260K-eagle", "stories260K-medusa", "stories"]),
-        "k": st.integers(-1, 8), "top_k": st.integers(-1, 12), "max_new_tokens": st.integers(-1, 8),
+        "k": st.integers(-1, 8), "top_k": st.integers(-1, 12), "max_new_tokens": st.integers(-1, 8), "tree": st.integers(-1, 9),
     }
     fields = dict(plausible, temperature=junk, seed=junk)
-    own = {"/api/verify": ["model", "draft", "draft_ids", "drafter", "draft_model", "k", "top_k"],
-           "/api/step": ["model", "drafter", "draft_model", "k", "max_new_tokens"], "/api/load": ["model"]}
+    own = {"/api/verify": ["model", "draft", "draft_ids", "drafter", "draft_model", "k", "top_k", "tree"],
+           "/api/step": ["model", "drafter", "draft_model", "k", "max_new_tokens", "tree"], "/api/load": ["model"]}
 
     def bodies(path):
         first = {} if path == "/api/load" else {"prefix": plausible["prefix"]}

@@ -6,8 +6,8 @@
     GET  /api/health       {"ok": true}
     GET  /api/models       the served models and draft models, by name
     POST /api/load         {"model"?: NAME} -> vocab, context, the drafters offered (nothing is loaded: all was at start-up)
-    POST /api/verify       one greedy verification round of a typed or proposed draft
-    POST /api/step         a real speculative run, every round laid out (for the step-through)
+    POST /api/verify       one greedy verification round of a typed or proposed draft (or a proposed token tree)
+    POST /api/step         a real speculative run, every round laid out (for the step-through; a token tree's nodes too)
 
 Requests name models by NAME only; no request makes the server open a path. Every bad input answers
 4xx in OpenAI's error shape {"error": {"message": "FIELD: ...", "type", "param", "code"}}; the server
@@ -35,7 +35,7 @@ from .openai_api import Busy, create_router, error_body, unicode_text as _unicod
 from .options import ServeOptions
 from .registry import Served
 from .scheduler import Scheduler, Speculation
-from .verify_page import MAX_DRAFT, MAX_NEW_TOKENS, MAX_TOP_K, FieldError, step_through, verify_draft
+from .verify_page import MAX_DRAFT, MAX_NEW_TOKENS, MAX_TOP_K, MAX_TREE, FieldError, step_through, verify_draft
 
 MAX_BODY = 1 << 20  # bytes in a request body
 MAX_PREFIX_CHARS = 50_000  # then tokenised and checked against the model's context
@@ -68,6 +68,7 @@ class VerifyRequest(ModelRef):
     k: int = Field(4, ge=1, le=MAX_DRAFT, description="draft length D for a proposing drafter")
     draft_model: Name | None = Field(None, description="a served draft model's (or head's) name")
     top_k: int = Field(10, ge=1, le=MAX_TOP_K, description=f"entries of each position's distribution returned (1..{MAX_TOP_K})")
+    tree: int = Field(0, ge=0, le=MAX_TREE, description="a proposing drafter's token tree of at most this many nodes (0 = a chain)")
 
 
 class StepRequest(ModelRef):
@@ -76,6 +77,7 @@ class StepRequest(ModelRef):
     k: int = Field(4, ge=1, le=MAX_DRAFT)
     draft_model: Name | None = None
     max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
+    tree: int = Field(0, ge=0, le=MAX_TREE, description=f"a token tree of at most this many nodes (0..{MAX_TREE}; 0 = a chain)")
 
 
 def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
@@ -127,6 +129,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
             "models": [{"name": n, "vocab_size": m.module.vocab_size, "max_seq_len": m.module.max_seq_len} for n, m in served.models.items()],
             "draft_models": [{"name": e.name, "kind": e.kind} for e in served.drafts.values()],
             "default": served.default, "max_draft": MAX_DRAFT, "max_top_k": MAX_TOP_K, "max_new_tokens": MAX_NEW_TOKENS,
+            "max_tree": MAX_TREE,
         }
 
     @app.post("/api/load")
@@ -145,7 +148,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
         def work():
             dm = served.draft_for(name, req.drafter, req.draft_model) if proposing else None
             return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter or None,
-                                k=req.k, draft_model=dm, top_k=req.top_k)
+                                k=req.k, draft_model=dm, top_k=req.top_k, tree=req.tree)
 
         return await on_worker(name, work)
 
@@ -155,7 +158,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
 
         def work():
             dm = served.draft_for(name, req.drafter, req.draft_model)
-            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm)
+            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm, tree=req.tree)
 
         return await on_worker(name, work)
 

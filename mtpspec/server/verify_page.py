@@ -6,6 +6,12 @@ last token), then ONE forward over [last, d1..dD] gives D+1 next-token distribut
 verification keeps the longest prefix of the draft that equals argmax p, plus the target's own
 token at the first mismatch (recovered) or after the last draft (bonus). Draft tokens after the
 first mismatch are discarded unchecked: a later guess is never kept once its prefix is wrong.
+
+A token tree (a drafter's `tree` option, a node budget) is verified the same way in one forward; draft_tree()
+lays out any step's draft as a tree (a chain is the tree whose node i has parent i - 1): each node accepted
+(on the path the target's choices followed), rejected (a child of a reached node, checked against the target's
+choice there and refused) or discarded (under a rejected node: never checked), and the target's own token after
+the path (recovered when the path's end had children, all refused; bonus when it ended at a leaf).
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..api import Model
-from ..drafters import make_drafter
+from ..drafters import OPTIONS, make_drafter
 from ..drafters.fixed import FixedDrafter
 from ..engine import Session
 from ..errors import ConfigError
 from ..sampling import Sampler, SamplingParams
-from ..types import GenerationResult
+from ..tree import MAX_TREE
+from ..types import GenerationResult, StepRecord
 
 MAX_DRAFT = 64  # longest draft the page verifies in one forward (D + 1 positions)
 MAX_TOP_K = 50
@@ -101,10 +108,12 @@ def verify_draft(
     k: int = 4,
     draft_model: object | None = None,
     top_k: int = 10,
+    tree: int = 0,
 ) -> dict:
     """One greedy verification round of a draft after `prefix`; see the module docstring.
 
-    draft_model: what drafter `drafter` drafts with (a draft model's module, or a trained head)."""
+    draft_model: what drafter `drafter` drafts with (a draft model's module, or a trained head).
+    tree: a node budget for a proposing drafter that grows token trees (0: a chain); see _tree_answer."""
     if not 1 <= top_k <= MAX_TOP_K:
         raise FieldError("top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
     module, tok = model.module, model.tokenizer
@@ -124,13 +133,18 @@ def verify_draft(
     else:
         raise FieldError("draft", "no draft: type a continuation, or choose a drafter to propose one")
     if dids is not None:
+        if tree:
+            raise FieldError("tree", "is used only when a drafter proposes the draft (no draft, no draft_ids)")
         _check_draft_fits(module, ids, dids, "draft_ids" if source == "ids" else "draft")
         fixed, depth = FixedDrafter(dids), len(dids)
     else:
-        fixed, depth = FixedDrafter(inner=make_drafter(drafter, module, draft_model=draft_model)), k
+        budget = check_tree(drafter, tree)
+        fixed, depth = FixedDrafter(inner=make_drafter(drafter, module, draft_model=draft_model, tree=budget)), k
     # the engine's own step: prefill all but the last token, ONE verify pass over [last, d1..dD], greedy acceptance
     session = Session(module, ids, fixed, Sampler(SamplingParams()), k=max(depth, 1), max_new_tokens=depth + 1, trace=True)
     step = session.step(depth)
+    if step.draft_parents is not None:
+        return _tree_answer(model, prefix, ids, source, step, fixed.verified.logits, top_k)
     dids, n, emitted_ids = step.draft, step.num_accepted, step.emitted
     p = torch.softmax(fixed.verified.logits.float(), dim=-1)  # (D+1, V) the target's distribution at each position
     dlen = len(dids)
@@ -169,6 +183,57 @@ def verify_draft(
     }
 
 
+def _tree_answer(model: Model, prefix: str, ids: list[int], source: str, step: StepRecord, logits: torch.Tensor,
+                 top_k: int) -> dict:
+    """verify_draft's answer for a token tree: the tree (draft_tree) and one position per row the walk reached (the
+    root, then each accepted node; logits (n+1, V) are those rows of the verify pass, what the engine keeps).
+
+    Position i < n is accepted (its node on the path); position n is where the walk stopped: rejected when that row
+    had children (each one refused: `refused`), bonus when it was a leaf. Either way the target's token follows."""
+    tok, n = model.tokenizer, step.num_accepted
+    layout = draft_tree(model, step, ids[-1])
+    nodes, path = layout["nodes"], layout["path"]
+    p = torch.softmax(logits.float(), dim=-1)  # (n+1, V) the target's distribution at each reached row
+    rows = [-1] + path  # the node each position follows (-1: the last prefix token)
+    prevs = [ids[-1]] + [step.draft[j] for j in path]
+    positions = []
+    for i in range(n + 1):
+        target = step.target_choice[i]
+        node = nodes[path[i]] if i < n else None
+        refused = [{"id": x["id"], "text": x["text"], "p": x["p"], "node": x["index"]}
+                   for x in nodes if x["status"] == "rejected" and x["parent"] == rows[i]]
+        positions.append({
+            "index": i, "status": "accepted" if i < n else "rejected" if refused else "bonus",
+            "node": None if node is None else node["index"],
+            "draft": None if node is None else {"id": node["id"], "text": node["text"], "p": node["p"]},
+            "refused": refused,
+            "target": {"id": target, "text": tok.decode([target], prev=prevs[i]), "p": float(p[i, target])},
+            "top": _dist(model, p[i], prevs[i], top_k),
+        })
+    last = positions[n]["target"]
+    recovered = layout["target"]["kind"] == "recovered"
+    return {
+        "verification": "greedy",
+        "rule": "the walk starts after the last prefix token; at each reached node the child equal to the target's argmax "
+                "is accepted and the walk goes on from it, other children are rejected and their subtrees discarded "
+                "unchecked; the target's own argmax follows where the walk stops (correction if that node had children, "
+                "bonus at a leaf)",
+        "prefix": {"text": prefix, "ids": ids, "tokens": _prefix_tokens(model, ids)},
+        "draft": {"source": source, "ids": step.draft, "tokens": [{"id": x["id"], "text": x["text"]} for x in nodes],
+                  "text": tok.decode([nodes[j]["id"] for j in path], prev=ids[-1])},  # a tree's text: its accepted path
+        "num_drafted": len(nodes),
+        "num_accepted": n,
+        "correction": dict(last, position=n) if recovered else None,
+        "bonus": None if recovered else dict(last, position=n),
+        "emitted": token_texts(model, step.emitted, ids[-1]),
+        "emitted_text": tok.decode(step.emitted, prev=ids[-1]),
+        "discarded": [{"id": x["id"], "text": x["text"], "p": x["p"]} for x in nodes if x["status"] == "discarded"],
+        "target_forwards": 1,
+        "positions": positions,
+        "tree": layout,
+    }
+
+
 def prefix_ids(model: Model, prefix: str) -> list[int]:
     """The prefix's token ids; an empty prefix, or one that fills the context, is a `prefix` error."""
     if not prefix or not prefix.strip():
@@ -195,31 +260,85 @@ def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
     return token_texts(model, ids, None)
 
 
-def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: object | None = None) -> dict:
-    """A real speculative run (and the plain run it must equal), every step laid out for the page."""
+def check_tree(drafter: str, tree: int) -> int | None:
+    """The page's tree budget: 0 = a chain (None for the drafter), 1..MAX_TREE nodes for a drafter that grows trees."""
+    if isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= MAX_TREE:
+        raise FieldError("tree", f"tree nodes must be in 0..{MAX_TREE} (0 = a chain), got {tree!r}")
+    if tree and "tree" not in OPTIONS.get(drafter, ("tree",)):
+        growers = ", ".join(n for n, keys in OPTIONS.items() if "tree" in keys)
+        raise FieldError("tree", f"drafter {drafter!r} drafts chains only (tree nodes 0); trees: {growers}")
+    return tree or None
+
+
+def draft_tree(model: Model, step: StepRecord, prev: int) -> dict:
+    """One step's draft as a tree (a chain: node i's parent is i - 1), every node's verdict, and the target's token
+    after the accepted path. `prev`: the last token before the step (what the roots follow)."""
+    tok, d, n = model.tokenizer, len(step.draft), step.num_accepted
+    tree = step.draft_parents is not None
+    parents = list(step.draft_parents) if tree else [i - 1 for i in range(d)]
+    path = list(step.path) if tree else list(range(n))
+    row = {-1: 0, **{node: j + 1 for j, node in enumerate(path)}}  # a reached node -> its index in target_choice
+    on_path, depth, nodes = set(path), [], []
+    for i, (t, par) in enumerate(zip(step.draft, parents)):
+        depth.append(1 if par < 0 else depth[par] + 1)  # depth 1: the first position after `prev`
+        status = "accepted" if i in on_path else "rejected" if par in row else "discarded"
+        before = prev if par < 0 else step.draft[par]
+        choice = step.target_choice[row[par]] if par in row and row[par] < len(step.target_choice) else None
+        nodes.append({
+            "index": i, "id": t, "text": tok.decode([t], prev=before), "parent": par, "depth": depth[i], "status": status,
+            "p": step.p_of_draft[i] if i < len(step.p_of_draft) else None,  # the target's p of this token after its parent
+            "target": None if choice is None else {"id": choice, "text": tok.decode([choice], prev=before)},
+        })
+    end = path[-1] if path else -1
+    target = None
+    if n < len(step.target_choice):
+        t = step.target_choice[n]
+        target = {"id": t, "text": tok.decode([t], prev=step.draft[end] if end >= 0 else prev), "parent": end,
+                  "depth": n + 1, "kind": "recovered" if any(p == end for p in parents) else "bonus",
+                  "emitted": len(step.emitted) > n}  # a stop token is chosen but not emitted
+    return {"is_tree": tree, "nodes": nodes, "path": path, "target": target,
+            "depth": max(depth, default=0), "root": {"id": prev, "text": tok.decode([prev])}}
+
+
+def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: object | None = None,
+                 tree: int = 0) -> dict:
+    """A real speculative run (and the plain run it must equal), every step laid out for the page.
+
+    tree: a node budget for a drafter that grows token trees (0: chains); each step's `tree` is its draft as a tree."""
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise FieldError("max_new_tokens", f"must be in 1..{MAX_NEW_TOKENS}, got {max_new_tokens}")
     if not 1 <= k <= MAX_DRAFT:
         raise FieldError("k", f"D (draft length) must be in 1..{MAX_DRAFT}, got {k}")
     if drafter in ("none", ""):
         raise FieldError("drafter", "choose a drafter (ngram, draft, ...) to step through speculative rounds")
+    budget = check_tree(drafter, tree)
     prefix_ids(model, prefix)
     plain = model.generate(prefix, max_new_tokens=max_new_tokens, trace=True)
-    spec = model.generate(prefix, drafter=drafter, k=k, draft_model=draft_model, max_new_tokens=max_new_tokens, trace=True)
+    spec = model.generate(prefix, drafter=drafter, k=k, draft_model=draft_model, max_new_tokens=max_new_tokens, trace=True,
+                          tree=budget)
     plain_step = _mean_step_seconds(plain)
     prev = spec.prompt_tokens[-1]
     steps = []
     tok = model.tokenizer
     for i, s in enumerate(spec.steps):
         n, d = s.num_accepted, len(s.draft)
+        layout = draft_tree(model, s, prev)
         draft_toks = token_texts(model, s.draft, prev)
-        prevs = [prev] + s.draft
+        if layout["is_tree"]:  # a node's text follows its parent; target_choice is along the accepted path
+            draft_toks = [{"id": x["id"], "text": x["text"]} for x in layout["nodes"]]
+            prevs = [prev] + [s.draft[j] for j in layout["path"]]
+        else:
+            prevs = [prev] + s.draft
         choice = [{"id": t, "text": tok.decode([t], prev=prevs[j]), "p": None} for j, t in enumerate(s.target_choice)]
+        last_kind = layout["target"]["kind"] if layout["target"] else ("bonus" if n == d else "recovered")
         steps.append({
             "index": i, "draft": draft_toks, "num_drafted": d, "num_accepted": n, "target_choice": choice,
             "p_of_draft": s.p_of_draft, "emitted": token_texts(model, s.emitted, prev), "p_of_emitted": s.p_of_emitted,
-            "last_kind": "bonus" if n == d else "recovered",
-            "discarded": draft_toks[n + 1 :], "rejected": draft_toks[n] if n < d else None,
+            "last_kind": last_kind,
+            # a chain: the tokens after the first mismatch, and the refused one; a tree: tree.nodes says per node
+            "discarded": [draft_toks[x["index"]] for x in layout["nodes"] if x["status"] == "discarded"],
+            "rejected": None if layout["is_tree"] else draft_toks[n] if n < d else None,
+            "tree": layout,
             "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds,
             "cost_seconds": s.draft_seconds + s.verify_seconds,
             "plain_cost_seconds": plain_step * len(s.emitted),
@@ -227,7 +346,7 @@ def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens
         if s.emitted:
             prev = s.emitted[-1]
     return {
-        "drafter": drafter, "k": k, "prompt_tokens": spec.prompt_tokens, "text": spec.text,
+        "drafter": drafter, "k": k, "tree": tree, "prompt_tokens": spec.prompt_tokens, "text": spec.text,
         "identical_to_plain": spec.tokens == plain.tokens, "plain_step_seconds": plain_step,
         "stats": spec.stats.to_json(), "plain_stats": plain.stats.to_json(), "steps": steps,
     }
@@ -238,4 +357,5 @@ def _mean_step_seconds(res: GenerationResult) -> float:
     return sum(s.draft_seconds + s.verify_seconds for s in steps) / len(steps) if steps else 0.0
 
 
-__all__ = ["FieldError", "verify_draft", "step_through", "tokenize_draft", "MAX_DRAFT", "MAX_TOP_K", "MAX_NEW_TOKENS"]
+__all__ = ["FieldError", "verify_draft", "step_through", "draft_tree", "check_tree", "tokenize_draft", "MAX_DRAFT", "MAX_TOP_K",
+           "MAX_NEW_TOKENS", "MAX_TREE"]
