@@ -108,10 +108,14 @@ def test_rollback_refreshes_block_keys():
 
 def test_selection_takes_top_k_candidates_with_stable_ties():
     cfg = SparseAttentionConfig(block=2, top_k=2, window=2, heads=1, dim=1)
-    scores = torch.tensor([[0.0, 3.0, 0.0, 5.0, 9.0], [0.0, 0.0, 0.0, 0.0, 0.0]])  # (2 rows, 5 blocks)
-    blocks, ok = select_blocks(scores, torch.tensor([7, 9]), cfg)
-    assert blocks[0].tolist() == [1, 0] and ok[0].all()  # candidates of position 7: blocks starting at <= 5 (0, 1, 2)
+    scores = torch.tensor([[0.0, 3.0, 0.0, 5.0, 9.0], [0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 5.0, 9.0],
+                           [1.0, 0.0, 7.0, 1.0, 1.0]])  # (4 rows, 5 blocks)
+    blocks, ok = select_blocks(scores, torch.tensor([7, 9, 9, 9]), cfg)  # chosen blocks come in block order
+    assert blocks[0].tolist() == [0, 1] and ok[0].all()  # candidates of position 7: blocks starting at <= 5 (0, 1, 2)
     assert blocks[1].tolist() == [0, 1] and ok[1].all()  # all-zero scores: the earliest blocks, whatever nb is
+    assert blocks[2].tolist() == [1, 3] and blocks[3].tolist() == [0, 2]  # position 9: blocks 0..3; a tie at the k-th
+    blocks, ok = select_blocks(scores[:1], torch.tensor([3]), cfg)  # position 3: one candidate (block 0) for k = 2
+    assert blocks.tolist() == [[0, 1]] and ok.tolist() == [[True, False]]
     q, w, bk = torch.randn(3, 2, 4), torch.rand(3, 2), torch.randn(6, 4)
     s = block_scores(q, w, bk)
     ref = torch.stack([sum(w[t, j] * torch.relu(q[t, j] @ bk.t()) for j in range(2)) for t in range(3)]) / 2.0
@@ -293,8 +297,8 @@ def test_reused_blocks_gathered_once_equal_per_row_gathering():
     scratch = IndexKeys(1, 120, cfg, torch.float64)
     lo = torch.full((3,), anchor - cfg.window + 1)
     want = attend_gathered(q, k, v, blocks.expand(3, -1), ok.expand(3, -1), pos, lo, cfg, 0.25, scratch)
-    got = attend_reused(q, k, v, kept, pos, cfg, 0.25)
-    again = attend_reused(q, k, v, kept, pos, cfg, 0.25)  # the second call reads kept.keys
+    got = attend_reused(q, k, v, kept, pos, cfg, 0.25, scratch, 0)
+    again = attend_reused(q, k, v, kept, pos, cfg, 0.25, scratch, 0)  # the second call reads kept.keys
     assert (got - want).abs().max() <= 1e-13 and torch.equal(got, again)
     every = torch.arange(30).expand(3, -1)  # every block of 120 keys
     want = attend_gathered(q, k, v, every, torch.ones(3, 30, dtype=torch.bool), pos, pos - cfg.window + 1,

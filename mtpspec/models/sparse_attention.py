@@ -113,10 +113,13 @@ def select_blocks(scores: Tensor, pos: Tensor, cfg: SparseAttentionConfig) -> tu
         return torch.zeros(scores.shape[0], 0, dtype=torch.long), torch.zeros(scores.shape[0], 0, dtype=torch.bool)
     cand = candidates(pos, nb, cfg)  # (T, nb)
     masked = scores.masked_fill(~cand, float("-inf"))
-    # a stable sort, not topk: ties (relu gives many exact zeros) go to the earlier block whatever nb is, so a
-    # row chooses the same blocks in a plain step and inside a verify pass
-    top, blocks = masked.sort(dim=-1, descending=True, stable=True)  # (T, nb)
-    return blocks[:, :k], top[:, :k] > float("-inf")
+    # ties (relu gives many exact zeros) go to the earlier blocks whatever nb is, so a row chooses the same blocks in
+    # a plain step and inside a verify pass: every block above the k-th largest score, then the earliest at it
+    thr = masked.topk(k, dim=-1).values[:, -1:]  # (T, 1) the k-th largest
+    above, at = masked > thr, masked == thr  # (T, nb)
+    chosen = above | (at & (at.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # (T, nb), k per row
+    blocks = chosen.nonzero()[:, 1].view(-1, k)  # (T, k) in block order
+    return blocks, masked.gather(1, blocks) > float("-inf")
 
 
 def attend_gathered(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, ok: Tensor, pos: Tensor, lo: Tensor,
@@ -243,7 +246,7 @@ class Selection:
     ok: Tensor  # (k,) bool
     anchor: int  # the position of the row it was computed for
     dense: bool = False  # the row had at most top_k candidates: it attended everything (and so do its reusers)
-    keys: tuple[Tensor, Tensor, Tensor] | None = None  # (kg, vg (nkv, k r, hd), mask (k r,)): the blocks, gathered once
+    keys: tuple[Tensor, Tensor, int] | None = None  # (kb, vb (nkv, cap, hd), n): the blocks' n valid tokens, gathered once
 
 
 @dataclass
@@ -278,7 +281,7 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
             raise ValueError(f"a reused selection (anchor {kept.anchor}) cannot serve positions {start}..{start + t - 1}")
         if kept.dense:
             return dense_attend(q, k, v, start, scale)
-        return attend_reused(q, k, v, kept, pos, cfg, scale)
+        return attend_reused(q, k, v, kept, pos, cfg, scale, index, layer)
     last = start + t - 1
     if (last - cfg.window) // cfg.block + 1 <= cfg.top_k:  # no row has more than top_k candidates: all are chosen
         if state is not None and state.mode == "record":
@@ -288,11 +291,14 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
     bk = index.complete(layer, start + t)  # (nb, dim)
     blocks, ok = select_blocks(block_scores(iq, iw, bk), pos, cfg)  # (T, k)
     lo = pos - cfg.window + 1
-    if state is not None and state.mode == "record":
-        state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), last)
     if t <= GATHER_ROWS:
-        return attend_gathered(q, k, v, blocks, ok, pos, lo, cfg, scale, index)
-    return attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
+        y = attend_gathered(q, k, v, blocks, ok, pos, lo, cfg, scale, index)
+    else:
+        y = attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
+    if state is not None and state.mode == "record":  # keep the last row's blocks, gathered now while they are warm
+        state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), last)
+        keep_keys(k, v, state.kept[layer], cfg, index, layer)
+    return y
 
 
 def dense_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
@@ -312,32 +318,38 @@ def dense_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> T
     return y.view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
 
+@torch.no_grad()
+def keep_keys(k: Tensor, v: Tensor, kept: Selection, cfg: SparseAttentionConfig, scratch: IndexKeys, layer: int) -> None:
+    """Gather a kept selection's tokens once per round (kept.keys): those of its valid blocks before the anchor's
+    window start, from the cache k / v (nkv, S, hd) into a buffer kept on `scratch` with room for the window after.
+    Drafting state: no gradient flows through it."""
+    nkv, hd, r = k.shape[0], k.shape[2], cfg.block
+    lo = kept.anchor - cfg.window + 1
+    cap = cfg.top_k * r + cfg.window + REUSE_REACH + 1
+    kb, vb = scratch.buffers((nkv, cap, hd), k.dtype, use=f"reuse{layer}")  # (nkv, cap, hd)
+    tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,) the kept tokens' positions
+    tok = tok[kept.ok.repeat_interleave(r) & (tok < lo)]  # (n,) valid blocks, before the window
+    for h in range(nkv):
+        torch.index_select(k[h], 0, tok, out=kb[h, : tok.numel()])
+        torch.index_select(v[h], 0, tok, out=vb[h, : tok.numel()])
+    kept.keys = (kb, vb, tok.numel())
+
+
 def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor, cfg: SparseAttentionConfig,
-                  scale: float) -> Tensor:
+                  scale: float, scratch: IndexKeys, layer: int) -> Tensor:
     """Rows of a round's chained draft steps attending a kept selection: q (T, nh, hd), k / v (nkv, S, hd) ->
     (T, nh * hd). The kept blocks lie before the anchor's window, in committed positions no draft step rewrites, so
-    they are gathered once per round (kept.keys) and shared by every row; the window runs from the anchor's window
-    start to each row."""
-    t, nh, hd = q.shape
-    nkv, r = k.shape[0], cfg.block
-    g = nh // nkv
-    lo = kept.anchor - cfg.window + 1
+    their tokens are gathered once per round (keep_keys: by the recording pass, while they are in the CPU's caches);
+    each call appends the window, from the anchor's window start to its last row, and attends the buffer as a short
+    dense pass: one matmul, one softmax, one matmul, no mask but the causal one among the rows."""
+    t = q.shape[0]
+    a, b = max(kept.anchor - cfg.window + 1, 0), int(pos[-1]) + 1
     if kept.keys is None:
-        kg = gather_blocks(k, kept.blocks, r).view(nkv, -1, hd)  # (nkv, k r, hd)
-        vg = gather_blocks(v, kept.blocks, r).view(nkv, -1, hd)
-        tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,)
-        kept.keys = (kg, vg, kept.ok.repeat_interleave(r) & (tok < lo))
-    kg, vg, bmask = kept.keys
-    a, b = max(lo, 0), int(pos[-1]) + 1
-    kw, vw = k[:, a:b], v[:, a:b]  # (nkv, Wn, hd)
-    rows = q.view(t, nkv, g, hd).transpose(0, 1).reshape(nkv, t * g, hd)  # (nkv, T g, hd)
-    w = torch.cat([rows @ kg.transpose(1, 2), rows @ kw.transpose(1, 2)], dim=-1) * scale  # (nkv, T g, k r + Wn)
-    wmask = (torch.arange(a, b)[None] <= pos[:, None]).repeat_interleave(g, 0)  # (T g, Wn)
-    mask = torch.cat([bmask.expand(t * g, -1), wmask], dim=1)  # (T g, k r + Wn)
-    p = torch.softmax(w.masked_fill(~mask, float("-inf")), dim=-1)
-    n = kg.shape[1]
-    y = p[..., :n] @ vg + p[..., n:] @ vw  # (nkv, T g, hd)
-    return y.view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
+        keep_keys(k, v, kept, cfg, scratch, layer)
+    kb, vb, n = kept.keys
+    kb[:, n : n + b - a] = k[:, a:b]  # the window, through the rows' own positions
+    vb[:, n : n + b - a] = v[:, a:b]
+    return dense_attend(q, kb, vb, n + b - a - t, scale)
 
 
 def block_attention_mass(probs: Tensor, pos: Tensor, nb: int, cfg: SparseAttentionConfig) -> Tensor:
