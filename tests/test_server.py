@@ -97,7 +97,8 @@ def test_tokenize_draft_as_continuation(stories):
     assert stories.tokenizer.decode(d, prev=ids[-1]) == ", there was"
 
 
-@pytest.mark.parametrize("drafter, draft_model", [("ngram", None), ("draft", "stories260K_q80"), ("eagle", "stories260K-eagle")])
+@pytest.mark.parametrize("drafter, draft_model", [("ngram", None), ("draft", "stories260K_q80"), ("eagle", "stories260K-eagle"),
+                                                  ("lookahead", None), ("suffix", None)])
 def test_step_through(client, stories, drafter, draft_model):
     r = client.post("/api/step", json={"prefix": PREFIX, "drafter": drafter, "draft_model": draft_model, "k": 3, "max_new_tokens": 20}).json()
     assert r["identical_to_plain"] and r["stats"]["target_forwards"] == len(r["steps"])

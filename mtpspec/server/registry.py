@@ -18,6 +18,7 @@ from .verify_page import FieldError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DRAFTERS = [n for n in KNOWN if n != "none"]  # the drafters a request may name
+SELF_DRAFTING = ("ngram", "lookahead", "suffix")  # drafters that draft from the text alone: no draft model, no head
 
 
 @dataclass
@@ -61,8 +62,8 @@ class Served:
             raise FieldError("drafter", "'none' proposes no draft: choose a drafter (ngram, draft, mtp, ...)")
         obj = None
         if draft_name is not None:
-            if drafter == "ngram":
-                raise FieldError("draft_model", "the 'ngram' drafter takes no draft model")
+            if drafter in SELF_DRAFTING:
+                raise FieldError("draft_model", f"the {drafter!r} drafter takes no draft model")
             entry = self.drafts.get(draft_name)
             if entry is None:
                 raise FieldError("draft_model", f"no served draft model named {draft_name!r} (served: {', '.join(self.drafts)})", status=404)
@@ -87,7 +88,7 @@ class Served:
         menu = []
         for drafter in DRAFTERS:
             fits = [e.name for e in self.drafts.values() if e.name != name and _fits(module, drafter, e)]
-            own = drafter == "ngram" or (drafter == "mtp" and _builds(module, "mtp", None) is None)
+            own = drafter in SELF_DRAFTING or (drafter == "mtp" and _builds(module, "mtp", None) is None)
             item = {"name": drafter, "available": own or bool(fits), "own": own, "draft_models": fits}
             if not item["available"]:
                 need = "draft model" if drafter == "draft" else f"{drafter} head"
@@ -102,7 +103,7 @@ def _kind_text(kind: str) -> str:
 
 def _fits(module, drafter: str, entry: DraftEntry) -> bool:
     want = "model" if drafter == "draft" else drafter
-    return drafter != "ngram" and entry.kind == want and _builds(module, drafter, entry.obj) is None
+    return drafter not in SELF_DRAFTING and entry.kind == want and _builds(module, drafter, entry.obj) is None
 
 
 def _builds(module, drafter: str, obj) -> str | None:
