@@ -188,7 +188,8 @@ def test_train_measurements_use_the_same_definition(stories):
     assert rows[1].mean_accepted_length == pytest.approx(mean_accepted_length(acc, fwd)) == pytest.approx(total.mean_accepted_length)
     assert rows[1].acceptance_by_position == total.by_position(3)
     assert rows[0].mean_accepted_length == 1.0 and rows[0].acceptance_by_position == []
-    m = measure(stories.module, stories.tokenizer, None, prompts, 3, n, drafter="ngram")  # (no stop tokens)
+    n = 64  # measure runs without stop tokens: 64 tokens give every position an acceptance rate
+    m = measure(stories.module, stories.tokenizer, None, prompts, 3, n, drafter="ngram")
     runs = [generate_tokens(stories.module, stories.tokenizer.encode(p), make_drafter("ngram", stories.module), 3,
                             Sampler(SamplingParams()), n) for p in prompts]
     total = sum((Acceptance.from_steps(r.steps) for r in runs), Acceptance())

@@ -117,8 +117,12 @@ def test_greedy_identical_to_plain_tiny_hybrid(hybrid, drafter):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("drafter", [d if d == "lookahead" else pytest.param(d, marks=pytest.mark.slow) for d in DRAFTERS])
-def test_first_two_tokens_follow_the_target_distribution(stories, drafter):  # suffix's (30 s) in make test-slow
+# make test-slow (25-30 s each): with two new tokens one verify runs, on the draft built from the prompt (its n-grams
+# and, for lookahead, the prefill's argmax guesses), a point mass fixed before any random draw, as ngram's is in the
+# default suite's test_sampling_exact.py[ngram-3] (lookahead's later, Jacobi-fed drafts: the hybrid test below)
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_first_two_tokens_follow_the_target_distribution(stories, drafter):
     ids = stories.encode(PROMPT)
     exact = exact_pairs(stories, ids)
     n = 1500
@@ -153,7 +157,7 @@ def _exact_three_token_distribution(model, prompt, params) -> dict[tuple[int, in
     return joint
 
 
-@pytest.mark.slow  # 60 s; the default suite keeps the real-model distribution test above
+@pytest.mark.slow  # 60 s
 @pytest.mark.parametrize("drafter, n_tokens", [("lookahead", 3), ("suffix", 2)])
 def test_sampling_distribution_on_a_hybrid(hybrid, drafter, n_tokens):
     """lookahead: three tokens, so a second step drafts from the first verify's guesses (the Jacobi tail

@@ -240,8 +240,9 @@ def test_matrix_through_cli(models, capsys, kind, drafter, k, flags):
     check_same(models, kind, "bf16-exact" if exact else "fp32", model.encode(text), out["tokens"], ref.tokens)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, mode", [
+    pytest.param(kind, mode, marks=pytest.mark.slow) if (kind, mode) == ("demo", "bf16-exact") else (kind, mode)
+    for kind in KINDS for mode in MODES])  # demo bf16 --exact: two 1014-token bf16 prefills (16 s), in make test-slow
 def test_matrix_batched(models, kind, mode):
     """Every drafter that fits `kind`, one sequence each (short and edge prompts alternating), in one batch."""
     from mtpspec.config import draft_model_arg

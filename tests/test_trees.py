@@ -29,6 +29,12 @@ HEADS = "models/heads/stories260K-"
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to play with her ball"]
 
 
+@pytest.fixture(scope="module")
+def plain64(stories) -> dict[str, list[int]]:
+    """stories260K's plain greedy 64 tokens after each prompt (the reference of the tree runs)."""
+    return {p: stories.generate(p, max_new_tokens=64).tokens for p in PROMPTS}
+
+
 class RandomTree:
     """Trees holding the true greedy continuation to a random depth, plus random siblings and branches."""
 
@@ -82,13 +88,13 @@ def test_random_trees_equal_plain_greedy(which, stories, demo):
 
 
 @pytest.mark.parametrize("drafter", ["mtp", "eagle", "medusa"])
-def test_head_trees_equal_plain_greedy_and_beat_the_chain(stories, drafter):
+def test_head_trees_equal_plain_greedy_and_beat_the_chain(stories, plain64, drafter):
     head = HEADS + drafter
     forwards = {}
     for tree in (None, 16):
         total = 0
         for prompt in PROMPTS:
-            plain = stories.generate(prompt, max_new_tokens=64).tokens
+            plain = plain64[prompt]
             r = stories.generate(prompt, drafter=drafter, draft_model=head, k=4 if tree is None else 6, tree=tree, max_new_tokens=64)
             assert r.tokens == plain, (drafter, tree, prompt)
             total += r.stats.target_forwards
@@ -192,12 +198,12 @@ def test_bad_tree_settings_are_named(stories):
         stories.generate("Once", drafter="eagle", draft_model=HEADS + "eagle", tree=8, exact=True, max_new_tokens=4)
 
 
-def test_draft_model_and_ngram_trees_equal_plain_greedy(stories, stories_q80):
+def test_draft_model_and_ngram_trees_equal_plain_greedy(stories, stories_q80, plain64):
     forwards = {}
     for drafter, tree in (("draft", None), ("draft", 16), ("ngram", None), ("ngram", 12)):
         total = 0
         for prompt in PROMPTS:
-            plain = stories.generate(prompt, max_new_tokens=64).tokens
+            plain = plain64[prompt]
             r = stories.generate(prompt, drafter=drafter, draft_model=stories_q80 if drafter == "draft" else None,
                                  k=4 if tree is None else 6, tree=tree, max_new_tokens=64)
             assert r.tokens == plain, (drafter, tree, prompt)
