@@ -160,6 +160,8 @@ def test_bench_head_folder_as_draft_model(tmp_path, assets):
                       draft_model=str(head), limit=1, max_new_tokens=4, threads=1, cost_model=False, progress=False)
 
 
+@pytest.mark.slow  # 25 s, most of it the cost model's timing loops; the default suite has its parts: the stateful peer's
+# refusal and a hybrid's drafter cost (the two tests below), the demo's export run by transformers (test_export.py)
 def test_bench_hybrid_demo_with_peers(tmp_path):
     """The shipped hybrid: exported as transformers' Qwen3.5 for the plain peer (transformers runs no
     prompt lookup on stateful models: skipped, with the reason); MTP gets a measured cost curve."""
@@ -176,6 +178,35 @@ def test_bench_hybrid_demo_with_peers(tmp_path):
     assert len(cm["draft_steps"]["mtp"]) == 8 and "mtp" in cm["prefill_ratio"]
     assert len(cm["verify_steps"]["mtp"]) == len(cm["draft_steps"]["mtp"]) + 1  # d = 0 (plain) .. 8
     assert json.loads((tmp_path / "hf" / "target" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+
+
+def test_hf_peer_names_why_it_runs_no_assisted_generation_on_a_hybrid(tmp_path):
+    """transformers crops no recurrent state: on a (tiny) Qwen3.5 directory the peer runs plain decoding only,
+    and says why it skips prompt lookup and draft models."""
+    import mtpspec
+    from mtpspec.bench.peers import HFRunner, peer_model
+    from qwen35_tiny import save_hf
+
+    save_hf("qwen35", tmp_path / "hf", mtp=True, seed=3)
+    model = mtpspec.load(tmp_path / "hf")
+    runner = HFRunner(peer_model(model, tmp_path, "target"), None, model.tokenizer.stop_ids)
+    assert runner.unsupported(Method("transformers", "none", None)) is None
+    for drafter in ("ngram", "draft"):
+        assert "stateful" in runner.unsupported(Method("transformers", drafter, 2))
+
+
+def test_drafter_cost_on_the_demo_hybrid():
+    """The steady-state timing on a hybrid target (its Gated DeltaNet state rolled back between repeats): one
+    draft-step time per depth, verify times for d = 0 .. k_max."""
+    import mtpspec
+    from mtpspec.bench.drafter_cost import time_drafter
+    from mtpspec.drafters import make_drafter
+
+    demo = mtpspec.load("demo")
+    dc = time_drafter(demo.module, lambda: make_drafter("mtp", demo.module), k_max=3, context=64,
+                      tokens=demo.encode("def add(a, b):\n    return a + b\n"), repeat=3, min_repeat=2)
+    assert len(dc.steps) == 3 and 2 <= dc.samples <= 3
+    assert len(dc.verify) == 4  # d = 0 (plain steps) .. 3
 
 
 @pytest.mark.parametrize("kind", ["mtp", "medusa"])

@@ -79,7 +79,7 @@ def test_llama2c_export_is_a_complete_hf_directory(tmp_path, assets, capsys):
 
     model = mtpspec.load(m / "stories260K.bin", tokenizer=m / "tok512.bin")
     back = mtpspec.load(out)
-    for prompt in ["", "Once upon a time", "Lily and Tom went to the park. They saw a big"]:
+    for prompt in ["", "Lily and Tom went to the park. They saw a big"]:  # BOS alone, and a prompt
         ours = _same_greedy(capsys, out, prompt, src, model.module, 40)
         streamed: list[str] = []
         res = back.generate(prompt, max_new_tokens=40, on_text=streamed.append)

@@ -119,8 +119,8 @@ def test_moe_mtp_falls_back_to_the_module():
     assert fused_mtp(m.mtp) is None
     d = make_drafter("mtp", m)
     assert d.fused is None
-    for prompt in ([1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]):
-        assert run(m, prompt, "mtp", 2).tokens == run(m, prompt, "none", 1).tokens
+    prompt = [1, 4, 1, 5, 9, 2, 6]  # one prompt: a second one doubled the 9 s
+    assert run(m, prompt, "mtp", 2).tokens == run(m, prompt, "none", 1).tokens
 
 
 def test_unfused_drafter_is_lossless_too():

@@ -136,8 +136,8 @@ CODE = ['def mean(data):\n    """Return the sample arithmetic mean of data."""\n
 
 def test_drafters_lossless_on_the_quantized_demo(demo_quant, demo_fp32):
     """The quantized model is the target: mtp (its own quantized MTP module), ngram, and the unquantized model as a
-    draft model all give exactly its plain greedy tokens."""
-    for prompt in CODE:
+    draft model all give exactly its plain greedy tokens (one prompt: a second one doubled the 5 s per quantization)."""
+    for prompt in CODE[:1]:
         ref = demo_quant.generate(prompt, max_new_tokens=40).tokens
         for drafter, k, dm in (("mtp", 1, None), ("mtp", 3, None), ("ngram", 3, None), ("draft", 3, demo_fp32)):
             r = demo_quant.generate(prompt, drafter=drafter, k=k, draft_model=dm, max_new_tokens=40)
