@@ -101,9 +101,10 @@ def test_batched_mtp_drafts_like_one_sequence(demo):
     assert batched == alone
 
 
-# the draft model (a q distribution) in the default suite; ngram (a point mass, 13 s) in make test-slow, its
-# verify branch is test_verify.py's point_mass case and its single-sequence run test_sampling_exact.py's
-@pytest.mark.parametrize("drafter", ["draft", pytest.param("ngram", marks=pytest.mark.slow)])
+# The default suite's distribution tests of ngram (a point mass) and the draft model (a q distribution) on real weights:
+# both draft with their own propose() per sequence, as in a batch of one (only mtp has a propose_batch), and verify()
+# is the one a batch of one runs; the single-sequence runs (test_sampling_exact.py, 50 s) are in make test-slow
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_batched_sampling_follows_the_target_distribution(stories, stories_q80, drafter):
     ids = stories.encode(PROMPT)
     exact = exact_pairs(stories, ids)

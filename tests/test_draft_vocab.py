@@ -63,7 +63,7 @@ def test_zero_means_the_full_vocabulary(model):
 
 
 @pytest.mark.slow  # 15-30 s; the default suite proves its parts: q is zero outside the subset (below), a q drafter keeps the
-# target's distribution (test_verify.py, test_sampling_exact.py[draft]), the MTP drafter's (test_mtp_lossless.py[mtp])
+# target's distribution (test_verify.py, test_batch.py[draft]), the MTP drafter's (test_mtp_lossless.py[mtp])
 def test_sampling_distribution_is_the_targets(model):
     params = SamplingParams(temperature=0.9, top_p=0.9)
     prompt = [2, 9, 4, 2, 9]

@@ -125,7 +125,7 @@ def test_greedy_identical_to_plain_tiny_hybrid(hybrid, hybrid_plain, drafter):
 
 # make test-slow (25-30 s each): with two new tokens one verify runs, on the draft built from the prompt (its n-grams
 # and, for lookahead, the prefill's argmax guesses), a point mass fixed before any random draw, as ngram's is in the
-# default suite's test_sampling_exact.py[ngram-3] (lookahead's later, Jacobi-fed drafts: the hybrid test below)
+# default suite's test_batch.py[ngram] (lookahead's later, Jacobi-fed drafts: the hybrid test below)
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_first_two_tokens_follow_the_target_distribution(stories, drafter):

@@ -146,7 +146,7 @@ def _chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[b
 
 
 # ngram's distribution on the hybrid is in make test-slow (20 s): the default suite keeps mtp's here (the hybrid's rollback
-# after sampled rejections) and ngram's on the real model (test_sampling_exact.py)
+# after sampled rejections) and ngram's on the real model (test_batch.py's batched distribution test)
 @pytest.mark.parametrize("drafter, k", [("mtp", 2), pytest.param("ngram", 2, marks=pytest.mark.slow)])
 def test_sampling_distribution_is_the_targets(model, drafter, k):
     params = SamplingParams(temperature=0.9, top_p=0.9)

@@ -48,9 +48,12 @@ def chi_square(counts: dict, exact: dict, n: int) -> tuple[float, int]:
     return stat, df
 
 
-# the draft model's case (25 s) is in make test-slow: the default suite runs the same model, prompt, drafter, k and
-# sampling parameters through the same engine, 1200 seeds 16 at a time (test_batch.py's batched distribution test)
-@pytest.mark.parametrize("drafter, k", [("ngram", 3), pytest.param("draft", 2, marks=pytest.mark.slow)])
+# make test-slow (25 s each): the default suite runs the same model, prompt, drafters and sampling parameters through
+# the same engine, 1200 seeds 16 at a time (test_batch.py's batched distribution test: each sequence drafts with its own
+# propose() and is verified by the same verify() as here), and single sequences on hybrids (test_mtp_lossless.py[mtp],
+# test_heads.py[medusa])
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter, k", [("ngram", 3), ("draft", 2)])
 def test_first_two_tokens_follow_the_target_distribution(stories, stories_q80, drafter, k):
     ids = stories.encode(PROMPT)
     exact = exact_pairs(stories, ids)
