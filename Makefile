@@ -63,8 +63,9 @@ demo-long: $(STAMP)
 	$(BIN)/mtpspec train longctx --out build/demo-long --max-minutes 25
 
 # Issue 16's sparse MTP on build/demo-long (docs/sparse-training.md): the indexer distilled, then the module tuned
-# (about 20 minutes), a control tuned the same way with dense attention (about 21 minutes), then the long-context
-# benchmark (about 11 minutes; docs/sparse-mtp.md). About 55 minutes after make demo-long, on one thread each.
+# (about 20 minutes), a control tuned the same way with dense attention (about 21 minutes), the tuned module with a
+# 512-token window (the same weights and indexer: about 6 minutes, most of it re-reading the windows), then the
+# long-context benchmark (about 30 minutes; docs/sparse-mtp.md). About 80 minutes after make demo-long, one thread each.
 SPARSE_TUNE = --sparse-block 4 --sparse-window 128 --sparse-heads 4 --sparse-dim 32 --window-tokens 4096 \
 	--sparse-windows 40 --heldout-windows 2 --indexer-rows 1024 --steps 110 --lr 3e-4 --depth 2 --eval-k 4 \
 	--long-prompts 2 --heldout-prompts 8 --eval-tokens 128 --data-cache build/demo-long-sparse-windows.pt
@@ -72,6 +73,9 @@ SPARSE_TUNE = --sparse-block 4 --sparse-window 128 --sparse-heads 4 --sparse-dim
 demo-sparse: $(STAMP)
 	$(BIN)/mtpspec train mtp --model build/demo-long --out build/demo-long-sparse --sparse --sparse-top-k 512 --indexer-steps 600 $(SPARSE_TUNE)
 	$(BIN)/mtpspec train mtp --model build/demo-long --out build/demo-long-fulltuned --sparse --sparse-top-k 2048 --indexer-steps 0 $(SPARSE_TUNE)
-	$(BIN)/mtpspec bench --model build/demo-long-fulltuned --sparse-model build/demo-long-sparse \
-		--contexts 512,1024,2048,4096,8192,16384 --k 4 --limit 2 --max-new-tokens 128 --threads 1 \
-		--plot-prefix sparse_mtp_ --out build/bench-sparse-final
+	$(BIN)/mtpspec train mtp --model build/demo-long-sparse --out build/demo-long-sparse-w512 --sparse --sparse-top-k 512 \
+		--sparse-block 4 --sparse-window 512 --sparse-heads 4 --sparse-dim 32 --window-tokens 4096 --sparse-windows 40 \
+		--heldout-windows 2 --indexer-steps 0 --steps 0 --eval-k 0 --long-prompts 0 --heldout-prompts 0 --data-cache build/demo-long-sparse-windows.pt
+	$(BIN)/mtpspec bench --model build/demo-long-fulltuned --sparse-model build/demo-long-sparse-w512 \
+		--contexts 512,1024,2048,4096,8192,16384 --k 4 --limit 4 --max-new-tokens 128 --threads 1 \
+		--plot-prefix sparse_mtp_ --out build/bench-sparse-w512

@@ -123,3 +123,18 @@ def test_bad_sparse_config_is_named(source, bad, name):
 def test_sparse_needs_an_mtp_module(source):
     with pytest.raises(ConfigError, match="no MTP module"):
         tune_native_mtp(source / "nomtp", tune_cfg(source, "nomtp-out"), progress_bar=False)
+
+
+def test_a_new_window_or_top_k_keeps_the_indexer_a_new_shape_does_not():
+    """with_sparse_mtp on a sparse source: another window or top_k keeps the indexer (its scores do not depend on
+    them) and every other weight; other heads or dim start a new one."""
+    import dataclasses
+
+    src = with_sparse_mtp(dense(), FEW, seed=1)
+    wider = with_sparse_mtp(src, dataclasses.replace(FEW, window=2 * FEW.window, top_k=FEW.top_k + 1), seed=2)
+    assert wider.config.mtp_sparse_attention.window == 2 * FEW.window
+    a, b = src.state_dict(), wider.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = with_sparse_mtp(src, dataclasses.replace(FEW, heads=FEW.heads + 1), seed=2).state_dict()
+    moved = [k for k in a if ".indexer." in k]
+    assert moved and all(other[k].shape != a[k].shape for k in moved if "k_proj" not in k)

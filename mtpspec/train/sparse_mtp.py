@@ -71,11 +71,14 @@ def check_sparse(cfg, scfg: SparseAttentionConfig) -> None:
 
 
 def with_sparse_mtp(model: HybridLM, scfg: SparseAttentionConfig, seed: int = 0) -> HybridLM:
-    """The same weights in a model whose MTP layers have block-sparse attention `scfg`. A source MTP module with the
-    same sparse config keeps its indexer; otherwise the indexer is new (nn.Linear's init, seeded)."""
+    """The same weights in a model whose MTP layers have block-sparse attention `scfg`. A source MTP module whose
+    indexer has scfg's shape (heads, dim) keeps it, whatever its block, top_k and window (the indexer scores blocks
+    of tokens; those fields decide how many it keeps and what it may choose from); otherwise the indexer is new
+    (nn.Linear's init, seeded)."""
     if not isinstance(model, HybridLM):
         raise ConfigError(f"--sparse makes a Qwen3.5-style hybrid model's MTP attention sparse; this model is a {type(model).__name__}")
-    keep = model.config.mtp_sparse_attention == scfg
+    src = model.config.mtp_sparse_attention
+    keep = src is not None and (src.heads, src.dim) == (scfg.heads, scfg.dim)
     state = {k: v for k, v in model.state_dict().items() if keep or not (k.startswith("mtp.") and ".indexer." in k)}
     torch.manual_seed(seed)
     net = HybridLM(dataclasses.replace(model.config, mtp_sparse_attention=scfg)).to(model.dtype)
@@ -128,7 +131,8 @@ def window_data(model: HybridLM, tok, cfg, progress_bar: bool) -> tuple[Windows,
     cfg.data_cache when it names a file made with the same settings."""
     key = {"text": cfg.sparse_text, "window_tokens": cfg.window_tokens, "windows": cfg.sparse_windows,
            "heldout": cfg.heldout_windows, "seed": cfg.seed,
-           "weights": float(sum(p.double().sum() for p in model.parameters()))}  # which model: its weights' sum
+           # which frozen model: its weights' sum outside the MTP module (the hiddens do not depend on it)
+           "weights": float(sum(p.double().sum() for n, p in model.named_parameters() if not n.startswith("mtp.")))}
     if cfg.data_cache and Path(cfg.data_cache).exists():
         c = torch.load(cfg.data_cache)
         if c.get("key") == key:
