@@ -37,7 +37,7 @@ PROMPTS = [""] + tinystories_prompts(3)
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:2], pytest.param(PROMPTS[2:], marks=pytest.mark.slow)], ids=["default", "more"])
 def test_bf16_speculation_token_identical_in_exact_mode(bf16, prompts):
-    """BOS alone and a story opening in the default suite (24 s for all four prompts: the others in make test-slow)."""
+    """BOS alone and a story opening in the default suite; the other two prompts (another 9-25 s) in make test-slow."""
     target, draft = bf16
     for prompt in prompts:
         refs = {k: target.generate(prompt, k=k, exact=True, max_new_tokens=128).tokens for k in (4, 8)}  # plain, per width
