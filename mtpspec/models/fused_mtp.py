@@ -119,11 +119,13 @@ class FusedAttentionBlock:
         if kv.tree is not None or kv.index is None:
             raise ConfigError("sparse attention needs the model's own MTP cache and runs without token trees")
         iq, ik, iw = index
-        kv.index.write(self.kv_index, start, ik)
         state = kv.sparse
+        reusing = state is not None and state.reusing(self.kv_index)
+        if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
+            kv.index.write(self.kv_index, start, ik)
         if state is not None and state.dense:  # sparse_select "full": this layer's dense attention
             return self._attend(q, k, v, start)
-        queries = None if state is not None and state.reusing(self.kv_index) else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
+        queries = None if reusing else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
         return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0)
 
     def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:

@@ -136,11 +136,13 @@ class GatedAttention(nn.Module):
         index = kv.index
         if index is None:  # a cache made without the model's new_cache (training's TrainCache): keys live for this pass
             index = kv.index = IndexKeys(kv.k.shape[0], kv.max_len, self.sparse, x.dtype)
-        index.write(self.kv_index, start, self.indexer.keys(x[0]))
         state = kv.sparse
+        reusing = state is not None and state.reusing(self.kv_index)
+        if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
+            index.write(self.kv_index, start, self.indexer.keys(x[0]))
         if state is not None and state.dense:  # sparse_select "full": dense causal attention, same weights
             return causal_attention(q, k_all, v_all, start).transpose(1, 2).flatten(2)
-        queries = None if state is not None and state.reusing(self.kv_index) else self.indexer.queries(x[0])
+        queries = None if reusing else self.indexer.queries(x[0])
         y = sparse_attend(self.sparse, q[0].transpose(0, 1), k_all[0], v_all[0], index, self.kv_index, start, queries, state,
                           1.0 / math.sqrt(self.hd))
         return y[None]

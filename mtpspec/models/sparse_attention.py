@@ -246,7 +246,7 @@ class Selection:
     ok: Tensor  # (k,) bool
     anchor: int  # the position of the row it was computed for
     dense: bool = False  # the row had at most top_k candidates: it attended everything (and so do its reusers)
-    keys: tuple[Tensor, Tensor, int] | None = None  # (kb, vb (nkv, cap, hd), n): the blocks' n valid tokens, gathered once
+    keys: tuple[Tensor, Tensor, int, int] | None = None  # (kb, vb (nkv, cap, hd), n kept tokens, window copied up to)
 
 
 @dataclass
@@ -329,10 +329,13 @@ def keep_keys(k: Tensor, v: Tensor, kept: Selection, cfg: SparseAttentionConfig,
     kb, vb = scratch.buffers((nkv, cap, hd), k.dtype, use=f"reuse{layer}")  # (nkv, cap, hd)
     tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,) the kept tokens' positions
     tok = tok[kept.ok.repeat_interleave(r) & (tok < lo)]  # (n,) valid blocks, before the window
+    n, a = tok.numel(), max(lo, 0)
     for h in range(nkv):
-        torch.index_select(k[h], 0, tok, out=kb[h, : tok.numel()])
-        torch.index_select(v[h], 0, tok, out=vb[h, : tok.numel()])
-    kept.keys = (kb, vb, tok.numel())
+        torch.index_select(k[h], 0, tok, out=kb[h, :n])
+        torch.index_select(v[h], 0, tok, out=vb[h, :n])
+    kb[:, n : n + kept.anchor + 1 - a] = k[:, a : kept.anchor + 1]  # the anchor's window, through the anchor
+    vb[:, n : n + kept.anchor + 1 - a] = v[:, a : kept.anchor + 1]
+    kept.keys = (kb, vb, n, kept.anchor + 1)
 
 
 def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor, cfg: SparseAttentionConfig,
@@ -340,15 +343,18 @@ def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor,
     """Rows of a round's chained draft steps attending a kept selection: q (T, nh, hd), k / v (nkv, S, hd) ->
     (T, nh * hd). The kept blocks lie before the anchor's window, in committed positions no draft step rewrites, so
     their tokens are gathered once per round (keep_keys: by the recording pass, while they are in the CPU's caches);
-    each call appends the window, from the anchor's window start to its last row, and attends the buffer as a short
-    dense pass: one matmul, one softmax, one matmul, no mask but the causal one among the rows."""
+    with the anchor's window after them, and each call appends its rows' keys and values (the positions past those
+    copied, and its own: a draft step writes its position once per round), then attends the buffer as a short dense
+    pass: one matmul, one softmax, one matmul, no mask but the causal one among the rows."""
     t = q.shape[0]
     a, b = max(kept.anchor - cfg.window + 1, 0), int(pos[-1]) + 1
     if kept.keys is None:
         keep_keys(k, v, kept, cfg, scratch, layer)
-    kb, vb, n = kept.keys
-    kb[:, n : n + b - a] = k[:, a:b]  # the window, through the rows' own positions
-    vb[:, n : n + b - a] = v[:, a:b]
+    kb, vb, n, upto = kept.keys
+    c = min(upto, int(pos[0]))  # copy from here: positions not copied yet, and the rows just written
+    kb[:, n + c - a : n + b - a] = k[:, c:b]
+    vb[:, n + c - a : n + b - a] = v[:, c:b]
+    kept.keys = (kb, vb, n, b)
     return dense_attend(q, kb, vb, n + b - a - t, scale)
 
 
