@@ -187,16 +187,21 @@ def test_step_through_a_real_run(server, page, assets):
     assert page.input_value("#step-i") == "2" and page.inner_text("#step").startswith("Round 2:")
 
 
-def test_step_through_draws_a_token_tree(server, page, tmp_path):
-    """Tree nodes 8: the round shown is drawn as a tree whose nodes carry the API's statuses (accepted path, rejected,
-    discarded) and the target's own token after the path; a chain run still draws its table."""
-    url, model = server
+def _fill_tree_form(page, url: str) -> None:
+    """The page with a prefix, the Q8_0 draft model drafting trees of at most 8 nodes, D = 4."""
     _open(page, url)
     page.fill("#prefix", PREFIX)
     page.select_option("#drafter", "draft")
     page.select_option("#draft-model", "q80")
     page.fill("#k", "4")
     page.fill("#tree", "8")
+
+
+def test_step_through_draws_a_token_tree(server, page, tmp_path):
+    """Tree nodes 8: the round shown is drawn as a tree whose nodes carry the API's statuses (accepted path, rejected,
+    discarded) and the target's own token after the path; a chain run still draws its table."""
+    url, model = server
+    _fill_tree_form(page, url)
     page.fill("#steps-n", "24")
     page.click("#run")
     page.wait_for_selector("#tree-svg")
@@ -235,12 +240,7 @@ def test_step_through_draws_a_token_tree(server, page, tmp_path):
 def test_verify_a_proposed_token_tree(server, page):
     """One verify round of a drafter's tree: drawn with the API's statuses; the cells follow the accepted path."""
     url, model = server
-    _open(page, url)
-    page.fill("#prefix", PREFIX)
-    page.select_option("#drafter", "draft")
-    page.select_option("#draft-model", "q80")
-    page.fill("#k", "4")
-    page.fill("#tree", "8")
+    _fill_tree_form(page, url)
     page.click("#verify")
     page.wait_for_selector("#verify-tree")
     api = httpx.post(url + "/api/verify", json={"model": model, "prefix": PREFIX, "drafter": "draft", "draft_model": "q80", "k": 4,
