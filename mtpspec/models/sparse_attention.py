@@ -330,9 +330,7 @@ def keep_keys(k: Tensor, v: Tensor, kept: Selection, cfg: SparseAttentionConfig,
     tok = (kept.blocks[:, None] * r + torch.arange(r)).flatten()  # (k r,) the kept tokens' positions
     tok = tok[kept.ok.repeat_interleave(r) & (tok < lo)]  # (n,) valid blocks, before the window
     n, a = tok.numel(), max(lo, 0)
-    for h in range(nkv):
-        torch.index_select(k[h], 0, tok, out=kb[h, :n])
-        torch.index_select(v[h], 0, tok, out=vb[h, :n])
+    gather_blocks(k, tok, 1, kb[:, :n]), gather_blocks(v, tok, 1, vb[:, :n])  # tokens: blocks of one
     kb[:, n : n + kept.anchor + 1 - a] = k[:, a : kept.anchor + 1]  # the anchor's window, through the anchor
     vb[:, n : n + kept.anchor + 1 - a] = v[:, a : kept.anchor + 1]
     kept.keys = (kb, vb, n, kept.anchor + 1)
