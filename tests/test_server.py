@@ -46,6 +46,7 @@ def test_page_models_and_info_name_only_the_served_models(client, assets):
     assert info["model"] == "stories" and info["vocab_size"] == 512 and info["max_seq_len"] == 512
     menu = {d["name"]: d for d in info["drafters"]}
     assert menu["ngram"]["available"] and menu["ngram"]["own"]
+    assert all(menu[d]["own"] and not menu[d]["uses_draft_model"] for d in ("ngram", "lookahead", "suffix")) and menu["draft"]["uses_draft_model"]
     assert menu["draft"]["draft_models"] == ["stories260K_q80"]  # a model never drafts for itself
     for kind in ("mtp", "eagle", "medusa"):
         assert menu[kind]["available"] and not menu[kind]["own"] and menu[kind]["draft_models"] == [f"stories260K-{kind}"]

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..api import Model, load
-from ..drafters import KNOWN, make_drafter
+from ..drafters import KNOWN, USES_DRAFT_MODEL, make_drafter
 from ..errors import ConfigError, ModelLoadError, MtpspecError
 from .verify_page import FieldError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DRAFTERS = [n for n in KNOWN if n != "none"]  # the drafters a request may name
-SELF_DRAFTING = ("ngram", "lookahead", "suffix")  # drafters that draft from the text alone: no draft model, no head
+SELF_DRAFTING = tuple(n for n in DRAFTERS if n not in USES_DRAFT_MODEL)  # draft from the text alone: no draft model, no head
 
 
 @dataclass
@@ -89,7 +89,8 @@ class Served:
         for drafter in DRAFTERS:
             fits = [e.name for e in self.drafts.values() if e.name != name and _fits(module, drafter, e)]
             own = drafter in SELF_DRAFTING or (drafter == "mtp" and _builds(module, "mtp", None) is None)
-            item = {"name": drafter, "available": own or bool(fits), "own": own, "draft_models": fits}
+            item = {"name": drafter, "available": own or bool(fits), "own": own, "draft_models": fits,
+                    "uses_draft_model": drafter not in SELF_DRAFTING}
             if not item["available"]:
                 need = "draft model" if drafter == "draft" else f"{drafter} head"
                 item["reason"] = f"no served {need} fits this model (serve one with --draft-model NAME=PATH)"
