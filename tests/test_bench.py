@@ -57,8 +57,8 @@ def test_fit_prompt_keeps_bos_and_tail():
 
 
 def test_cost_model_prediction():
-    c = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.0, 1.0, 1.0], draft_cost={"ngram": 0.0, "draft": 1.0})
-    assert c.predict_speedup("ngram", 8, [3, 3]) == pytest.approx(4.0)  # 8 tokens in 2 steps of T(4) = T(1)
+    c = CostModel(t1=1.0, ratio=[1.0, 1.0, 1.0, 1.0, 1.0], draft_steps={"draft": [1.0, 2.0, 3.0]})
+    assert c.predict_speedup("ngram", 8, [3, 3]) == pytest.approx(4.0)  # not measured: free; 8 tokens in 2 steps of T(4) = T(1)
     assert c.predict_speedup("draft", 8, [3, 3]) == pytest.approx(1.0)  # drafts cost a step each
     assert c.t(7) == pytest.approx(1.0)
     # a measured per-step curve and prompt catch-up (any drafter: here an MTP head) take precedence

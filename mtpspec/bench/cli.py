@@ -179,10 +179,6 @@ def run_benchmark(
         typical = ids[sorted(range(len(ids)), key=lambda i: len(ids[i]))[len(ids) // 2]]  # the median prompt
         cost = costmodel.measure(model.module, k_max=k_max, context=context, threads=threads, drafters=drafters,
                                  draft_models=draft_models, tokens=typical)
-        threads = cost.threads
-    threads = threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    model.threads = threads  # every generate() of ours runs with it
     if interleave == "auto":  # lockstep needs one torch thread: waiting jobs' OpenMP pools would spin
         interleave = "step" if threads == 1 else "run"
     elif interleave == "step" and threads != 1:

@@ -235,13 +235,10 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
     if cost:
         r = cost["ratio"]
         lines += [
-            "", f"Cost model (measured here, {cost['threads']} thread(s); "
-            + ("T(1) at each thread count: " + ", ".join(f"{t}: {1000 * v:.2f} ms" for t, v in cost["thread_t1"].items())
-               if cost["thread_t1"] else "thread count set by --threads") + "):", "",
+            "", f"Cost model (measured here, {cost['threads']} thread(s)):", "",
             "| k | " + " | ".join(str(i + 1) for i in range(len(r))) + " |", "|---" * (len(r) + 1) + "|",
             "| T(k)/T(1) | " + " | ".join(f"{x:.2f}" for x in r) + " |", "",
-            f"T(1) = {1000 * cost['t1']:.3f} ms; drafter cost per drafted token (at d = 4): "
-            + ", ".join(f"{k} {1000 * v:.3f} ms" for k, v in cost["draft_cost"].items() if k != "none") + "."
+            f"T(1) = {1000 * cost['t1']:.3f} ms."
             + "".join(f" Drafter '{k}' per step of d drafts (propose + commit), d = 1..{len(v)}: " + ", ".join(f"{1000 * x:.2f}" for x in v) + " ms"
                       + (f"; its prompt catch-up {cost['prefill_ratio'][k]:.2f}x the target's prefill" if k in cost.get("prefill_ratio", {}) else "") + "."
                       for k, v in cost.get("draft_steps", {}).items()),
