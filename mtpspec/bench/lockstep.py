@@ -1,25 +1,11 @@
-"""Several generations in turn, a few milliseconds of each at a time, so machine drift cancels.
+"""Several generations in turn, a few milliseconds of each at a time, so the machine's drift cancels.
 
-On a shared VM the speed of one core drifts by up to 2x within seconds (other tenants on the same
-physical core and caches). Timing whole generations one after another leaves each method at the
-mercy of the stretch it happened to land in: methods doing identical work measured 5-8% apart
-over 20 prompts x best of 3. Interleaving them at step granularity puts every method through the
-same stretches.
-
-Each job is a greenlet in the caller's thread: after every engine step it calls `Turn.step_done`,
-which, once the job's slice (5 ms) is used up, switches to the next job, and the job resumes where
-it stopped when its turn comes back. Every pass over the jobs runs them in a fresh (seeded) order,
-so no job always runs right after the same other one (which leaves its data in the CPU caches).
-The time away is recorded per job (`Turn.waited`) and subtracted from its wall time, so a job's
-time is its own work only. Greenlets, not threads: OS threads would migrate between cores at every
-switch (cold L1/L2) and allocate from their own malloc arenas, which cost 5-25% here; a greenlet
-switch is a stack swap on the same core. Every
-job still has its own cache, drafter and buffers; what the jobs share is the CPU caches, as a
-real server shares them with other work. Measured on stories260K: one job in a rotation runs at
-0.99x its time alone, nine jobs sharing the caches at 1.02x.
-
-The engine enters torch.inference_mode per step (engine.step); run the rotation inside it
-(`with torch.inference_mode(): ...`), or a job leaving the mode would switch it off for the others.
+Each job is a greenlet in the caller's thread (not an OS thread: those migrate between cores and malloc
+arenas, 5-25% slower here). After every engine step it calls `Turn.step_done`, which, once its 5 ms
+slice is used up, switches to the next job; each pass over the jobs runs them in a fresh seeded order,
+so no job always follows the same other one. The time a job spends away is recorded (`Turn.waited`)
+and subtracted from its time. Run the rotation inside torch.inference_mode(): a job leaving the mode
+would switch it off for the others. Measurements: docs/benchmarks.md ("Alternation").
 """
 
 from __future__ import annotations
@@ -62,23 +48,15 @@ class Lockstep(Generic[R]):
     def __init__(self, slice_seconds: float = SLICE_SECONDS, seed: int | str = 0) -> None:
         self.slice_seconds = slice_seconds
         self.rng = random.Random(seed)
-        self._hub = getcurrent()
 
     def run(self, jobs: list[Callable[[Turn], R]]) -> list[R]:
         self._hub = getcurrent()
         results: list[R | None] = [None] * len(jobs)
-
-        def body(i: int) -> None:
-            results[i] = jobs[i](Turn(self))
-
-        live = [greenlet(lambda i=i: body(i)) for i in range(len(jobs))]
-        first = True
-        while live:  # round robin; an exception in a job propagates here, the others are dropped
-            order = list(live)
-            if not first:  # each pass in a fresh order: whose leftovers sit in the caches varies
-                self.rng.shuffle(order)
-            first = False
+        live = [greenlet(lambda i=i: results.__setitem__(i, jobs[i](Turn(self)))) for i in range(len(jobs))]
+        order = list(live)  # the first pass in job order, each later one shuffled
+        while live:  # an exception in a job propagates here, the others are dropped
             for g in order:
                 g.switch()
             live = [g for g in live if not g.dead]
+            order = self.rng.sample(live, len(live))
         return results  # type: ignore[return-value]
