@@ -136,6 +136,8 @@ def test_bench_sampling_run(tmp_path, assets):
                         limit=2, max_new_tokens=8, temperature=0.8, seed=1, threads=1, cost_model=False, progress=False)
     assert res["summary"]["overall"]["ours:ngram@2"]["lossless"] == "-"
     assert res["cost_model"] is None and (tmp_path / "report.md").exists()
+    with pytest.raises(ConfigError, match="--keep mean or best"):  # refused before anything loads
+        run_benchmark("nowhere", "tinystories", ["none"], [2], tmp_path, keep="median")
 
 
 def test_bench_head_folder_as_draft_model(tmp_path, assets):
@@ -334,13 +336,11 @@ def test_rounds_are_averaged_or_the_fastest_kept():
     from mtpspec.prompts import Prompt
 
     p = [Prompt(id="a", category="c", text="x")]
-    mean = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, repeat=3, interleave="run")
+    mean = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, repeat=3, interleave="run")
     assert mean[0].wall_seconds == pytest.approx(2.0) and mean[0].prefill_seconds == pytest.approx(0.1)
     assert mean[0].cpu_seconds is None and mean[0].lossless
-    best = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, repeat=3, interleave="run", keep="best")
+    best = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, repeat=3, interleave="run", keep="best")
     assert best[0].wall_seconds == pytest.approx(1.0)
-    with pytest.raises(ConfigError):
-        run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, warmup_tokens=0, keep="median")
 
 
 def test_alternate_runs_every_config_on_every_prompt_in_shuffled_orders():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
@@ -92,65 +94,83 @@ def resolve_draft_model(path: str | None, drafters: list[str], tokenizer: str | 
     return dm, {"draft": dm.module}
 
 
-def _read_prompts(load_prompts, source: str, limit: int | None):
-    """load_prompts, with an unreadable file (a folder, not text) a clear error."""
-    try:
-        return load_prompts(source, limit)
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise ConfigError(f"--prompts {source}: cannot read prompts from it ({e.__class__.__name__}: {e})") from None
+@dataclass
+class Setup:
+    """What every mode of the benchmark loads before it times anything."""
+
+    model: object  # api.Model
+    draft: object | None  # the full draft model (when --draft-model is one), for the peers
+    draft_models: dict  # drafter -> its draft_model argument (a module, a head)
+    prompts: list  # prompts.Prompt
+    ids: list[list[int]]  # their token ids, cut to leave room for max_new_tokens
+    config: dict  # what the results record of it
 
 
-def run_benchmark(
-    model_path: str,
-    prompts: str,
-    drafters: list[str],
-    ks: list[int | str],
-    out: str | Path,
-    tokenizer: str | None = None,
-    draft_model: str | None = None,
-    limit: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int = 0,
-    peers: bool | str | list[str] = False,
-    threads: int | None = None,
-    cost_model: bool = True,
-    dtype: str = "fp32",
-    hf_dir: str | None = None,
-    plot_prefix: str = "bench_",
-    progress: bool = True,
-    repeat: int = 1,
-    interleave: str = "auto",
-    keep: str = "mean",
-    gguf: str | None = None,
-    quant: str | None = None,
-    group_size: int = 64,
-    compile: bool = False,
-) -> dict:
-    """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
+def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], max_new_tokens: int = 128,
+               tokenizer: str | None = None, draft_model: str | None = None, limit: int | None = None, dtype: str = "fp32",
+               threads: int | None = None, quant: str | None = None, group_size: int = 64, compile: bool = False,
+               tree: int | None = None) -> Setup:
+    """Check the request and load what it names; a bad combination fails here, before anything is timed."""
     from ..api import load
     from ..drafters import REGISTRY, make_drafter
     from ..prompts import load_prompts
-    from . import costmodel
-    from .harness import PLAIN, Method, OursRunner, prepare_ids, run_bench, warm_up
-    from .report import check_targets, summarize, write_all
+    from .harness import prepare_ids
 
-    t_start = perf_counter()
-    out = Path(out)
     for d in drafters:
         if d not in REGISTRY:
             raise ConfigError(f"unknown or unavailable drafter '{d}' (available: {', '.join(sorted(REGISTRY))})")
     if "draft" in drafters and not draft_model:
         raise ConfigError("--drafters draft needs --draft-model")
     for k in ks:
-        if k != "auto" and (not isinstance(k, int) or k < 1):
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
-    if repeat < 1:
-        raise ConfigError(f"--repeat must be >= 1, got {repeat}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    if interleave not in ("auto", "step", "run"):
-        raise ConfigError(f"--interleave must be auto, step or run, got {interleave!r}")
+    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size, compile=compile)
+    dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
+    for d in drafters:  # a head for another target, no MTP module, ...
+        make_drafter(d, model.module, draft_model=draft_models.get(d), tree=tree)
+    try:
+        plist = load_prompts(prompts, limit)
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise ConfigError(f"--prompts {prompts}: cannot read prompts from it ({e.__class__.__name__}: {e})") from None
+    config = {"model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model, "dtype": dtype,
+              "compile": compile, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
+              "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
+              "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens, "drafters": drafters,
+              "k": ks, "threads": model.threads, "torch": torch.__version__}
+    return Setup(model, dm, draft_models, plist, prepare_ids(model, plist, max_new_tokens), config)
+
+
+@contextmanager
+def progress_bar(on: bool, total: int, desc: str, unit: str):
+    """Yields tick(label), which advances a tqdm bar on stderr (None when `on` is false)."""
+    if not on:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr) as bar:
+        yield lambda label: (bar.set_postfix_str(label), bar.update(1))
+
+
+def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], out: str | Path, tokenizer: str | None = None,
+                  draft_model: str | None = None, limit: int | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+                  seed: int = 0, peers: bool | str | list[str] = False, threads: int | None = None, cost_model: bool = True,
+                  dtype: str = "fp32", hf_dir: str | None = None, plot_prefix: str = "bench_", progress: bool = True, repeat: int = 1,
+                  interleave: str = "auto", keep: str = "mean", gguf: str | None = None, quant: str | None = None,
+                  group_size: int = 64, compile: bool = False) -> dict:
+    """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
+    from . import costmodel
+    from .harness import PLAIN, Method, OursRunner, run_bench, warm_up
+    from .report import check_targets, summarize, write_all
+
+    t_start = t = perf_counter()
+    out = Path(out)
+    if repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {repeat}")
+    if interleave not in ("auto", "step", "run") or keep not in ("mean", "best"):
+        raise ConfigError(f"--interleave takes auto, step or run and --keep mean or best, got {interleave!r} and {keep!r}")
     peers = ["hf"] if peers is True else _list(peers) if isinstance(peers, str) else list(peers or [])
     if set(peers) - {"hf", "llamacpp"}:
         raise ConfigError(f"--peers takes hf and/or llamacpp, got {','.join(peers)}")
@@ -158,105 +178,76 @@ def run_benchmark(
         from .llamacpp import find_binary
 
         find_binary("llama-server")
-    phases: dict[str, float] = {}  # seconds of each setup phase and of the timed runs
-    peers_skipped: dict[str, str] = {}  # peer method -> why transformers cannot run it on this model
-    t_phase = perf_counter()
-    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size, compile=compile)  # threads None: the rule
-    threads = model.threads
-    dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
-    for d in drafters:  # bad combinations (a head for another target, no MTP module) fail here, before any timing
-        make_drafter(d, model.module, draft_model=draft_models.get(d))
-    plist = _read_prompts(load_prompts, prompts, limit)
-    ids = prepare_ids(model, plist, max_new_tokens)
-    phases["load"], t_phase = perf_counter() - t_phase, perf_counter()
-
-    use_threads(threads)
-    cost = None
-    if cost_model:
-        k_max = max([k for k in ks if k != "auto"] + [8])
-        lens = sorted(len(x) for x in ids)
-        context = min(lens[len(lens) // 2] + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
-        typical = ids[sorted(range(len(ids)), key=lambda i: len(ids[i]))[len(ids) // 2]]  # the median prompt
-        cost = costmodel.measure(model.module, k_max=k_max, context=context, threads=threads, drafters=drafters,
-                                 draft_models=draft_models, tokens=typical)
+    s = load_bench(model_path, prompts, drafters, ks, max_new_tokens, tokenizer, draft_model, limit, dtype, threads, quant,
+                   group_size, compile)
+    model, ids, threads = s.model, s.ids, s.model.threads
     if interleave == "auto":  # lockstep needs one torch thread: waiting jobs' OpenMP pools would spin
         interleave = "step" if threads == 1 else "run"
     elif interleave == "step" and threads != 1:
         raise ConfigError(f"--interleave step needs --threads 1 (got {threads}): each waiting job's thread pool would spin")
-    phases["cost_model"], t_phase = perf_counter() - t_phase, perf_counter()
+    phases, t = {"load": perf_counter() - t}, perf_counter()  # seconds of each setup phase and of the timed runs
+    cost = None
+    if cost_model:
+        k_max = max([k for k in ks if k != "auto"] + [8])
+        typical = sorted(ids, key=len)[len(ids) // 2]  # the median prompt
+        context = min(len(typical) + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
+        cost = costmodel.measure(model.module, k_max, context, threads, drafters, s.draft_models, typical)
+    phases["cost_model"], t = perf_counter() - t, perf_counter()
 
     methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
-    runners: dict[str, object] = {"mtpspec": OursRunner(model, draft_models, cost)}
+    runners: dict[str, object] = {"mtpspec": OursRunner(model, s.draft_models, cost)}
+    skipped: dict[str, str] = {}  # peer method -> why the peer cannot run it on this model
     export_diff = {}
     if "hf" in peers:
         from .peers import HFRunner, peer_model
 
         hf_root = Path(hf_dir) if hf_dir else out / "hf"
-        tpeer = peer_model(model, hf_root, "target")
-        dpeer = peer_model(dm, hf_root, "draft") if dm is not None else None
-        export_diff = {name: p.export_diff for name, p in (("target", tpeer), ("draft", dpeer)) if p is not None}
-        hf = runners["transformers"] = HFRunner(tpeer, dpeer, tuple(model.tokenizer.stop_ids))
-        peer_methods = [Method("transformers", "none", None)]
-        if "ngram" in drafters:
-            hf_ks = [k for k in ks if k != "auto"]
-            peer_methods += [Method("transformers", "ngram", k) for k in hf_ks + ([10] if 10 not in hf_ks else [])]  # 10: HF's usual
-        if "draft" in drafters:
-            peer_methods.append(Method("transformers", "draft", None))
-        _admit(hf, peer_methods, methods, peers_skipped)
-        phases["peers_setup"] = perf_counter() - t_phase
+        exported = {"target": peer_model(model, hf_root, "target")} | ({"draft": peer_model(s.draft, hf_root, "draft")} if s.draft else {})
+        export_diff = {name: p.export_diff for name, p in exported.items()}
+        runners["transformers"] = HFRunner(exported["target"], exported.get("draft"), tuple(model.tokenizer.stop_ids))
+        hf_ks = [k for k in ks if k != "auto"]
+        hf_ks += [] if 10 in hf_ks else [10]  # 10: transformers' usual prompt lookup
+        candidates = [Method("transformers", "none", None)]
+        candidates += [Method("transformers", "ngram", k) for k in hf_ks] if "ngram" in drafters else []
+        candidates += [Method("transformers", "draft", None)] if "draft" in drafters else []
+        _admit(runners["transformers"], candidates, methods, skipped)
+        phases["peers_setup"], t = perf_counter() - t, perf_counter()
     if "llamacpp" in peers:
         from .llamacpp import LlamaCppRunner, llamacpp_methods, peer_gguf
 
-        t_phase = perf_counter()
         tg = Path(gguf) if gguf else peer_gguf(model, out / "gguf", "target")
-        dg = peer_gguf(dm, out / "gguf", "draft") if dm is not None and "draft" in drafters else None
-        lc = runners["llamacpp"] = LlamaCppRunner(tg, threads, model.max_seq_len, tuple(model.tokenizer.stop_ids), dg)
-        _admit(lc, llamacpp_methods(drafters, ks), methods, peers_skipped)
-        phases["llamacpp_setup"] = perf_counter() - t_phase
-
-    bar = None
-    tick = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(plist) * len(methods) * repeat, desc="bench", unit="run", file=sys.stderr)
-        tick = lambda label: (bar.set_postfix_str(label), bar.update(1))  # noqa: E731
+        dg = peer_gguf(s.draft, out / "gguf", "draft") if s.draft is not None and "draft" in drafters else None
+        runners["llamacpp"] = LlamaCppRunner(tg, threads, model.max_seq_len, tuple(model.tokenizer.stop_ids), dg)
+        _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
+        phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
     try:
-        t_phase = perf_counter()
-        warm_up(methods, plist[0], ids[0], runners, temperature, seed)
-        phases["warm_up"], t_phase = perf_counter() - t_phase, perf_counter()
-        runs = run_bench(methods, plist, ids, runners, max_new_tokens, temperature, seed, tick, warmup_tokens=0, repeat=repeat,
-                         interleave=interleave, keep=keep)
-        phases["runs"] = perf_counter() - t_phase
+        with progress_bar(progress, len(s.prompts) * len(methods) * repeat, "bench", "run") as tick:
+            warm_up(methods, s.prompts[0], ids[0], runners, temperature, seed)
+            phases["warm_up"], t = perf_counter() - t, perf_counter()
+            runs = run_bench(methods, s.prompts, ids, runners, max_new_tokens, temperature, seed, tick, repeat, interleave, keep)
+            phases["runs"] = perf_counter() - t
     finally:
         if "llamacpp" in runners:
             runners["llamacpp"].close()
-    if bar is not None:
-        bar.close()
     elapsed = perf_counter() - t_start
     summary = summarize(runs, methods, cost)
     result = {
-        "config": {
-            "model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model,
-            "dtype": dtype, "compile": compile, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
-            "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
-            "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens,
-            "temperature": temperature, "seed": seed, "threads": threads, "repeat": repeat, "keep": keep, "interleave": interleave, "drafters": drafters, "k": ks,
-            "peers": peers, "peers_skipped": peers_skipped, "elapsed_seconds": elapsed,
-            "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "torch": torch.__version__, "export_max_abs_logit_diff": export_diff,
+        "config": s.config | {
+            "temperature": temperature, "seed": seed, "repeat": repeat, "keep": keep, "interleave": interleave, "peers": peers,
+            "peers_skipped": skipped, "elapsed_seconds": elapsed, "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
+            "export_max_abs_logit_diff": export_diff,
             "llamacpp": runners["llamacpp"].describe(methods) if "llamacpp" in runners else None,
         },
         "cost_model": cost.to_json() if cost else None,
         "summary": summary,
         "runs": [r.to_json() for r in runs],
+        "targets": check_targets(summary, elapsed),
     }
-    result["targets"] = check_targets(summary, elapsed)
-    files = write_all(result, out, plot_prefix)
-    result["files"] = {k: str(v) for k, v in files.items()}
+    result["files"] = {k: str(v) for k, v in write_all(result, out, plot_prefix).items()}
     return result
 
 
-def _admit(runner, candidates: list[Method], methods: list[Method], skipped: dict[str, str]) -> None:
+def _admit(runner, candidates: list, methods: list, skipped: dict[str, str]) -> None:
     """A peer's methods join the run, or `skipped` (label -> why) when the peer cannot run them on this model."""
     for m in candidates:
         why = runner.unsupported(m)
@@ -270,64 +261,48 @@ def _admit(runner, candidates: list[Method], methods: list[Method], skipped: dic
 def run_bench_cmd(args: argparse.Namespace) -> int:
     use_threads(args.threads)  # a bad --threads is named before anything loads
     if args.contexts is not None or args.sparse_model is not None:
-        return _run_contexts_cmd(args)
-    if args.prompts is None:
+        res = _run_contexts(args)
+    elif args.prompts is None:
         raise ConfigError("--prompts is required (a named set or a file), except with --contexts")
-    try:
-        ks = [parse_k(k) for k in _list(args.k or "1,2,4,auto")]
-    except argparse.ArgumentTypeError as e:
-        raise ConfigError(str(e)) from None
-    if args.batch is not None:
-        return _run_batch_cmd(args, ks)
-    res = run_benchmark(
-        args.model, args.prompts, _list(args.drafters), ks, args.out, tokenizer=args.tokenizer,
-        draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
-        cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
-        quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
-    )
+    else:
+        try:
+            ks = [parse_k(k) for k in _list(args.k or "1,2,4,auto")]
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(str(e)) from None
+        res = _run_batch(args, ks) if args.batch is not None else run_benchmark(
+            args.model, args.prompts, _list(args.drafters), ks, args.out, tokenizer=args.tokenizer,
+            draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
+            cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
+            progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
+            quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
+        )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
     return 0
 
 
-def _trees(text: str | None) -> list[int]:
-    from ..tree import check_tree_budget
-
-    if text is None:
-        return []
-    out = []
-    for x in _list(text):
-        try:
-            out.append(check_tree_budget(int(x)))
-        except ValueError:
-            raise ConfigError(f"--trees takes node budgets separated by commas (e.g. 8,16), got {x!r}") from None
-    return out
-
-
-def _run_batch_cmd(args: argparse.Namespace, ks: list[int | str]) -> int:
+def _run_batch(args: argparse.Namespace, ks: list[int | str]) -> dict:
     """`mtpspec bench --batch ...`: the batch benchmark (bench/batch.py); options it has no use for are refused."""
-    from .batch import parse_batches, run_batch_bench
+    from ..tree import check_tree_budget
+    from .batch import parse_batches, parse_counts, run_batch_bench
 
     batches = parse_batches(args.batch)
     if args.peers:
         raise ConfigError("--peers does not run with --batch (the peers are measured one sequence at a time)")
     if args.repeat != 1:
         raise ConfigError("--repeat does not apply with --batch: use --rounds")
-    res = run_batch_bench(
-        args.model, args.prompts, _list(args.drafters), ks, batches, args.out, tokenizer=args.tokenizer,
-        draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        seed=args.seed, threads=args.threads, dtype=args.dtype, rounds=args.rounds, plot_prefix=args.plot_prefix,
-        progress=not args.no_progress, quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
-        trees=_trees(args.trees),
-    )
-    print(Path(res["files"]["markdown"]).read_text())
-    print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
-    return 0
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
+    trees = [check_tree_budget(n) for n in parse_counts(args.trees, "--trees", "node budgets", "8,16")] if args.trees else []
+    drafters = _list(args.drafters)
+    setup = load_bench(args.model, args.prompts, drafters, ks, args.max_new_tokens, args.tokenizer, args.draft_model, args.limit,
+                       args.dtype, args.threads, args.quant, args.quant_group_size, args.compile, tree=(trees or [None])[0])
+    return run_batch_bench(setup, drafters, ks, batches, args.out, args.rounds, trees, args.temperature, args.seed,
+                           args.plot_prefix, not args.no_progress)
 
 
-def _run_contexts_cmd(args: argparse.Namespace) -> int:
+def _run_contexts(args: argparse.Namespace) -> dict:
     """`mtpspec bench --contexts ... --sparse-model S`: MTP against context length (bench/contexts.py)."""
     from .contexts import parse_contexts, run_contexts
 
@@ -341,9 +316,6 @@ def _run_contexts_cmd(args: argparse.Namespace) -> int:
         k = int(args.k or 4)
     except ValueError:
         raise ConfigError(f"--k with --contexts is one fixed draft depth (e.g. 4), got {args.k!r}") from None
-    res = run_contexts(args.model, args.sparse_model, parse_contexts(args.contexts), args.out, k=k, limit=args.limit,
-                       max_new_tokens=args.max_new_tokens, text=args.prompts, tokenizer=args.tokenizer, dtype=args.dtype,
-                       threads=args.threads, seed=args.seed, plot_prefix=args.plot_prefix, progress=not args.no_progress)
-    print(Path(res["files"]["markdown"]).read_text())
-    print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
-    return 0
+    return run_contexts(args.model, args.sparse_model, parse_contexts(args.contexts), args.out, k=k, limit=args.limit,
+                        max_new_tokens=args.max_new_tokens, text=args.prompts, tokenizer=args.tokenizer, dtype=args.dtype,
+                        threads=args.threads, seed=args.seed, plot_prefix=args.plot_prefix, progress=not args.no_progress)

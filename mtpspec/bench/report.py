@@ -1,9 +1,11 @@
-"""Aggregate benchmark runs, check the targets, write JSON, a markdown report and PNG plots."""
+"""Aggregate benchmark runs, check the targets, write JSON, a markdown report and PNG plots.
+
+The markdown table, target and figure helpers here serve batch.py too."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..metrics import Acceptance
@@ -33,120 +35,101 @@ class Aggregate:
     draft_acceptance: float | None = None  # accepted / drafted tokens, for any engine that counts them
 
 
-def _drafter_of(label: str) -> str:
-    name = label.split(":", 1)[1]
-    return "none" if name == "plain" else name.split("@", 1)[0]
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
-def aggregate(runs: list[Run], label: str, plain_tps: float, cost: CostModel | None, plain_prefill: dict[str, float] | None = None,
-              plain_cpu: float | None = None) -> Aggregate:
-    """plain_cpu: CPU seconds per token of ours:plain on the same prompts (for cpu_speedup)."""
-    rs = [r for r in runs if r.method == label]
-    toks = sum(r.new_tokens for r in rs)
-    wall = sum(r.wall_seconds for r in rs)
-    tps = toks / wall if wall > 0 else 0.0
+def aggregate(rs: list[Run], plain: list[Run], cost: CostModel | None) -> Aggregate:
+    """One method's runs `rs` against ours:plain's runs `plain` on the same prompts."""
+    toks, wall, cpu = sum(r.new_tokens for r in rs), sum(r.wall_seconds for r in rs), sum(r.cpu_seconds or 0.0 for r in rs)
+    p_toks = sum(r.new_tokens for r in plain)
+    p_tps, p_cpu = _ratio(p_toks, sum(r.wall_seconds for r in plain)), _ratio(sum(r.cpu_seconds or 0.0 for r in plain), p_toks)
+    tps = _ratio(toks, wall) or 0.0
     flags = [r.lossless for r in rs if r.lossless is not None]
-    cpu = sum(r.cpu_seconds or 0.0 for r in rs)
-    agg = Aggregate(
-        method=label, prompts=len(rs), new_tokens=toks, wall_seconds=wall, tokens_per_second=tps,
-        speedup=tps / plain_tps if plain_tps > 0 else 0.0,
-        cpu_speedup=(plain_cpu / (cpu / toks)) if (plain_cpu and cpu > 0 and toks) else None,
-        lossless=f"{sum(flags)}/{len(flags)}" if flags else "-",
-    )
-    if rs and all(r.prefill_seconds is not None for r in rs):
-        dec = sum(r.wall_seconds - r.prefill_seconds for r in rs)
-        agg.decode_tokens_per_second = sum(r.new_tokens if r.decode_tokens is None else r.decode_tokens for r in rs) / dec if dec > 0 else None
     acc = sum((Acceptance(forwards=r.target_forwards or 0, drafted=r.draft_tokens or 0, accepted=r.accepted_tokens or 0,
                           reached=r.reached, passed=r.passed) for r in rs), Acceptance())
-    agg.draft_acceptance = acc.draft_acceptance
-    if rs and rs[0].target_forwards is not None:  # our engine: counters and time split
-        agg.mean_accepted_length = acc.mean_accepted_length
-        agg.acceptance_by_position = [0.0 if x is None else x for x in acc.by_position()]
-        t = max(toks, 1)
-        agg.time_split = {k: sum(getattr(r, f"{k}_seconds") for r in rs) / t for k in ("prefill", "draft", "verify", "overhead")}
-        steps = [d for r in rs for d in r.drafts_per_step]
-        agg.mean_depth = sum(steps) / len(steps) if steps else 0.0
-        if cost is not None:
-            pre = plain_prefill or {}
-            dr = _drafter_of(label)
-            plain_s = sum(r.new_tokens * cost.plain_seconds(dr) + pre.get(r.prompt_id, 0.0) for r in rs)
-            spec_s = sum(cost.run_seconds(dr, r.drafts_per_step, pre.get(r.prompt_id, 0.0)) for r in rs)
-            agg.predicted_speedup = plain_s / spec_s if spec_s > 0 else None
-            agg.efficiency = agg.speedup / agg.predicted_speedup if agg.predicted_speedup else None
+    agg = Aggregate(method=rs[0].method, prompts=len(rs), new_tokens=toks, wall_seconds=wall, tokens_per_second=tps,
+                    speedup=_ratio(tps, p_tps) or 0.0, cpu_speedup=_ratio(p_cpu, _ratio(cpu, toks)),
+                    lossless=f"{sum(flags)}/{len(flags)}" if flags else "-", draft_acceptance=acc.draft_acceptance)
+    if all(r.prefill_seconds is not None for r in rs):
+        decoded = sum(r.new_tokens if r.decode_tokens is None else r.decode_tokens for r in rs)
+        agg.decode_tokens_per_second = _ratio(decoded, sum(r.wall_seconds - r.prefill_seconds for r in rs))
+    if rs[0].target_forwards is None:  # a peer: no counters of ours
+        return agg
+    agg.mean_accepted_length = acc.mean_accepted_length
+    agg.acceptance_by_position = [0.0 if x is None else x for x in acc.by_position()]
+    agg.time_split = {k: sum(getattr(r, f"{k}_seconds") for r in rs) / max(toks, 1) for k in ("prefill", "draft", "verify", "overhead")}
+    steps = [d for r in rs for d in r.drafts_per_step]
+    agg.mean_depth = sum(steps) / len(steps) if steps else 0.0
+    if cost is not None:
+        pre = {r.prompt_id: r.prefill_seconds or 0.0 for r in plain}
+        name = rs[0].method.split(":", 1)[1]
+        dr = "none" if name == "plain" else name.split("@", 1)[0]
+        plain_s = sum(r.new_tokens * cost.plain_seconds(dr) + pre.get(r.prompt_id, 0.0) for r in rs)
+        agg.predicted_speedup = _ratio(plain_s, sum(cost.run_seconds(dr, r.drafts_per_step, pre.get(r.prompt_id, 0.0)) for r in rs))
+        agg.efficiency = _ratio(agg.speedup, agg.predicted_speedup)
     return agg
 
 
 def summarize(runs: list[Run], methods: list[Method], cost: CostModel | None) -> dict:
-    labels = [PLAIN.label] + [m.label for m in methods if m.label != PLAIN.label]
+    labels = list(dict.fromkeys([PLAIN.label] + [m.label for m in methods]))
     cats = list(dict.fromkeys(r.category for r in runs))
-    out = {"categories": cats, "methods": labels, "overall": {}, "by_category": {}}
-    for group, rs in [("overall", runs)] + [(c, [r for r in runs if r.category == c]) for c in cats]:
-        base = aggregate(rs, PLAIN.label, 0.0, None)
-        pre = {r.prompt_id: r.prefill_seconds or 0.0 for r in rs if r.method == PLAIN.label}
-        pr = [r for r in rs if r.method == PLAIN.label]
-        pcpu = sum(r.cpu_seconds or 0.0 for r in pr) / max(sum(r.new_tokens for r in pr), 1) or None
-        aggs = {lab: aggregate(rs, lab, base.tokens_per_second, cost, pre, pcpu).__dict__ for lab in labels}
-        if group == "overall":
-            out["overall"] = aggs
-        else:
-            out["by_category"][group] = aggs
-    return out
+
+    def group(rs: list[Run]) -> dict:
+        plain = [r for r in rs if r.method == PLAIN.label]
+        return {lab: asdict(aggregate([r for r in rs if r.method == lab], plain, cost)) for lab in labels}
+
+    return {"categories": cats, "methods": labels, "overall": group(runs),
+            "by_category": {c: group([r for r in runs if r.category == c]) for c in cats}}
+
+
+def target(name: str, measured: float, goal: float, detail: str = "") -> dict:
+    """One target of an issue, with its measured number and whether it is met."""
+    return {"target": name, "measured": round(measured, 3), "goal": goal, "met": measured >= goal, "detail": detail}
+
+
+def _best(values: dict[str, float | None], prefix: str) -> tuple[float, str]:
+    return max((v, k) for k, v in values.items() if k.startswith(prefix) and v)
 
 
 def check_targets(summary: dict, elapsed_seconds: float | None = None) -> list[dict]:
-    """The issue's targets, each with its measured number and pass / miss."""
+    """The issues' targets that this run measured (docs/benchmarks.md, "Targets")."""
     ov, cats = summary["overall"], summary["by_category"]
     tps = {k: v["tokens_per_second"] for k, v in ov.items()}
-    out = []
-
-    def add(name: str, value: float, goal: float, detail: str = "") -> None:
-        out.append({"target": name, "measured": round(value, 3), "goal": goal, "met": value >= goal, "detail": detail})
-
-    if "hf:plain" in tps:
-        add("ours:plain / hf:plain tokens/s", tps["ours:plain"] / tps["hf:plain"], 1.0)
-    for lab in tps:
-        if lab.startswith("hf:ngram") and "ours:" + lab[3:] in tps:
-            add(f"ours:{lab[3:]} / {lab} tokens/s", tps["ours:" + lab[3:]] / tps[lab], 1.2)
-    if "hf:ngram" in " ".join(tps):
-        best_ours = max((v, k) for k, v in tps.items() if k.startswith("ours:ngram"))
-        best_hf = max((v, k) for k, v in tps.items() if k.startswith("hf:ngram"))
-        add("best ours:ngram / best hf:ngram tokens/s", best_ours[0] / best_hf[0], 1.2, f"{best_ours[1]} vs {best_hf[1]}")
-    if "hf:draft" in tps:
-        best = max((v, k) for k, v in tps.items() if k.startswith("ours:draft"))
-        add("best ours:draft / hf:draft (assisted) tokens/s", best[0] / tps["hf:draft"], 1.0, best[1])
     dec = {k: v.get("decode_tokens_per_second") for k, v in ov.items()}
-    lc = {k: v for k, v in dec.items() if k.startswith("llamacpp:") and v}
-    if lc and dec.get("ours:plain"):
-        add("ours:plain / llamacpp:plain decode tok/s", dec["ours:plain"] / lc["llamacpp:plain"], 0.5)
-        best_ours = max((v, k) for k, v in dec.items() if k.startswith("ours:") and v)
-        best_lc = max((v, k) for k, v in lc.items())
-        add("best ours / best llamacpp decode tok/s", best_ours[0] / best_lc[0], 1.0, f"{best_ours[1]} vs {best_lc[1]}")
-    for lab, a in ov.items():
-        if a.get("efficiency") is not None and lab != "ours:plain":
-            add(f"{lab}: measured / predicted speedup", a["efficiency"], 0.9)
-    for lab in ov:
-        if not (lab.startswith("ours:") and lab.endswith("@auto")) or not cats:
-            continue
-        drafter = lab[5:-5]
-        fixed = [k for k in ov if k.startswith(f"ours:{drafter}@") and not k.endswith("@auto")]
-        worst = min(cats, key=lambda c: cats[c][lab]["speedup"])
-        pw, cw = cats[worst][lab].get("predicted_speedup"), cats[worst][lab].get("cpu_speedup")
-        worst_cpu = min(cats, key=lambda c: cats[c][lab].get("cpu_speedup") or 9.9)
-        det = worst + (f"; cost model predicts {pw:.2f}" if pw else "")
-        if cw:
-            det += f"; worst from CPU time: {worst_cpu} {cats[worst_cpu][lab]['cpu_speedup']:.2f}"
-        add(f"{lab}: speedup on its worst category", cats[worst][lab]["speedup"], 0.97, det)
+    out = []
+    if "hf:plain" in tps:
+        out.append(target("ours:plain / hf:plain tokens/s", tps["ours:plain"] / tps["hf:plain"], 1.0))
+    out += [target(f"ours:{lab[3:]} / {lab} tokens/s", tps["ours:" + lab[3:]] / tps[lab], 1.2)
+            for lab in tps if lab.startswith("hf:ngram") and "ours:" + lab[3:] in tps]
+    if any(k.startswith("hf:ngram") for k in tps):
+        (o, ol), (h, hl) = _best(tps, "ours:ngram"), _best(tps, "hf:ngram")
+        out.append(target("best ours:ngram / best hf:ngram tokens/s", o / h, 1.2, f"{ol} vs {hl}"))
+    if "hf:draft" in tps:
+        o, ol = _best(tps, "ours:draft")
+        out.append(target("best ours:draft / hf:draft (assisted) tokens/s", o / tps["hf:draft"], 1.0, ol))
+    if dec.get("llamacpp:plain") and dec.get("ours:plain"):
+        out.append(target("ours:plain / llamacpp:plain decode tok/s", dec["ours:plain"] / dec["llamacpp:plain"], 0.5))
+        (o, ol), (c, cl) = _best(dec, "ours:"), _best(dec, "llamacpp:")
+        out.append(target("best ours / best llamacpp decode tok/s", o / c, 1.0, f"{ol} vs {cl}"))
+    out += [target(f"{lab}: measured / predicted speedup", a["efficiency"], 0.9)
+            for lab, a in ov.items() if a.get("efficiency") is not None and lab != PLAIN.label]
+    for lab in [k for k in ov if k.startswith("ours:") and k.endswith("@auto")] if cats else []:
+        at = {c: cats[c][lab] for c in cats}
+        worst = min(cats, key=lambda c: at[c]["speedup"])
+        pw = at[worst].get("predicted_speedup")
+        out.append(target(f"{lab}: speedup on its worst category", at[worst]["speedup"], 0.97,
+                          worst + (f"; cost model predicts {pw:.2f}" if pw else "")))
+        fixed = [k for k in ov if k.startswith(lab[:-4]) and k != lab]
         if fixed:
-            best_cat = max(cats, key=lambda c: max(cats[c][f]["speedup"] for f in fixed))
-            best_f = max(fixed, key=lambda f: cats[best_cat][f]["speedup"])
-            ratio = cats[best_cat][lab]["speedup"] / cats[best_cat][best_f]["speedup"]
-            pa, pf = cats[best_cat][lab].get("predicted_speedup"), cats[best_cat][best_f].get("predicted_speedup")
-            det = f"{best_cat}: {best_f}" + (f"; cost model predicts {pa / pf:.2f}" if pa and pf else "")
-            ca, cf = cats[best_cat][lab].get("cpu_speedup"), cats[best_cat][best_f].get("cpu_speedup")
-            det += f"; from CPU time {ca / cf:.2f}" if ca and cf else ""
-            add(f"{lab} / best fixed D on the best category", ratio, 0.9, det)
+            cat = max(cats, key=lambda c: max(cats[c][f]["speedup"] for f in fixed))
+            best = max(fixed, key=lambda f: cats[cat][f]["speedup"])
+            predicted = _ratio(at[cat].get("predicted_speedup"), cats[cat][best].get("predicted_speedup"))
+            out.append(target(f"{lab} / best fixed D on the best category", at[cat]["speedup"] / cats[cat][best]["speedup"], 0.9,
+                              f"{cat}: {best}" + (f"; cost model predicts {predicted:.2f}" if predicted else "")))
     if elapsed_seconds is not None:
-        out.append({"target": "benchmark wall time (s)", "measured": round(elapsed_seconds, 1), "goal": 300, "met": elapsed_seconds < 300, "detail": "whole run incl. cost model and peers"})
+        out.append({"target": "benchmark wall time (s)", "measured": round(elapsed_seconds, 1), "goal": 300, "met": elapsed_seconds < 300,
+                    "detail": "whole run incl. cost model and peers"})
     return out
 
 
@@ -157,189 +140,154 @@ def _f(x, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def section(title: str | None, header: list, rows: list[list]) -> list[str]:
+    """A markdown table after a blank line (and its title), as lines."""
+    head = ["", title, ""] if title else [""]
+    return head + ["| " + " | ".join(map(str, header)) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+
+def targets_md(targets: list[dict]) -> list[str]:
+    rows = [[t["target"] + (f" ({t['detail']})" if t.get("detail") else ""), t["measured"], t["goal"], "yes" if t["met"] else "**no**"]
+            for t in targets]
+    return section("Targets:", ["target", "measured", "goal", "met"], rows) if rows else ["", "Targets: none measured here."]
+
+
+def _speedup_mal(a: dict) -> str:
+    return f"{a['speedup']:.2f}x" + ("" if a["mean_accepted_length"] is None else f" ({a['mean_accepted_length']:.2f})")
+
+
 def markdown(result: dict, images: list[str] | None = None) -> str:
     s, meta, cost = result["summary"], result["config"], result.get("cost_model")
     ov, cats = s["overall"], s["by_category"]
+    repeat = meta.get("repeat", 1)
     lines = [
         f"## {meta['model_name']} on {meta['prompts_name']}",
         "",
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
         f"torch threads {meta['threads']}, " + ("our steps compiled (--compile), " if meta.get("compile") else "")
-        + (f"{'mean' if meta.get('keep', 'best') == 'mean' else 'best'} of {meta.get('repeat', 1)} alternating rounds"
-           if meta.get("repeat", 1) > 1 else "one round")
+        + (f"{meta.get('keep', 'mean')} of {repeat} alternating rounds" if repeat > 1 else "one round")
         + (", our methods of each prompt interleaved every 5 ms" if meta.get("interleave") == "step" else "")
-        + f", prompts cut to {meta['max_prompt_tokens']} tokens; "
-        f"wall time {meta['elapsed_seconds']:.0f} s. Speedup = tokens/s over ours:plain on the same prompts in the same run.",
-        "",
-        "| method | tok/s | decode tok/s | speedup | speedup (CPU time) | predicted | measured/predicted | mean accepted length | drafts/step | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        + f", prompts cut to {meta['max_prompt_tokens']} tokens; wall time {meta['elapsed_seconds']:.0f} s. "
+        "Speedup = tokens/s over ours:plain on the same prompts in the same run.",
     ]
-    for lab, a in ov.items():
-        lines.append(
-            f"| {lab} | {a['tokens_per_second']:.0f} | {_f(a.get('decode_tokens_per_second'), '{:.0f}')} | {a['speedup']:.2f}x | "
-            f"{_f(a['cpu_speedup'], '{:.2f}x')} | {_f(a['predicted_speedup'], '{:.2f}x')} | "
-            f"{_f(a['efficiency'])} | {_f(a['mean_accepted_length'])} | {_f(a['mean_depth'])} | {a['lossless']} |"
-        )
-    lines += ["", "Speedup by category (mean accepted length in brackets):", ""]
-    lines.append("| method | " + " | ".join(cats) + " |")
-    lines.append("|---" * (len(cats) + 1) + "|")
-    for lab in ov:
-        cells = []
-        for c in cats:
-            a = cats[c][lab]
-            mal = f" ({a['mean_accepted_length']:.2f})" if a.get("mean_accepted_length") is not None else ""
-            cells.append(f"{a['speedup']:.2f}x{mal}")
-        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    if any(cats[c][lab].get("cpu_speedup") for c in cats for lab in ov):
-        lines += ["", "Speedup by category from process CPU time (blind to time other jobs took the core):", ""]
-        lines.append("| method | " + " | ".join(cats) + " |")
-        lines.append("|---" * (len(cats) + 1) + "|")
-        for lab in ov:
-            lines.append(f"| {lab} | " + " | ".join(_f(cats[c][lab].get("cpu_speedup"), "{:.2f}x") for c in cats) + " |")
-    ours = [lab for lab in ov if lab.startswith("ours:") and ov[lab]["acceptance_by_position"]]
-    if ours:
-        n = max(len(ov[lab]["acceptance_by_position"]) for lab in ours)
-        lines += ["", "Acceptance by position (P(draft i accepted | drafts before it accepted)), all prompts:", ""]
-        lines.append("| method | " + " | ".join(str(i + 1) for i in range(n)) + " |")
-        lines.append("|---" * (n + 1) + "|")
-        for lab in ours:
-            acc = ov[lab]["acceptance_by_position"]
-            lines.append(f"| {lab} | " + " | ".join(f"{acc[i]:.2f}" if i < len(acc) else "" for i in range(n)) + " |")
-    lines += ["", "Time split, milliseconds per generated token:", "", "| method | prefill | draft | verify | overhead | total |", "|---|---|---|---|---|---|"]
-    for lab in ov:
-        t = ov[lab]["time_split"]
-        if t:
-            lines.append(f"| {lab} | " + " | ".join(f"{1000 * t[k]:.3f}" for k in ("prefill", "draft", "verify", "overhead")) + f" | {1000 * sum(t.values()):.3f} |")
-    peers = [lab for lab in ov if lab.startswith("hf:")]
-    if peers:
-        lines += ["", "Ours vs transformers on the same weights (tokens/s; the last column from process CPU time):", "",
-                  "| method | ours | transformers | ours / theirs | ours / theirs (CPU time) |", "|---|---|---|---|---|"]
-        for lab in peers:
-            mine = "ours:" + lab[3:]
-            if mine not in ov:  # no same-D counterpart (hf:draft, hf:ngram@10): our best of that drafter
-                fam = "ours:" + lab[3:].split("@")[0]
-                mine = max((k for k in ov if k.split("@")[0] == fam), key=lambda k: ov[k]["tokens_per_second"], default=None)
-            if mine in ov:
-                a, b = ov[mine]["tokens_per_second"], ov[lab]["tokens_per_second"]
-                ca, cb = ov[mine].get("cpu_speedup"), ov[lab].get("cpu_speedup")
-                lines.append(f"| {mine} vs {lab} | {a:.0f} | {b:.0f} | {a / b:.2f}x | {_f(ca / cb if ca and cb else None, '{:.2f}x')} |")
-    lcp = [lab for lab in ov if lab.startswith("llamacpp:")]
-    if lcp:
-        base = ov["ours:plain"].get("decode_tokens_per_second")
-        lines += ["", "Ours vs llama.cpp (llama-server) on the same weights, decode-only tokens/s (prefill excluded on both sides):", "",
-                  "| method | decode tok/s | vs ours:plain | draft acceptance | lossless |", "|---|---|---|---|---|"]
-        for lab in [k for k in ov if k.startswith("ours:")] + lcp:
-            d = ov[lab].get("decode_tokens_per_second")
-            lines.append(f"| {lab} | {_f(d, '{:.0f}')} | {_f(d / base if d and base else None, '{:.2f}x')} | "
-                         f"{_f(ov[lab].get('draft_acceptance'))} | {ov[lab]['lossless']} |")
+    lines += section(None, ["method", "tok/s", "decode tok/s", "speedup", "speedup (CPU time)", "predicted", "measured/predicted",
+                          "mean accepted length", "drafts/step", "lossless"],
+                     [[lab, f"{a['tokens_per_second']:.0f}", _f(a["decode_tokens_per_second"], "{:.0f}"), f"{a['speedup']:.2f}x",
+                       _f(a["cpu_speedup"], "{:.2f}x"), _f(a["predicted_speedup"], "{:.2f}x"), _f(a["efficiency"]),
+                       _f(a["mean_accepted_length"]), _f(a["mean_depth"]), a["lossless"]] for lab, a in ov.items()])
+    lines += section("Speedup by category (mean accepted length in brackets):", ["method", *cats],
+                     [[lab] + [_speedup_mal(cats[c][lab]) for c in cats] for lab in ov])
+    if any(cats[c][lab]["cpu_speedup"] for c in cats for lab in ov):
+        lines += section("Speedup by category from process CPU time (blind to time other jobs took the core):", ["method", *cats],
+                         [[lab] + [_f(cats[c][lab]["cpu_speedup"], "{:.2f}x") for c in cats] for lab in ov])
+    accs = {lab: a["acceptance_by_position"] for lab, a in ov.items() if a["acceptance_by_position"]}
+    if accs:
+        n = max(map(len, accs.values()))
+        lines += section("Acceptance by position (P(draft i accepted | drafts before it accepted)), all prompts:",
+                         ["method", *range(1, n + 1)], [[lab] + [f"{x:.2f}" for x in acc] + [""] * (n - len(acc)) for lab, acc in accs.items()])
+    lines += section("Time split, milliseconds per generated token:", ["method", "prefill", "draft", "verify", "overhead", "total"],
+                     [[lab] + [f"{1000 * x:.3f}" for x in a["time_split"].values()] + [f"{1000 * sum(a['time_split'].values()):.3f}"]
+                      for lab, a in ov.items() if a["time_split"]])
+    hf = []
+    for lab in [k for k in ov if k.startswith("hf:")]:
+        mine = "ours:" + lab[3:]
+        if mine not in ov:  # no same-D counterpart (hf:draft, hf:ngram@10): our best of that drafter
+            fam = mine.split("@")[0]
+            mine = max((k for k in ov if k.split("@")[0] == fam), key=lambda k: ov[k]["tokens_per_second"], default=None)
+        if mine:
+            a, b = ov[mine]["tokens_per_second"], ov[lab]["tokens_per_second"]
+            hf.append([f"{mine} vs {lab}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x",
+                       _f(_ratio(ov[mine]["cpu_speedup"], ov[lab]["cpu_speedup"]), "{:.2f}x")])
+    if hf:
+        lines += section("Ours vs transformers on the same weights (tokens/s; the last column from process CPU time):",
+                         ["method", "ours", "transformers", "ours / theirs", "ours / theirs (CPU time)"], hf)
+    if any(k.startswith("llamacpp:") for k in ov):
+        base = ov[PLAIN.label]["decode_tokens_per_second"]
+        lines += section("Ours vs llama.cpp (llama-server) on the same weights, decode-only tokens/s (prefill excluded on both sides):",
+                         ["method", "decode tok/s", "vs ours:plain", "draft acceptance", "lossless"],
+                         [[lab, _f(a["decode_tokens_per_second"], "{:.0f}"), _f(_ratio(a["decode_tokens_per_second"], base), "{:.2f}x"),
+                           _f(a["draft_acceptance"]), a["lossless"]] for lab, a in ov.items() if not lab.startswith("hf:")])
     if cost:
-        r = cost["ratio"]
-        lines += [
-            "", f"Cost model (measured here, {cost['threads']} thread(s)):", "",
-            "| k | " + " | ".join(str(i + 1) for i in range(len(r))) + " |", "|---" * (len(r) + 1) + "|",
-            "| T(k)/T(1) | " + " | ".join(f"{x:.2f}" for x in r) + " |", "",
-            f"T(1) = {1000 * cost['t1']:.3f} ms."
-            + "".join(f" Drafter '{k}' per step of d drafts (propose + commit), d = 1..{len(v)}: " + ", ".join(f"{1000 * x:.2f}" for x in v) + " ms"
-                      + (f"; its prompt catch-up {cost['prefill_ratio'][k]:.2f}x the target's prefill" if k in cost.get("prefill_ratio", {}) else "") + "."
-                      for k, v in cost.get("draft_steps", {}).items()),
-        ]
-        vs = cost.get("verify_steps") or {}
-        if vs:
-            lines[-1] += (" Verify forward in situ (timed in each drafter's loop, used by the predictions), d = 0 (its plain"
-                          f" steps) .. {max(len(v) for v in vs.values()) - 1}: "
-                          + "; ".join(f"{k} " + ", ".join(f"{1000 * x:.2f}" for x in v) + f" ms ({v[0] / cost['t1']:.2f}x T(1) back to back at d = 0)"
-                                      for k, v in vs.items()) + ".")
+        ms = lambda xs: ", ".join(f"{1000 * x:.2f}" for x in xs) + " ms"  # noqa: E731
+        lines += section(f"Cost model (measured here, {cost['threads']} thread(s)):", ["k", *range(1, len(cost["ratio"]) + 1)],
+                         [["T(k)/T(1)"] + [f"{x:.2f}" for x in cost["ratio"]]])
+        lines += ["", f"T(1) = {1000 * cost['t1']:.3f} ms."] + [
+            f"Drafter '{k}': per step of d drafts (propose + commit), d = 1..{len(v)}: {ms(v)}; its prompt catch-up "
+            f"{cost['prefill_ratio'][k]:.2f}x the target's prefill; verify forward in situ (timed in its loop, used by the "
+            f"predictions), d = 0 (its plain steps) .. {len(v)}: {ms(cost['verify_steps'][k])} "
+            f"({cost['verify_steps'][k][0] / cost['t1']:.2f}x T(1) back to back at d = 0)." for k, v in cost["draft_steps"].items()]
     if meta.get("peers_skipped"):
         lines += ["", "Peers not run: " + "; ".join(f"{lab} ({why})" for lab, why in meta["peers_skipped"].items()) + "."]
-    tg = result.get("targets")
-    if tg:
-        lines += ["", "Targets:", "", "| target | measured | goal | met |", "|---|---|---|---|"]
-        for t in tg:
-            det = f" ({t['detail']})" if t.get("detail") else ""
-            lines.append(f"| {t['target']}{det} | {t['measured']} | {t['goal']} | {'yes' if t['met'] else '**no**'} |")
-    for img in images or []:
-        lines += ["", f"![{Path(img).stem}]({img})"]
+    lines += targets_md(result.get("targets") or [])
+    lines += [f"\n![{Path(img).stem}]({img})" for img in images or []]
     return "\n".join(lines) + "\n"
 
 
 # --- plots -----------------------------------------------------------------------------------
 
 
-def plots(result: dict, out_dir: Path, prefix: str = "bench_") -> list[Path]:
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["summary"]
-    ov, cats = s["overall"], s["by_category"]
-    labels = list(ov)
-    groups = list(cats) + ["overall"]
-    paths = []
+    return plt
 
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups)), 4))
-    w = 0.8 / len(labels)
-    for i, lab in enumerate(labels):
-        ys = [cats[g][lab]["speedup"] if g in cats else ov[lab]["speedup"] for g in groups]
-        ax.bar([x + i * w for x in range(len(groups))], ys, w, label=lab)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(groups))], groups, rotation=20)
-    ax.set_ylabel("speedup over ours:plain")
-    ax.set_title(f"{result['config']['model_name']}: speedup by category")
-    ax.legend(fontsize=7, ncol=2)
+
+def save(fig, path: Path) -> Path:
     fig.tight_layout()
-    paths.append(out_dir / f"{prefix}speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    ax = axes[0]
-    for lab in labels:
-        acc = ov[lab]["acceptance_by_position"]
-        if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=lab)
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("P(accepted | earlier accepted)")
-    ax.set_title("acceptance by position")
-    ax.set_ylim(0, 1.05)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    ax = axes[1]
-    ours = [lab for lab in labels if ov[lab]["time_split"]]
+
+def plots(result: dict, out_dir: Path, prefix: str = "bench_") -> list[Path]:
+    """Speedup by category; acceptance by position, time split, and measured against predicted speedup."""
+    plt = pyplot()
+    ov, cats = result["summary"]["overall"], result["summary"]["by_category"]
+    groups = {**cats, "overall": ov}
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups)), 4))
+    w = 0.8 / len(ov)
+    for i, lab in enumerate(ov):
+        ax.bar([x + i * w for x in range(len(groups))], [g[lab]["speedup"] for g in groups.values()], w, label=lab)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(groups))], list(groups), rotation=20)
+    ax.set(ylabel="speedup over ours:plain", title=f"{result['config']['model_name']}: speedup by category")
+    ax.legend(fontsize=7, ncol=2)
+    paths = [save(fig, out_dir / f"{prefix}speedup.png")]
+
+    fig, (acc, split, pred) = plt.subplots(1, 3, figsize=(15, 4))
+    for lab, a in ov.items():
+        if a["acceptance_by_position"]:
+            acc.plot(range(1, len(a["acceptance_by_position"]) + 1), a["acceptance_by_position"], marker="o", label=lab)
+    acc.set(xlabel="draft position i", ylabel="P(accepted | earlier accepted)", title="acceptance by position", ylim=(0, 1.05))
+    ours = [lab for lab in ov if ov[lab]["time_split"]]
     left = [0.0] * len(ours)
     for part in ("prefill", "draft", "verify", "overhead"):
         vals = [1000 * ov[lab]["time_split"][part] for lab in ours]
-        ax.barh(ours, vals, left=left, label=part)
+        split.barh(ours, vals, left=left, label=part)
         left = [a + b for a, b in zip(left, vals)]
-    ax.set_xlabel("ms per generated token")
-    ax.set_title("time split")
-    ax.legend(fontsize=7)
-    ax = axes[2]
-    pts = [(ov[lab]["predicted_speedup"], ov[lab]["speedup"], lab) for lab in labels if ov[lab].get("predicted_speedup")]
+    split.set(xlabel="ms per generated token", title="time split")
+    pts = [(a["predicted_speedup"], a["speedup"], lab) for lab, a in ov.items() if a["predicted_speedup"]]
+    for px, py, lab in pts:
+        pred.scatter(px, py)
+        pred.annotate(lab.replace("ours:", ""), (px, py), fontsize=7)
     if pts:
-        for px, py, lab in pts:
-            ax.scatter(px, py)
-            ax.annotate(lab.replace("ours:", ""), (px, py), fontsize=7)
-        hi = max(max(p[0], p[1]) for p in pts) * 1.05
-        lo = min(min(p[0], p[1]) for p in pts) * 0.9
-        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-        ax.plot([lo, hi], [0.9 * lo, 0.9 * hi], "k:", lw=0.8)
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(0.9 * lo, hi)
-    ax.set_xlabel("predicted speedup (cost model)")
-    ax.set_ylabel("measured speedup")
-    ax.set_title("measured vs predicted (dotted: 90%)")
-    fig.tight_layout()
-    paths.append(out_dir / f"{prefix}acceptance_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+        lo, hi = 0.9 * min(min(p[:2]) for p in pts), 1.05 * max(max(p[:2]) for p in pts)
+        pred.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        pred.plot([lo, hi], [0.9 * lo, 0.9 * hi], "k:", lw=0.8)
+        pred.set(xlim=(lo, hi), ylim=(0.9 * lo, hi))
+    pred.set(xlabel="predicted speedup (cost model)", ylabel="measured speedup", title="measured vs predicted (dotted: 90%)")
+    for ax in (acc, split):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return paths + [save(fig, out_dir / f"{prefix}acceptance_time.png")]
 
 
 def write_all(result: dict, out_dir: Path, prefix: str = "bench_") -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     imgs = plots(result, out_dir, prefix)
-    md = markdown(result, [p.name for p in imgs])
-    (out_dir / "report.md").write_text(md)
+    (out_dir / "report.md").write_text(markdown(result, [p.name for p in imgs]))
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     return {"json": out_dir / "results.json", "markdown": out_dir / "report.md", **{p.stem: p for p in imgs}}
