@@ -71,29 +71,6 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory")
 
 
-def resolve_draft_model(path: str | None, drafters: list[str], tokenizer: str | None, dtype: str):
-    """--draft-model -> (the full draft model or None, drafter -> its draft_model argument).
-
-    A head folder (head.json) goes to the drafter of its kind; anything else is loaded as a full
-    model for the 'draft' drafter and the assisted-generation peer (as `mtpspec generate` does)."""
-    from ..api import load
-    from ..models.heads import load_head
-
-    if not path:
-        return None, {}
-    p = Path(path)
-    if p.is_dir() and (p / "head.json").exists():
-        head = load_head(p, parse_dtype(dtype))
-        kind = head.config.kind
-        if "draft" in drafters:
-            raise ConfigError(f"--drafters draft needs a full draft model; {path} is a {kind} head")
-        if kind not in drafters:
-            raise ConfigError(f"--draft-model {path} is a {kind} head, but --drafters ({','.join(drafters)}) does not include {kind}")
-        return None, {kind: head}
-    dm = load(path, tokenizer, dtype)
-    return dm, {"draft": dm.module}
-
-
 @dataclass
 class Setup:
     """What every mode of the benchmark loads before it times anything."""
@@ -113,6 +90,7 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
     """Check the request and load what it names; a bad combination fails here, before anything is timed."""
     from ..api import load
     from ..drafters import REGISTRY, make_drafter
+    from ..models.heads import load_head
     from ..prompts import load_prompts
     from .harness import prepare_ids
 
@@ -127,7 +105,18 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size, compile=compile)
-    dm, draft_models = resolve_draft_model(draft_model, drafters, tokenizer, dtype)
+    dm, draft_models = None, {}  # the full draft model; drafter -> its draft_model argument
+    if draft_model and (Path(draft_model) / "head.json").exists():  # a head folder goes to the drafter of its kind
+        head = load_head(Path(draft_model), parse_dtype(dtype))
+        kind = head.config.kind
+        if "draft" in drafters:
+            raise ConfigError(f"--drafters draft needs a full draft model; {draft_model} is a {kind} head")
+        if kind not in drafters:
+            raise ConfigError(f"--draft-model {draft_model} is a {kind} head, but --drafters ({','.join(drafters)}) does not include {kind}")
+        draft_models = {kind: head}
+    elif draft_model:  # a full model, for the 'draft' drafter and the assisted-generation peer (as `mtpspec generate` takes it)
+        dm = load(draft_model, tokenizer, dtype)
+        draft_models = {"draft": dm.module}
     for d in drafters:  # a head for another target, no MTP module, ...
         make_drafter(d, model.module, draft_model=draft_models.get(d), tree=tree)
     try:

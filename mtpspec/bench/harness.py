@@ -87,8 +87,6 @@ class OursRunner:
     def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
             turn: Turn | None = None) -> Run:
         """One generation; with a `turn` it runs in a Lockstep rotation and its waits are not its time."""
-        if method.drafter == "draft" and self.draft_models.get("draft") is None:
-            raise ConfigError("--drafters draft needs --draft-model")
         kw = dict(k=method.k or 1)
         if method.k == "auto":
             c = self.cost  # the policy's priors: the measured T(k)/T(1) and the drafter's cost per token at d = 4
