@@ -197,9 +197,12 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
         plain = {r.round: r.tokens for r in runs if r.batch == b_n and r.method == "plain"}
         for m in methods:
             rs = [r for r in runs if r.batch == b_n and r.method == m.label]
-            bad = [{"method": r.method, "batch": b_n, "round": r.round, "sequence": i,
-                    "first_difference": next((j for j, (x, y) in enumerate(zip(a, p)) if x != y), min(len(a), len(p)))}
-                   for r in rs for i, (a, p) in enumerate(zip(r.tokens, plain[r.round])) if greedy and a != p]
+            bad = []  # sequences whose tokens differ from plain's in the same round
+            for r in rs if greedy else []:
+                for i, (a, p) in enumerate(zip(r.tokens, plain[r.round])):
+                    if a != p:
+                        first = next((j for j, (x, y) in enumerate(zip(a, p)) if x != y), min(len(a), len(p)))
+                        bad.append({"method": r.method, "batch": b_n, "round": r.round, "sequence": i, "first_difference": first})
             mismatches += bad
             cell = {k: _median(getattr(r, k) for r in rs) for k in METRICS}
             table[m.label][str(b_n)] = cell | {"identical": f"{b_n - len({x['sequence'] for x in bad})}/{b_n}" if greedy else "-"}

@@ -191,7 +191,9 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         from .peers import HFRunner, peer_model
 
         hf_root = Path(hf_dir) if hf_dir else out / "hf"
-        exported = {"target": peer_model(model, hf_root, "target")} | ({"draft": peer_model(s.draft, hf_root, "draft")} if s.draft else {})
+        exported = {"target": peer_model(model, hf_root, "target")}
+        if s.draft is not None:
+            exported["draft"] = peer_model(s.draft, hf_root, "draft")
         export_diff = {name: p.export_diff for name, p in exported.items()}
         runners["transformers"] = HFRunner(exported["target"], exported.get("draft"), tuple(model.tokenizer.stop_ids))
         hf_ks = [k for k in ks if k != "auto"]

@@ -41,15 +41,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def aggregate(rs: list[Run], plain: list[Run], cost: CostModel | None) -> Aggregate:
     """One method's runs `rs` against ours:plain's runs `plain` on the same prompts."""
-    toks, wall, cpu = sum(r.new_tokens for r in rs), sum(r.wall_seconds for r in rs), sum(r.cpu_seconds or 0.0 for r in rs)
-    p_toks = sum(r.new_tokens for r in plain)
-    p_tps, p_cpu = _ratio(p_toks, sum(r.wall_seconds for r in plain)), _ratio(sum(r.cpu_seconds or 0.0 for r in plain), p_toks)
+    toks, wall = sum(r.new_tokens for r in rs), sum(r.wall_seconds for r in rs)
     tps = _ratio(toks, wall) or 0.0
+    cpu_per_token = _ratio(sum(r.cpu_seconds or 0.0 for r in rs), toks)
+    p_toks = sum(r.new_tokens for r in plain)
+    p_tps = _ratio(p_toks, sum(r.wall_seconds for r in plain))
+    p_cpu_per_token = _ratio(sum(r.cpu_seconds or 0.0 for r in plain), p_toks)
     flags = [r.lossless for r in rs if r.lossless is not None]
     acc = sum((Acceptance(forwards=r.target_forwards or 0, drafted=r.draft_tokens or 0, accepted=r.accepted_tokens or 0,
                           reached=r.reached, passed=r.passed) for r in rs), Acceptance())
     agg = Aggregate(method=rs[0].method, prompts=len(rs), new_tokens=toks, wall_seconds=wall, tokens_per_second=tps,
-                    speedup=_ratio(tps, p_tps) or 0.0, cpu_speedup=_ratio(p_cpu, _ratio(cpu, toks)),
+                    speedup=_ratio(tps, p_tps) or 0.0, cpu_speedup=_ratio(p_cpu_per_token, cpu_per_token),
                     lossless=f"{sum(flags)}/{len(flags)}" if flags else "-", draft_acceptance=acc.draft_acceptance)
     if all(r.prefill_seconds is not None for r in rs):
         decoded = sum(r.new_tokens if r.decode_tokens is None else r.decode_tokens for r in rs)
