@@ -26,9 +26,8 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from .costmodel import quantile
+from .harness import K_MAX_AUTO
 from .report import pyplot, save, section, target, targets_md
-
-K_MAX_AUTO = 8  # the deepest draft `--k auto` may choose
 
 
 def parse_counts(text: str, flag: str, what: str, example: str = "1,2,4,8") -> list[int]:

@@ -54,7 +54,6 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="peers on the same weights, comma-separated: hf (transformers' generate(); bare --peers), "
                    "llamacpp (llama-server from `make llamacpp`, on a GGUF export)")
     p.add_argument("--gguf", help="the target as GGUF for the llamacpp peer (default: exported to OUT/gguf)")
-    p.add_argument("--hf-dir", help="where to export checkpoints for the peers (default: OUT/hf)")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring the cost model")
     p.add_argument("--plot-prefix", default="bench_", help="file name prefix of the PNG plots")
     p.add_argument("--no-progress", action="store_true")
@@ -146,12 +145,12 @@ def progress_bar(on: bool, total: int, desc: str, unit: str):
 def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], out: str | Path, tokenizer: str | None = None,
                   draft_model: str | None = None, limit: int | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                   seed: int = 0, peers: bool | str | list[str] = False, threads: int | None = None, cost_model: bool = True,
-                  dtype: str = "fp32", hf_dir: str | None = None, plot_prefix: str = "bench_", progress: bool = True, repeat: int = 1,
+                  dtype: str = "fp32", plot_prefix: str = "bench_", progress: bool = True, repeat: int = 1,
                   interleave: str = "auto", keep: str = "mean", gguf: str | None = None, quant: str | None = None,
                   group_size: int = 64, compile: bool = False) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from . import costmodel
-    from .harness import PLAIN, Method, OursRunner, run_bench, warm_up
+    from .harness import K_MAX_AUTO, PLAIN, Method, OursRunner, run_bench, warm_up
     from .report import check_targets, summarize, write_all
 
     t_start = t = perf_counter()
@@ -177,7 +176,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     phases, t = {"load": perf_counter() - t}, perf_counter()  # seconds of each setup phase and of the timed runs
     cost = None
     if cost_model:
-        k_max = max([k for k in ks if k != "auto"] + [8])
+        k_max = max([k for k in ks if k != "auto"] + [K_MAX_AUTO])
         typical = sorted(ids, key=len)[len(ids) // 2]  # the median prompt
         context = min(len(typical) + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
         cost = costmodel.measure(model.module, k_max, context, threads, drafters, s.draft_models, typical)
@@ -190,10 +189,9 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     if "hf" in peers:
         from .peers import HFRunner, peer_model
 
-        hf_root = Path(hf_dir) if hf_dir else out / "hf"
-        exported = {"target": peer_model(model, hf_root, "target")}
+        exported = {"target": peer_model(model, out / "hf", "target")}
         if s.draft is not None:
-            exported["draft"] = peer_model(s.draft, hf_root, "draft")
+            exported["draft"] = peer_model(s.draft, out / "hf", "draft")
         export_diff = {name: p.export_diff for name, p in exported.items()}
         runners["transformers"] = HFRunner(exported["target"], exported.get("draft"), tuple(model.tokenizer.stop_ids))
         hf_ks = [k for k in ks if k != "auto"]
@@ -264,7 +262,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             args.model, args.prompts, _list(args.drafters), ks, args.out, tokenizer=args.tokenizer,
             draft_model=args.draft_model, limit=args.limit, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
-            cost_model=not args.no_cost_model, dtype=args.dtype, hf_dir=args.hf_dir, plot_prefix=args.plot_prefix,
+            cost_model=not args.no_cost_model, dtype=args.dtype, plot_prefix=args.plot_prefix,
             progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
             quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
         )

@@ -140,7 +140,7 @@ def time_forwards(module, ks: list[int], context: int, repeat: int = 40, q: floa
 
 
 def measure(target, k_max: int = 8, context: int = 128, threads: int = 1, drafters=("none",),
-            draft_models: dict | None = None, tokens: list[int] | None = None, repeat: int = 25) -> CostModel:
+            draft_models: dict | None = None, tokens: list[int] | None = None) -> CostModel:
     """Measure the cost model of `target` on this machine (torch already set to `threads`), and the cost of every
     drafter in `drafters`. draft_models: drafter name -> what make_drafter gets as its draft_model (a draft
     model's module, a loaded head); tokens: a real prompt to build the timing context from (tiled to its length)."""
@@ -152,7 +152,7 @@ def measure(target, k_max: int = 8, context: int = 128, threads: int = 1, drafte
     for name in drafters:
         if name != "none":
             dc = time_drafter(target, lambda: make_drafter(name, target, draft_model=(draft_models or {}).get(name)), k_max,
-                              context, tokens, repeat)
+                              context, tokens)
             steps[name], verify[name], prefill[name] = _monotone(dc.steps), _monotone(dc.verify), dc.prefill_ratio
     return CostModel(t1=times[0], ratio=[t / times[0] for t in times], draft_steps=steps, prefill_ratio=prefill,
                      verify_steps=verify, threads=threads, context=context)

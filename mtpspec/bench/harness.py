@@ -43,6 +43,7 @@ class Method:
 
 
 PLAIN = Method("mtpspec", "none", None)
+K_MAX_AUTO = 8  # the deepest draft `--k auto` may choose (here and in batch.py)
 
 
 @dataclass
@@ -80,8 +81,8 @@ class Run:
 class OursRunner:
     """Our engine: model.generate with preloaded draft models / heads (loading is never timed)."""
 
-    def __init__(self, model, draft_models: dict[str, object] | None = None, cost: CostModel | None = None, k_max_auto: int = 8) -> None:
-        self.model, self.cost, self.k_max_auto = model, cost, k_max_auto
+    def __init__(self, model, draft_models: dict[str, object] | None = None, cost: CostModel | None = None) -> None:
+        self.model, self.cost = model, cost
         self.draft_models = dict(draft_models or {})  # drafter -> its draft_model argument (a module, a head)
 
     def run(self, method: Method, prompt: Prompt, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
@@ -90,8 +91,8 @@ class OursRunner:
         kw = dict(k=method.k or 1)
         if method.k == "auto":
             c = self.cost  # the policy's priors: the measured T(k)/T(1) and the drafter's cost per token at d = 4
-            kw = dict(k=self.k_max_auto, depth_policy=AdaptiveDepth(
-                k_max=self.k_max_auto, verify_cost=c.ratio if c else None,
+            kw = dict(k=K_MAX_AUTO, depth_policy=AdaptiveDepth(
+                k_max=K_MAX_AUTO, verify_cost=c.ratio if c else None,
                 draft_cost=c.draft_seconds(method.drafter, 4) / 4 if c else None, target_cost=c.t1 if c else None))
         c0 = process_time()
         res = self.model.generate(
