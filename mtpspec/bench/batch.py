@@ -1,19 +1,11 @@
 """`mtpspec bench --batch 1,2,4,8`: throughput and per-sequence latency of B sequences decoding together.
 
-For each batch size B, the first B prompts of the set (cycled when B exceeds it) start together in
-one Engine(max_batch=B), once per method: plain (drafter none), each fixed depth D of each drafter,
-and `--k auto` (one AdaptiveDepth for the batch). Within a round every method's engine runs at once,
-stepped in turn (one step each, the order rotating from round to round), so a slow spell of the
-machine falls on every method alike; each method's clock is the sum of its own steps' durations.
-Each figure is the median over `rounds` rounds.
-
-What is timed is decode only: a method's clock starts after the engine step that prefilled its last
-prompt (that step also decodes the sequences already running), and everything emitted before it is left out:
-    throughput           = tokens emitted / its steps' seconds until the last sequence finished
-    seconds per token    = per sequence, seconds from the start to its last token / its tokens; mean over sequences
-    per-token latency    = a step that gives a sequence n tokens, g seconds after its previous ones, counts n
-                           tokens of g / n seconds each; p50 / p99 over all tokens of all sequences
-Greedy identity: every method's tokens equal plain's, sequence by sequence, in every round.
+For each batch size B, the first B prompts of the set (cycled) start together in one Engine(max_batch=B),
+once per method: plain, each fixed depth D of each drafter, and `--k auto` (one AdaptiveDepth for the
+batch). Within a round every method's engine runs at once, stepped in turn (one step each, the order
+rotating by round); each method's clock is the sum of its own steps' durations, decode only (from the
+end of the step that prefilled its last prompt). Each figure is the median over the rounds; what each
+one means: docs/benchmarks.md, "Batches".
 """
 
 from __future__ import annotations
