@@ -33,7 +33,10 @@ class ForwardCost:
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
-        self.mean, self.count = {}, {}  # size -> running mean of its forward seconds, and how many
+        self.mean, self.count = {}, {}  # size -> the median of its last 5 forwards' seconds, and how many seen
+        self.recent: dict[int, list[float]] = {}  # size -> its last 5 forwards' seconds (a spike of the machine is one of 5)
+        self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
+        self.n = 0  # observations of any size
         self._table: list[float] = []  # T(n) for n = 1..len; refitted at a new size or every 8 steps
         self._upto, self._changes = 16, 0
 
@@ -41,11 +44,18 @@ class ForwardCost:
         self._changes += 1
         if size not in self.count or self._changes >= 8:
             self._table, self._changes = [], 0
-        n, m = self.count.get(size, 0) + 1, self.mean.get(size, seconds)
-        self.count[size], self.mean[size] = n, m + (seconds - m) / min(n, 5)  # a mean, then a running one
+        last = (self.recent.get(size, []) + [seconds])[-5:]
+        self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
+        self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
+        self.n += 1
+        self.seen[size] = self.n
         s = seconds / (self.prior[min(size, len(self.prior)) - 1] if self.prior else 1.0)  # a T(1)
         if self.scale is None or size <= len(self.prior):
             self.scale = s if self.scale is None else 0.8 * self.scale + 0.2 * s
+
+    def age(self, size: int) -> float:
+        """Observations since `size` was last seen (inf if never)."""
+        return self.n - self.seen[size] if size in self.seen else float("inf")
 
     def table(self, upto: int) -> list[float]:
         """[T(1), T(2), ...], at least up to T(upto)."""
@@ -90,6 +100,7 @@ class SeqAcceptance:
         self.long_passed, self.long_reached = 0.0, 0.0  # acceptance over ~200 drafting steps
         # plain steps in a row that could have drafted, plain steps between probes, probing now, last D chosen
         self.plain_run, self.probe_wait, self.probing, self.asked = 0, 0, False, 0
+        self.drafted_last = False  # it drafted in its last step (so its drafter has no tokens to catch up on)
         self._gains: list[float] | None = None  # until the estimates change
 
     def gains(self, d: int, shrink: float) -> list[float]:
@@ -180,6 +191,8 @@ class AdaptiveDepth:
         cost_margin: float = 0.1,  # ... plus this times c / T(1): a costly drafter's hidden costs
         padded: bool = True,  # price a forward by its grid, B x its widest rows (measured: the batched forward's cost follows it)
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
+        width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
+        warmup_depth: int = 3,  # the first two drafting steps' depth, before T and c are known
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
@@ -198,10 +211,12 @@ class AdaptiveDepth:
         self.phi = 0.0  # share of drafting paid once per draft position for the whole batch (batched drafters)
         self._fit = [0.0] * 5  # decayed sums for phi: levels^2, levels n, n^2, levels y, n y
         self._steps, self._probe_base = 0, probe_min
-        self._warm = 2 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps seen
+        self._warm = 1 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps learned from
         self.seqs: dict[int, SeqAcceptance] = {}
         self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
-        self.batch_probe, self._all_plain = batch_probe, 0  # all-plain batch steps in a row
+        self.batch_probe, self._all_plain, self._probe_left = batch_probe, 0, 0  # all-plain batch steps in a row; probe steps left
+        self.width_probe = width_probe
+        self.warmup_depth = warmup_depth
 
     def _c(self) -> float:
         """Drafter cost per drafted token, in plain forwards at the current batch size: observed, else the prior
@@ -222,8 +237,10 @@ class AdaptiveDepth:
         states = [self.seqs.get(s) or self._new(s) for s in seqs]
         if not states:
             return []
-        if self.T.scale is None or (self.c is None and self.c_ratio is None and self.c_prior is None) or self._warm < 2:
-            ds = [max(min(max(3 // len(caps), 1), k), 0) for k in caps]  # warm-up (learn T and c), cheap in a batch
+        if self.T.scale is None or (self.c is None and self.c_ratio is None and self.c_prior is None) or self._warm < 1:
+            # warm-up: a plain step (T at this batch size: the unit of the drafter's cost), then two drafting steps
+            d = self.warmup_depth if len(caps) in self.T.count else 0
+            ds = [max(min(d, k), 0) for k in caps]
         else:  # never more than one draft position deeper than any step so far: T is known only where it was seen
             ds = [min(d, self._width_seen) for d in self._choose(states, caps)]
             ds = self._probe_batch(ds, caps)
@@ -235,14 +252,18 @@ class AdaptiveDepth:
         """A batch that has stepped plain `batch_probe` times in a row drafts one token everywhere for one step: the
         costs that kept it plain (the forward over 2B rows, the drafter's, both learned at other batch sizes or
         times) are measured again at this batch size. A one-sequence probe cannot do that: it widens the grid for
-        one sequence's gain and is judged by it."""
+        one sequence's gain and is judged by it. It lasts two steps: in the first the drafter catches up on the plain
+        steps, so only the second measures drafting."""
+        if self._probe_left and len(ds) >= 2 and max(caps) >= 1:
+            self._probe_left -= 1
+            return [max(d, min(1, cap)) for d, cap in zip(ds, caps)]
         if len(ds) < 2 or not self.batch_probe or any(ds) or max(caps) < 1:
             self._all_plain = 0
             return ds
         self._all_plain += 1
         if self._all_plain < self.batch_probe:
             return ds
-        self._all_plain = 0
+        self._all_plain, self._probe_left = 0, 1
         return [min(1, cap) for cap in caps]
 
     def _choose(self, states: list[SeqAcceptance], caps: list[int]) -> list[int]:
@@ -282,10 +303,30 @@ class AdaptiveDepth:
             gs = gains[i]  # a probe (or one that has not drafted yet): its best D >= 1 on top of the batch
             d = max(range(1, len(gs) + 1), key=lambda n: (tokens + sum(gs[:n])) / step(n))
             ds[i], rows, width, drafted, tokens = d, rows + d, max(width, d + 1), drafted + d, tokens + sum(gs[:d])
+        if self.padded and any(ds):
+            ds = self._probe_width(ds, caps, B)
+            width = max(ds) + 1
         if self.padded:  # the forward is as wide as its widest: up to that, drafting costs only the drafter
             for i, gs in enumerate(gains):
                 while ds[i] < min(len(gs), width - 1) and gs[ds[i]] >= (1 - phi) * c * rate:
                     ds[i], states[i].plain_run = ds[i] + 1, 0
+        return ds
+
+    def _probe_width(self, ds: list[int], caps: list[int], B: int) -> list[int]:
+        """The grid's width is chosen against T at the widths beside it, each as measured when it last ran. One not
+        run for `width_probe` steps runs once: one draft position more for the deepest sequences that may, or one
+        less; so a slow spell of the machine that priced a width too high does not keep it out for good."""
+        w = max(ds)  # the deepest draft: the grid is w + 1 wide
+
+        def stale(size: int) -> bool:  # a width seen once or twice is seen again sooner: one sample may be a spike
+            return self.T.age(size) >= self.width_probe * min(self.T.count.get(size, 0) + 1, 3) / 3
+
+        if not self.width_probe:
+            return ds
+        if stale(B * (w + 2)) and any(d == w < cap for d, cap in zip(ds, caps)):
+            return [d + 1 if d == w < cap else d for d, cap in zip(ds, caps)]
+        if stale(B * w):
+            return [d - 1 if d == w else d for d in ds]
         return ds
 
     def observe(self, step: BatchStep) -> None:
@@ -296,10 +337,19 @@ class AdaptiveDepth:
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
         t_plain = self.T.table(len(step.seqs))[len(step.seqs) - 1]  # a plain step's forward at this batch size
-        if n > 0:  # drafting seconds = c (phi levels + (1 - phi) n): phi is the share a batched drafter pays once
+        # drafting seconds = c (phi levels + (1 - phi) n), in plain forwards at this batch size: phi is the share a
+        # batched drafter pays once; learned only where a plain forward at this size was seen (as the batch drains, an
+        # unseen size's T is a guess, and a cost divided by it came out up to 3x too high and kept the batch plain)
+        # and only from steps whose drafting sequences all drafted in their last step too: after plain steps (or the
+        # prompt) a drafter first catches up on the tokens it did not see (the MTP head runs over them), in one call
+        # shared by the batch, which priced drafting at up to 3x its cost and kept the batch plain
+        clean = all(s.drafted == 0 or (s.seq in self.seqs and self.seqs[s.seq].drafted_last) for s in step.seqs)
+        if n > 0 and clean and len(step.seqs) in self.T.count:
             y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0) / t_plain  # in plain forwards
             if self.c is not None:
-                y = min(y, 4 * self.c * (self.phi * levels + (1 - self.phi) * n) + 1e-5)  # a catch-up: clipped
+                y = min(y, 4 * self.c * (self.phi * levels + (1 - self.phi) * n) + 1e-5)  # a slow call: clipped
+            if not self._fit[0] and any(s.batched for s in step.seqs):
+                self.phi = 1.0  # a batched drafter pays per draft position, until a fit says otherwise
             x = (levels * levels, levels * n, n * n, levels * y, n * y)
             self._fit = [0.99 * v + u for v, u in zip(self._fit, x)]
             ll, ln, nn, ly, ny = self._fit  # least squares y = a levels + b n, once they vary apart
@@ -310,6 +360,7 @@ class AdaptiveDepth:
             self._learn_cost(y / (self.phi * levels + (1 - self.phi) * n))
         for s in step.seqs:
             st = self.seqs.get(s.seq) or self._new(s.seq)
+            st.drafted_last = s.drafted > 0
             if s.drafted > 0:
                 st.learn(s.drafted, s.accepted, self.decay)
                 if st.probing:  # a probe that paid resets the wait; one that failed doubles it (up to 4x)
@@ -321,7 +372,7 @@ class AdaptiveDepth:
 
     def _learn_cost(self, c: float) -> None:
         self._warm += 1
-        if self.c_ratio is None and self.c_prior is None and (self.c is None or self._warm == 2):  # the first draft also read the prompt
+        if self.c_ratio is None and self.c_prior is None and self.c is None:
             self.c = c
         else:  # a running mean (from the prior, if any), a slow call (a catch-up) clipped at 4x it
             self.c = 0.8 * self._c() + 0.2 * min(c, 4 * self._c() + 1e-5)

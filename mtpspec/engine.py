@@ -231,11 +231,11 @@ def _traced(step: StepRecord, logits: Tensor, draft: Draft, start: float, sample
     return replace(step, start_seconds=start, p_of_emitted=p_emitted, p_of_draft=p_draft, target_choice=p.argmax(-1).tolist())
 
 
-def propose(seqs: list[Sequence], depths: list[int]) -> tuple[list[Draft], list[float]]:
+def propose(seqs: list[Sequence], depths: list[int]) -> tuple[list[Draft], list[float], list[bool]]:
     """Each sequence's draft of (at most) its depth; drafters of one class with a propose_batch draft together.
-    Returns the drafts and each sequence's share of the drafting seconds."""
+    Returns the drafts, each sequence's share of the drafting seconds, and whether it drafted in a batch."""
     drafts: list[Draft | None] = [Draft.empty() if d == 0 else None for d in depths]
-    secs = [0.0] * len(seqs)
+    secs, batched = [0.0] * len(seqs), [False] * len(seqs)
     groups: dict[type, list[int]] = {}
     for i, d in enumerate(depths):
         if d > 0:
@@ -246,13 +246,13 @@ def propose(seqs: list[Sequence], depths: list[int]) -> tuple[list[Draft], list[
             got = cls.propose_batch([seqs[i].drafter for i in idx], [seqs[i].context for i in idx], [depths[i] for i in idx])
             share = (perf_counter() - t0) / len(idx)
             for i, dr in zip(idx, got):
-                drafts[i], secs[i] = dr, share
+                drafts[i], secs[i], batched[i] = dr, share, True
             continue
         for i in idx:
             t1 = perf_counter()
             drafts[i] = seqs[i].drafter.propose(seqs[i].context, depths[i])
             secs[i] = perf_counter() - t1
-    return drafts, secs
+    return drafts, secs, batched
 
 
 @torch.inference_mode()
@@ -260,7 +260,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     """One draft -> verify -> accept -> roll back -> commit round over `seqs` (one target forward for all of them;
     `storage`: their KV slots 0..B-1 for a batched forward). Returns what a depth policy learns from."""
     t0 = perf_counter()
-    drafts, draft_s = propose(seqs, depths)  # 1. draft
+    drafts, draft_s, batched = propose(seqs, depths)  # 1. draft
     t1 = perf_counter()
     starts = [s.cache.length for s in seqs]
     tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence
@@ -292,7 +292,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         s.drafter.commit(v, o)  # 5. the drafter catches up
         draft_s[i] += perf_counter() - t3
         s.accept(v, d, o, draft_s[i], (t2 - t1) / len(seqs), t0, full[i])
-        parts.append(SeqStep(s.id, d.size, v.num_accepted, draft_s[i]))
+        parts.append(SeqStep(s.id, d.size, v.num_accepted, draft_s[i], batched[i]))
     rows = sum(t.shape[0] for t in tokens)
     overhead = max(perf_counter() - t0 - (t2 - t1) - sum(draft_s), 0.0)
     record = BatchStep(rows=rows, width=max(t.shape[0] for t in tokens), forward_seconds=t2 - t1, overhead_seconds=overhead, seqs=tuple(parts))

@@ -102,6 +102,7 @@ class SeqStep:
     drafted: int  # D_i, 0 = a plain step for this sequence
     accepted: int  # n_i in 0..D_i
     draft_seconds: float  # its drafter's propose + commit (a batched propose is shared out by drafted tokens)
+    batched: bool = False  # drafted in one batched propose with other sequences (MTP, EAGLE: one module forward per position)
 
 
 @dataclass(frozen=True)

@@ -137,12 +137,12 @@ def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills(padded):
         chosen = drive_batch(p, 200, [0.9] * b, seed=b)[100:]
         size = [b * (max(ds) + 1) if padded else sum(d + 1 for d in ds) for ds in chosen]
         per_seq.append(sum(size) / len(size) / b)
-        if b == 16:  # plain, but for the batch probes: one step in batch_probe where every sequence drafts 1
+        if b == 16:  # plain, but for the batch probes: two steps in batch_probe where every sequence drafts 1
             probes = [ds for ds in chosen if any(ds)]
-            assert len(probes) <= len(chosen) // p.batch_probe + 1 and all(max(ds) == 1 for ds in probes)
+            assert len(probes) <= 2 * (len(chosen) // p.batch_probe + 1) and all(max(ds) == 1 for ds in probes)
     assert per_seq[0] >= 6
     assert all(y <= x + 0.05 for x, y in zip(per_seq, per_seq[1:])), per_seq
-    assert per_seq[-1] <= 1.0 + 1.0 / 16 + 1e-9
+    assert per_seq[-1] <= 1.0 + 2.0 / 16 + 1e-9
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -215,5 +215,6 @@ def test_a_draft_cost_learned_in_a_full_batch_scales_to_the_sequences_left():
                 seqs.append(SeqStep(i, d, n, level * max(ds) / b))
             p.observe(BatchStep(sum(d + 1 for d in ds), width, forward(b * width), 0.0, tuple(seqs)))
             chosen.append(ds)
-    # alone, a draft costs 0.15 T(1) and a row 0.33 T(1): D = 2 is best (in seconds learned at 16: 0.9 T(1), plain)
-    assert sum(ds[0] for ds in chosen[-30:]) / 30 >= 1.5
+    # alone, a draft costs 0.15 T(1) and a row 0.33 T(1): D = 2 is best, D = 1 within 2% of it (in seconds learned at
+    # 16: 0.9 T(1), plain)
+    assert sum(ds[0] for ds in chosen[-30:]) / 30 >= 1.0 and sum(ds[0] == 0 for ds in chosen[-30:]) <= 3
