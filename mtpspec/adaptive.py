@@ -6,10 +6,13 @@ whole batch's cost, so that speculation steps aside, smoothly, as the batch fill
 
 T(size): a target forward over B x max_i(D_i + 1) positions (`padded`: the batched forward computes attention and
 the DeltaNet on that grid, and on the demo model its cost follows the grid more than the real rows), else
-sum_i (D_i + 1); c: drafter seconds per draft token, phi: the share of it a batched drafter (MTP, EAGLE)
-pays once for the batch; o: engine seconds per step. All are learned from observe() alone (no clock); T
-per size seen, pulled toward a prior curve where given, non-decreasing, and optimistic where unseen so
-that it gets tried. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
+sum_i (D_i + 1); c: drafter seconds per draft token (its marginal part: what a drafting step pays whatever
+its depth, the drafter's catch-up on the tokens just kept, is paid when plain too), phi: the share of it a
+batched drafter (MTP, EAGLE) pays once for the batch; o: engine seconds per step. All are learned from
+observe() alone (no clock): c only from steps without a catch-up inside and at a batch size whose plain
+forward was seen; T per size seen (the median of its last 5), pulled toward a prior curve where given,
+non-decreasing, and optimistic where unseen so that it gets tried; a width beside the chosen one that has
+not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance. Plain wins ties: each drafting sequence must
 promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for costs unseen here (a draft
@@ -207,6 +210,8 @@ class AdaptiveDepth:
         # a plain forward at 1 sequence and at 16), so a cost learned at 16 sequences holds, scaled, at 1 (in
         # seconds it kept the 16-sequence cost and priced a lone sequence's drafts at 3x their cost)
         self.c: float | None = None
+        self.slope: float | None = None  # its marginal part (see _marginal), from decayed sums of 1, u, u^2, y, u y
+        self._line = [0.0] * 5
         self.o = 0.0  # engine overhead seconds per step
         self.phi = 0.0  # share of drafting paid once per draft position for the whole batch (batched drafters)
         self._fit = [0.0] * 5  # decayed sums for phi: levels^2, levels n, n^2, levels y, n y
@@ -226,6 +231,16 @@ class AdaptiveDepth:
         if self.c_prior is not None:
             return self.c_prior / self.T.table(1)[0]
         return self.c_ratio if self.c_ratio is not None else 0.5
+
+    def _marginal(self) -> float:
+        """What one more draft position costs, in plain forwards: the slope of drafting seconds over drafting units
+        once steps of different widths were seen, else their ratio. A drafting step also has a part that does not
+        grow with depth (the drafter's catch-up on the tokens just kept, demo at 16 sequences: 2 ms, beside 2 ms per
+        draft position), and that part is paid whatever the depth (going plain only defers it: the MTP head still
+        runs over every kept token): priced per position it made one position look 1.5-2x its cost, the batch
+        drafted shallower, measured the ratio there, and stayed shallow."""
+        c = self._c()
+        return min(max(self.slope, 0.25 * c), c) if self.slope is not None and self.c is not None else c
 
     def _new(self, seq: int) -> SeqAcceptance:
         self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.prior_acceptance)
@@ -270,7 +285,7 @@ class AdaptiveDepth:
         B, phi, o = len(states), self.phi, self.o
         gains = [st.gains(cap, self.shrink) if cap > 0 else [] for st, cap in zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
-        c = self._c() * T[B - 1]  # seconds per drafted token at this batch size
+        c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
         margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B  # per drafting sequence
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
@@ -357,7 +372,12 @@ class AdaptiveDepth:
             if det > 0.01 * ll * nn:
                 a, b = max((ly * nn - ny * ln) / det, 0.0), max((ny * ll - ly * ln) / det, 0.0)
                 self.phi = a / (a + b) if a + b > 0 else self.phi
-            self._learn_cost(y / (self.phi * levels + (1 - self.phi) * n))
+            u = self.phi * levels + (1 - self.phi) * n  # drafting units of this step
+            self._line = [0.99 * v + x for v, x in zip(self._line, (1.0, u, u * u, y, u * y))]
+            s0, su, suu, sy, suy = self._line  # least squares y = a + slope u, once u varies
+            if s0 * suu - su * su > 0.01 * s0 * suu:
+                self.slope = (s0 * suy - su * sy) / (s0 * suu - su * su)
+            self._learn_cost(y / u)
         for s in step.seqs:
             st = self.seqs.get(s.seq) or self._new(s.seq)
             st.drafted_last = s.drafted > 0
