@@ -112,9 +112,9 @@ class Model:
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
         k = cfg.k
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
-            from .adaptive import AdaptiveDepth
+            from .adaptive import ByBatchSize
 
-            depth_policy, k = depth_policy or AdaptiveDepth(k_max=8), 8
+            depth_policy, k = depth_policy or ByBatchSize(k_max=8), 8
         k = check_count("k (draft length)", k, 1)
         check_count("max-new-tokens", cfg.max_new_tokens, 0)
         if not isinstance(cfg.exact, bool):

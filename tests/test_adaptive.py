@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import mtpspec.adaptive
-from mtpspec.adaptive import AdaptiveDepth, ForwardCost
+from mtpspec.adaptive import AdaptiveDepth, ByBatchSize, ForwardCost
 from mtpspec.errors import ConfigError
 from mtpspec.types import BatchStep, SeqStep
 
@@ -218,3 +218,15 @@ def test_a_draft_cost_learned_in_a_full_batch_scales_to_the_sequences_left():
     # alone, a draft costs 0.15 T(1) and a row 0.33 T(1): D = 2 is best, D = 1 within 2% of it (in seconds learned at
     # 16: 0.9 T(1), plain)
     assert sum(ds[0] for ds in chosen[-30:]) / 30 >= 1.0 and sum(ds[0] == 0 for ds in chosen[-30:]) <= 3
+
+
+def test_by_batch_size_learns_each_size_class_apart():
+    """A server's batch wanders: the costs learned alone do not price 16 sequences (one policy per size class)."""
+    p = ByBatchSize(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    alone = drive_batch(p, 60, [0.9])[20:]
+    full = drive_batch(p, 60, [0.9] * 16)[20:]
+    assert sorted(p.policies) == [1, 5] and p.policy(16) is p.policy(31) and p.policy(1) is not p.policy(16)
+    assert min(ds[0] for ds in alone) >= 4 and sum(map(max, full)) <= len(full) // p.policy(16).batch_probe * 2 + 2
+    p.drop(0)
+    assert all(0 not in q.seqs for q in p.policies.values())
+

@@ -1,8 +1,8 @@
 """`mtpspec bench --batch 1,2,4,8`: throughput and per-sequence latency of B sequences decoding together.
 
 For each batch size B, the first B prompts of the set (cycled) start together in one Engine(max_batch=B),
-once per method: plain, each fixed depth D of each drafter, and `--k auto` (one AdaptiveDepth for the
-batch). Within a round every method's engine runs at once, stepped in turn (one step each, the order
+once per method: plain, each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy for the
+batch, as `--k auto` runs everywhere). Within a round every method's engine runs at once, stepped in turn (one step each, the order
 rotating by round); each method's clock is the sum of its own steps' durations, decode only (from the
 end of the step that prefilled its last prompt). Each figure is the median over the rounds; what each
 one means: docs/benchmarks.md, "Batches".
@@ -90,14 +90,14 @@ class _Run:
 
     def __init__(self, model, method: BatchMethod, prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
                  temperature: float, seed: int) -> None:
-        from ..adaptive import AdaptiveDepth
+        from ..adaptive import ByBatchSize
         from ..drafters import make_drafter
         from ..engine import Engine
         from ..sampling import Sampler, SamplingParams
 
         self.method, self.b = method, len(prompts)
         auto = method.k == "auto"
-        self.engine = Engine(model.module, max_batch=self.b, depth=AdaptiveDepth(k_max=K_MAX_AUTO) if auto else None)
+        self.engine = Engine(model.module, max_batch=self.b, depth=ByBatchSize(k_max=K_MAX_AUTO) if auto else None)
         k = K_MAX_AUTO if auto else (1 if method.drafter == "none" else method.k)
         self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
         params = SamplingParams(temperature=temperature)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..adaptive import AdaptiveDepth
+from ..adaptive import ByBatchSize
 from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
@@ -144,7 +144,7 @@ class Scheduler:
     # ---- the worker thread
 
     def _new_engine(self) -> Engine:
-        depth = AdaptiveDepth(k_max=AUTO_K_MAX) if self.spec.k == "auto" and self.spec.drafter != "none" else None
+        depth = ByBatchSize(k_max=AUTO_K_MAX) if self.spec.k == "auto" and self.spec.drafter != "none" else None
         return Engine(self.model.module, self.max_batch, exact=False, depth=depth, prefill_chunk=self.prefill_chunk)
 
     def _run(self) -> None:
