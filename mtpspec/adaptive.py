@@ -195,7 +195,7 @@ class AdaptiveDepth:
         padded: bool = True,  # price a forward by its grid, B x its widest rows (measured: the batched forward's cost follows it)
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
-        warmup_depth: int = 3,  # the first two drafting steps' depth, before T and c are known
+        warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
@@ -413,7 +413,7 @@ class ByBatchSize:
     def __init__(self, **options) -> None:
         self.options, self.policies = options, {}
         self.padded = options.get("padded", True)  # how its forwards are priced (every class alike)
-        self._current: AdaptiveDepth | None = None
+        self._current: AdaptiveDepth | None = self.policy(1)  # (bad options are an error here, not at the first step)
 
     def policy(self, batch: int) -> AdaptiveDepth:
         """The policy for a batch of `batch` sequences."""
