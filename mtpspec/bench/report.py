@@ -143,9 +143,11 @@ def _f(x, fmt: str = "{:.2f}") -> str:
 
 
 def section(title: str | None, header: list, rows: list[list]) -> list[str]:
-    """A markdown table after a blank line (and its title), as lines."""
+    """A markdown table after a blank line (and its title), as lines: the first column left-aligned (names), the rest
+    right-aligned (figures)."""
     head = ["", title, ""] if title else [""]
-    return head + ["| " + " | ".join(map(str, header)) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    rule = "|---" + "|---:" * (len(header) - 1) + "|"
+    return head + ["| " + " | ".join(map(str, header)) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
 
 
 def targets_md(targets: list[dict]) -> list[str]:
