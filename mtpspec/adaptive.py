@@ -413,7 +413,7 @@ class ByBatchSize:
     def __init__(self, **options) -> None:
         self.options, self.policies = options, {}
         self.padded = options.get("padded", True)  # how its forwards are priced (every class alike)
-        self._current: AdaptiveDepth | None = self.policy(1)  # (bad options are an error here, not at the first step)
+        self.policy(1)  # bad options are an error here, not at the first step
 
     def policy(self, batch: int) -> AdaptiveDepth:
         """The policy for a batch of `batch` sequences."""
@@ -423,11 +423,10 @@ class ByBatchSize:
         return self.policies[size_class]
 
     def next_depths(self, seqs: Sequence[int], k_max: int | Sequence[int]) -> list[int]:
-        self._current = self.policy(len(seqs))
-        return self._current.next_depths(seqs, k_max)
+        return self.policy(len(seqs)).next_depths(seqs, k_max)
 
     def observe(self, step: BatchStep) -> None:
-        (self._current or self.policy(len(step.seqs))).observe(step)
+        self.policy(len(step.seqs)).observe(step)  # the step ran the batch next_depths was asked for
 
     def drop(self, seq: int) -> None:
         for p in self.policies.values():
