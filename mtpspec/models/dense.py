@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.hd
         self.layer, self.nh, self.nkv, self.hd = layer, cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0  # 0 = all earlier positions
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
@@ -106,7 +106,7 @@ class DenseLM(CausalLM):
         self.config = cfg
         self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.model = DenseBody(cfg, self.rotary)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..cache import KVCache
 from ..errors import ConfigError
 from .common import RMSNorm, SwiGLU, weights_version, wide
@@ -53,14 +54,13 @@ def _scale(norm: RMSNorm, dim: int) -> Tensor:
     return math.sqrt(dim) * (1.0 + w.to(wide(w.dtype)))
 
 
-def _fold(weights: list[Tensor], scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """Stack nn.Linear weights (N_i, K), scale their input columns, store transposed: (K, sum N_i).
-
-    x @ W^T with W^T stored contiguous is the faster single-row product on CPU."""
+def _fold(weights: list[Tensor], scale: Tensor | None, dtype: torch.dtype) -> kernels.Product:
+    """Stack nn.Linear weights (N_i, K) and scale their input columns: x -> x @ W^T, (K,) -> (sum N_i,), kept in the
+    small-row kernel's layout (mtpspec.kernels)."""
     w = torch.cat([x.detach().to(wide(x.dtype)) for x in weights])
     if scale is not None:
         w = w * scale
-    return w.t().contiguous().to(dtype)
+    return kernels.Product(w.to(dtype))
 
 
 class FusedAttentionBlock:
@@ -81,12 +81,12 @@ class FusedAttentionBlock:
             ix = att.indexer
             rows += [ix.q_proj.weight, ix.k_proj.weight, ix.w_proj.weight]
             self.split += [self.sparse.heads * self.sparse.dim, self.sparse.dim, self.sparse.heads]
-        self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # (H, (nh + nkv) hd + nh hd + nkv hd [+ indexer])
+        self.qkgv = _fold(rows, _scale(block.input_layernorm, h), dtype)  # H -> (nh + nkv) hd + nh hd + nkv hd [+ indexer]
         # per-head scales of x / |x| for q and k; q's sqrt(hd) cancels the attention's 1 / sqrt(hd)
         self.qk_w = torch.cat([_scale(att.q_norm, hd).expand(nh, hd) / math.sqrt(hd), _scale(att.k_norm, hd).expand(nkv, hd)]).to(dtype)
-        self.o = _fold([att.o_proj.weight], None, dtype)  # (nh hd, H)
+        self.o = _fold([att.o_proj.weight], None, dtype)  # nh hd -> H
         self.gate_up = _fold([mlp.gate_proj.weight, mlp.up_proj.weight], _scale(block.post_attention_layernorm, h), dtype)
-        self.down = _fold([mlp.down_proj.weight], None, dtype)  # (I, H)
+        self.down = _fold([mlp.down_proj.weight], None, dtype)  # I -> H
         rope = att.rotary[0]
         cos, sin = rope.tables(dtype)  # (max_len, rot)
         n, rot = cos.shape[0], rope.rot_dim
@@ -131,7 +131,7 @@ class FusedAttentionBlock:
     def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
         """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
         t, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
-        qk, gate, v, *index = (_unit(x, self.c_in) @ self.qkgv).split(self.split, -1)
+        qk, gate, v, *index = self.qkgv(_unit(x, self.c_in)).split(self.split, -1)
         qk = _unit(qk.view(t, nh + nkv, hd), self.c_qk) * self.qk_w  # (T, nh + nkv, hd) normed q and k
         tree = kv.tree  # a drafter's token tree: rows at their own positions, each seeing its own path
         where = slice(start, start + t) if tree is None else tree.positions(start)
@@ -141,9 +141,9 @@ class FusedAttentionBlock:
             y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index)
         else:
             y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
-        x = x + (y * torch.sigmoid(gate)) @ self.o
-        g, u = (_unit(x, self.c_post) @ self.gate_up).chunk(2, -1)
-        return x + (F.silu(g) * u) @ self.down
+        x = x + self.o(y * torch.sigmoid(gate))
+        g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
+        return x + self.down(F.silu(g) * u)
 
 
 class FusedMTP:
@@ -155,10 +155,10 @@ class FusedMTP:
         h = fc.shape[0]
         self.fc_bias = module.fc.bias.detach() if module.fc.bias is not None else None
         if self.eagle:
-            self.fc, self.norm_w = _fold([fc], None, fc.dtype), None
+            self.fc, self.norm_w = _fold([fc], None, fc.dtype), None  # 2H -> H
         else:
             scale = torch.cat([_scale(module.pre_fc_norm_embedding, h), _scale(module.pre_fc_norm_hidden, h)])
-            self.fc = _fold([fc], scale, fc.dtype)  # (2H, H)
+            self.fc = _fold([fc], scale, fc.dtype)  # 2H -> H
             self.norm_w = _scale(module.norm, h).to(fc.dtype)
             self.c_pre = torch.stack([_c(module.pre_fc_norm_embedding, h, fc.dtype), _c(module.pre_fc_norm_hidden, h, fc.dtype)])[:, None]  # (2, 1)
             self.c_norm = _c(module.norm, h, fc.dtype)
@@ -169,7 +169,7 @@ class FusedMTP:
         x = torch.cat([emb, hidden], -1)  # (T, 2H)
         if not self.eagle:  # the two pre-fc norms at once (their scales are folded into fc)
             x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
-        x = x @ self.fc if self.fc_bias is None else torch.addmm(self.fc_bias, x, self.fc)
+        x = self.fc(x, self.fc_bias)
         x = self.layers[layer](x, cache, start)
         return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
 

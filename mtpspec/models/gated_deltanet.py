@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import wide
+from .common import Linear, wide
 from .hybrid_cache import Window, slot_state
 
 SHORT_MAX_T = 16  # a prompt prefill up to this long runs the window form too (it is cheaper than padding to a chunk)
@@ -190,15 +190,15 @@ class GatedDeltaNet(nn.Module):
         self.slot = slot  # index of this layer among the linear-attention layers of the cache
         self.key_dim, self.value_dim = nk * dk, nv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, nv, bias=False)
-        self.in_proj_a = nn.Linear(hidden, nv, bias=False)
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, nv, bias=False)
+        self.in_proj_a = Linear(hidden, nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(nv))
         self.A_log = nn.Parameter(torch.empty(nv).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(dv, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def forward(self, x: Tensor, cache) -> Tensor:
         """x (B, T, H) -> (B, T, H); reads and records this layer's state in the HybridCache."""

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..drafters.base import MTPSource
 from ..errors import ConfigError, ModelLoadError
-from .common import Rotary
+from .common import Linear, Rotary
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
 
 KINDS = ("mtp", "medusa", "eagle")
@@ -70,7 +70,7 @@ class EagleModule(nn.Module):
 
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([HybridBlock(cfg, "full_attention", 0, rotary, False)])
 
     def step(self, hidden: Tensor, emb: Tensor, cache, start: int, layer: int = 0) -> Tensor:
@@ -87,7 +87,7 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden: int, k: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(k))
+        self.blocks = nn.ModuleList(Linear(hidden, hidden) for _ in range(k))
         for b in self.blocks:
             nn.init.zeros_(b.weight)
             nn.init.zeros_(b.bias)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import ConfigError
 from ..types import TargetOutput
-from .common import CausalLM, RMSNorm, Rotary, SwiGLU, causal_attention, wide
+from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention, wide
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
 from .sparse_attention import Indexer, IndexKeys, SparseAttentionConfig, SparseState, sparse_attend, window_sparse_attention
@@ -99,10 +99,10 @@ class GatedAttention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.kv_index, self.nh, self.nkv, self.hd = kv_index, cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd * 2, bias=cfg.attention_bias)  # [q | gate] per head
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd * 2, bias=cfg.attention_bias)  # [q | gate] per head
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(hd, cfg.norm_eps, zero_centred=True)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
@@ -154,10 +154,10 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -222,7 +222,7 @@ class MTPModule(nn.Module):
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.norm_eps, zero_centred=True)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.norm_eps, zero_centred=True)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList(
             HybridBlock(cfg, "full_attention", i, rotary, cfg.num_experts > 0, cfg.mtp_sparse_attention)
             for i in range(cfg.mtp_num_layers)
@@ -247,7 +247,7 @@ class HybridLM(CausalLM):
         self.config = cfg
         self.rotary = Rotary(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
         self.model = HybridBody(cfg, self.rotary)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPModule(cfg, self.rotary) if cfg.mtp_num_layers > 0 else None
         self.tie_weights()
 

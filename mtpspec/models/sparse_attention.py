@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from .common import Linear
 
 GATHER_ROWS = 32  # passes up to this many rows gather their keys; longer ones (a prompt) use a mask
 MASK_CHUNK = 256  # rows per masked chunk of a long pass
@@ -80,9 +81,9 @@ class Indexer(nn.Module):
     def __init__(self, hidden: int, cfg: SparseAttentionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(hidden, cfg.heads * cfg.dim, bias=False)
-        self.k_proj = nn.Linear(hidden, cfg.dim, bias=False)
-        self.w_proj = nn.Linear(hidden, cfg.heads, bias=False)
+        self.q_proj = Linear(hidden, cfg.heads * cfg.dim, bias=False)
+        self.k_proj = Linear(hidden, cfg.dim, bias=False)
+        self.w_proj = Linear(hidden, cfg.heads, bias=False)
 
     def keys(self, x: Tensor) -> Tensor:
         return self.k_proj(x)  # (..., dim)

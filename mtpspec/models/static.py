@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import SwiGLU, wide
+from .. import kernels
+from .common import Linear, SwiGLU, wide
 from .gated_deltanet import CHUNK, _l2norm, causal_conv, window_delta_rule
 
 
@@ -36,8 +37,9 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
     fused = linears[0].__dict__.get("fused_with_next")
     if fused is None:
         return [lin(x) for lin in linears]
-    w, b = fused
-    return list(F.linear(x, w, b).split([lin.weight.shape[0] for lin in linears], dim=-1))
+    w, b, panels = fused
+    y = kernels.packed_linear(x, panels, w.shape[0], b) if panels is not None and kernels.usable(x, w) else F.linear(x, w, b)
+    return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 def _fuse(*linears) -> None:
@@ -49,13 +51,17 @@ def _fuse(*linears) -> None:
         biases = [lin.bias for lin in linears]
         b = None if all(x is None for x in biases) else torch.cat([
             bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
-    linears[0].__dict__["fused_with_next"] = (w, b)
+        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and kernels.available() else None
+    linears[0].__dict__["fused_with_next"] = (w, b, panels)
 
 
 def fuse_projections(module) -> None:
     """Build the concatenated projections the static functions read (attention q/k/v, the DeltaNet's four
-    input projections, SwiGLU gate/up) for every layer of `module`; rebuilt when its weights change."""
+    input projections, SwiGLU gate/up) for every layer of `module`, and every Linear's panels for the
+    small-row kernel (mtpspec.kernels); rebuilt when its weights change."""
     for m in module.modules():
+        if isinstance(m, Linear) and m.weight.dtype in kernels.DTYPES and kernels.available():
+            kernels.panels_of(m.__dict__, m.weight)
         if hasattr(m, "in_proj_qkv"):
             _fuse(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
         elif hasattr(m, "q_proj") and hasattr(m, "v_proj"):

@@ -222,8 +222,8 @@ class Scheduler:
         try:
             rec = self.engine.step()
         except Exception as e:  # a bug: the requests in flight fail (500), a fresh engine serves the next ones
+            self.engine = self._new_engine()  # first: a client told of the failure may send its next request at once
             self._fail_all(f"{type(e).__name__}: {e}")
-            self.engine = self._new_engine()
             return
         if rec is not None:
             self.metrics.step(rec)

@@ -1,0 +1,147 @@
+"""A matrix product for a few rows: the decode step's and the verify pass's linear layers, fp32 or bf16 on CPU.
+
+At batch 1 every linear layer is a matrix-vector product and reading its weight is the whole cost; torch's
+BLAS path reads a row-major weight at a fraction of this CPU's memory bandwidth (the demo's 32 MB of weights
+streamed at ~8 GB/s, against ~25 GB/s for a plain sequential read). small_linear.cpp keeps each weight in
+panels (N/32, K, 32) read front to back once per call, whatever the number of rows, so a verify pass over
+k+1 rows costs little more than one step, and each output is the same FMA chain over k in order however many
+rows share the call: the product is row-invariant, bitwise. bf16 weights stay bf16 in the panels (half the
+bytes to read), are widened exactly in registers, accumulate in fp32 and round each output once.
+
+The kernel is C++ built on first use with torch's extension builder (g++, about 30 s, once per machine;
+kept under $MTPSPEC_KERNEL_CACHE, default ~/.cache/mtpspec/kernels, in a folder named for this CPU's
+instruction set). Without a compiler, or with MTPSPEC_KERNELS=0, every product runs on torch's own
+F.linear: same results up to float rounding, slower.
+
+models.common.Linear (an nn.Linear) is the entry point: it takes the kernel when usable() (fp32 or bf16 inputs of up
+to MAX_ROWS rows outside autograd) and F.linear otherwise (training, prefill, fp64, other devices).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+P = 32  # outputs per panel (small_linear.cpp)
+DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
+MAX_ROWS = 64  # up to here the panel kernel beat MKL on every shape measured (docs/benchmarks.md); prefill goes to MKL
+
+_state: dict[str, object] = {}  # "ok": bool once tried, "error": why not
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MTPSPEC_KERNEL_CACHE", Path.home() / ".cache" / "mtpspec" / "kernels"))
+
+
+def _cpu_tag() -> str:
+    """Names the build folder: a kernel built with -march=native for one CPU must not be loaded on another."""
+    flags = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line.split(":", 1)[1]
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def available() -> bool:
+    """Build (or load the cached build of) the kernel once per process; False, with a warning, if that fails."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    _state["ok"] = False
+    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
+        _state["error"] = "turned off by MTPSPEC_KERNELS=0"
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = Path(__file__).with_name("small_linear.cpp")
+        build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        load(name="mtpspec_small_linear", sources=[str(src)], extra_cflags=["-O3", "-march=native"],
+             build_directory=str(build), is_python_module=False, verbose=False)
+        torch.library.register_fake("mtpspec::packed_linear")(_fake)
+        _state["ok"] = True
+    except Exception as e:  # no compiler, no headers, a read-only cache: torch's F.linear serves instead
+        _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        warnings.warn(f"mtpspec: the small-row matrix kernel is not available ({_state['error']}); "
+                      "linear layers run on torch's F.linear (slower decode steps)", stacklevel=2)
+    return bool(_state["ok"])
+
+
+def _fake(x: Tensor, panels: Tensor, n: int, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], n)  # x's dtype
+
+
+def pack(weight: Tensor) -> Tensor:
+    """(N, K) -> panels (ceil(N/32), K, 32): panel p holds outputs 32p.. 32p+31, one input column's 32 weights
+    side by side; rows past N are zero."""
+    n, k = weight.shape
+    padded = weight.new_zeros((n + P - 1) // P * P, k)
+    padded[:n] = weight.detach()
+    return padded.view(-1, P, k).transpose(1, 2).contiguous()
+
+
+def usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether linear() takes the kernel for this call."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (0 < rows <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in DTYPES
+            and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and available())
+
+
+def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) -> (..., n) through the kernel, with panels = pack(weight)."""
+    y = torch.ops.mtpspec.packed_linear(x.reshape(-1, x.shape[-1]), panels, n, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+def panels_of(holder: dict, weight: Tensor) -> Tensor:
+    """The weight's panels, cached in `holder` (a module's __dict__): packed on first use and again whenever the
+    weight is replaced or updated in place. Inside a compiled graph the cached panels are read as they are: the
+    compiled step refreshes them outside the graph when the weights change (models.static.fuse_projections)."""
+    if torch.compiler.is_compiling():
+        return holder["panels"][1]
+    from ..models.common import weights_version
+
+    key = weights_version([weight])
+    cached = holder.get("panels")
+    if cached is None or cached[0] != key:
+        cached = holder["panels"] = (key, pack(weight))
+    return cached[1]
+
+
+class Product:
+    """x @ W^T for a weight held only in the layout its product runs fastest from: the kernel's panels (rows past
+    MAX_ROWS, a prompt, go through torch's batched matmul over the same panels), or W^T contiguous for torch's
+    matmul when the kernel does not take the dtype or is not available. For weights derived once and cached
+    (a folded MTP module, a draft-vocabulary head), where a module's Linear does not apply."""
+
+    def __init__(self, weight: Tensor) -> None:
+        weight = weight.detach()
+        self.n, self.k = weight.shape  # (N, K)
+        self.dtype = weight.dtype
+        kernel = weight.dtype in DTYPES and weight.device.type == "cpu" and available()
+        self.panels = pack(weight) if kernel else None  # (ceil(N/32), K, 32)
+        self.t = None if kernel else weight.t().contiguous()  # (K, N)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., K) -> (..., N)"""
+        if self.t is not None:
+            return x @ self.t if bias is None else torch.addmm(bias, x.reshape(-1, self.k), self.t).view(*x.shape[:-1], self.n)
+        rows = x.numel() // self.k
+        if 0 < rows <= MAX_ROWS and x.dtype == self.dtype and not (torch.is_grad_enabled() and x.requires_grad):
+            return packed_linear(x, self.panels, self.n, bias)
+        flat = x.reshape(-1, self.k)
+        y = torch.matmul(flat, self.panels).transpose(0, 1).reshape(rows, -1)[:, : self.n]  # (NP, M, 32) -> (M, N)
+        y = y if bias is None else y + bias
+        return y.reshape(*x.shape[:-1], self.n)

@@ -1,0 +1,111 @@
+// y = x @ W^T (+ bias) for a few rows of x: the decode step's and the verify pass's matrix products.
+//
+// At batch 1 a linear layer is a matrix-vector product: reading W is the whole cost. Row-major W read one
+// output row at a time leaves this CPU's memory bandwidth mostly idle (MKL's sgemv reached ~7 GB/s of ~25
+// here), so W is stored in panels: (N/32, K, 32), panel p holding outputs 32p..32p+31 with each input
+// column's 32 weights side by side. One pass streams W once, front to back, and every row of x reuses the
+// panel from L1, so 2-5 rows cost little more than one.
+//
+// Each output is one FMA chain over k = 0..K-1 in order, whatever the number of rows, the row's place in
+// the batch, the thread count or the vector width the compiler picks: the product is row-invariant
+// (a row's result does not depend on what else shares the call), bitwise. bfloat16 weights are widened to
+// float32 in registers (exactly) and read at half the bytes.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t P = 32;  // outputs per panel: four vectors of 8 floats
+typedef float v8 __attribute__((vector_size(32)));
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
+// 8 bfloat16 weights -> 8 floats, exactly (a bfloat16 is the top half of a float)
+inline v8 load8(const at::BFloat16* p) {
+  u16x8 h; std::memcpy(&h, p, sizeof h);
+  u32x8 f = __builtin_convertvector(h, u32x8) << 16;
+  v8 v; std::memcpy(&v, &f, sizeof v); return v;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// Rows m0..m0+G-1 of x against panel p: G x 32 accumulators, one FMA chain each.
+template <int G, typename W>
+void panel_rows(const float* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t p, int64_t m0) {
+  v8 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = v8{0, 0, 0, 0, 0, 0, 0, 0};
+  const W* wp = w + p * K * P;
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(wp + (k + 16) * P, 0, 0);
+    __builtin_prefetch(wp + (k + 16) * P + 16, 0, 0);
+    const W* wk = wp + k * P;
+    v8 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
+    for (int g = 0; g < G; ++g) {
+      const float s = x[(m0 + g) * K + k];
+      const v8 xb = v8{s, s, s, s, s, s, s, s};
+      acc[g][0] += w0 * xb;
+      acc[g][1] += w1 * xb;
+      acc[g][2] += w2 * xb;
+      acc[g][3] += w3 * xb;
+    }
+  }
+  const int64_t n0 = p * P, valid = std::min(P, N - n0);
+  for (int g = 0; g < G; ++g) {
+    float out[P];
+    for (int j = 0; j < 4; ++j) store8(out + 8 * j, acc[g][j]);
+    if (bias != nullptr)
+      for (int64_t i = 0; i < valid; ++i) out[i] += bias[n0 + i];
+    std::memcpy(y + (m0 + g) * N + n0, out, valid * sizeof(float));
+  }
+}
+
+template <typename W>
+void run(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t n, int64_t NP) {
+  at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) panel_rows<3>(xp, wp, bp, yp, K, n, p, m);
+      if (M - m == 2) panel_rows<2>(xp, wp, bp, yp, K, n, p, m);
+      else if (M - m == 1) panel_rows<1>(xp, wp, bp, yp, K, n, p, m);
+    }
+  });
+}
+
+// x (M, K) and panels of one dtype, float32 or bfloat16; a bfloat16 call accumulates in float32 and rounds
+// each output to bfloat16 once, at the end, as torch's bfloat16 matmul does.
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == P, "packed_linear: x (M, K) and panels (N/32, K, 32)");
+  const auto dtype = panels.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x_in.scalar_type() == dtype,
+              "packed_linear: float32 only, or bfloat16 only (x and panels of one dtype)");
+  TORCH_CHECK(x_in.size(1) == panels.size(1) && (n + P - 1) / P == panels.size(0), "packed_linear: shapes do not match");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = panels.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NP = w.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->scalar_type() == dtype && bias_in->numel() == n, "packed_linear: bias (N,) of the weights' dtype");
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) run(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, n, NP);
+  else run(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M, K, n, NP);
+  return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mtpspec, m) {
+  m.def("packed_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpspec, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+}

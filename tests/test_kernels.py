@@ -1,0 +1,159 @@
+"""The small-row matrix kernel (mtpspec/kernels): right to a proven fp32 bound, row-invariant bitwise, and
+nn.Linear's drop-in everywhere else (training, many rows, other dtypes, no compiler).
+
+Bound: each output is one FMA chain over k = 0..K-1 plus a bias, K + 1 roundings, so
+|y - y_exact| <= gamma_(K+1) * (sum_k |x_k w_k| + |b|) with gamma_n = n u / (1 - n u), u = 2^-24 (Higham,
+Accuracy and Stability of Numerical Algorithms, 3.1); the exact value is computed in fp64, whose own error
+(~1e-16 relative) is far below the bound.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpspec import kernels
+from mtpspec.models.common import Linear
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available() and os.environ.get("MTPSPEC_REQUIRE_KERNELS") != "1",
+    reason=f"the kernel could not be built here: {kernels._state.get('error')}",
+)
+
+U = 2.0**-24
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1] + 1
+    mag = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    return k * U / (1 - k * U) * mag
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 7), (33, 64), (96, 257), (1000, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp64_within_the_fma_chain_bound(n, k, rows, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    with torch.inference_mode():
+        y = kernels.packed_linear(x, kernels.pack(w), n, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= _bound(x, w, b)).all()
+
+
+def test_each_row_is_bitwise_the_same_whatever_shares_the_call():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    panels = kernels.pack(w)
+    x = torch.randn(64, 96, generator=g)
+    alone = torch.cat([kernels.packed_linear(x[i : i + 1], panels, 200, b) for i in range(64)])
+    for rows in (2, 3, 4, 5, 9, 17, 64):
+        assert torch.equal(kernels.packed_linear(x[:rows], panels, 200, b), alone[:rows])
+    other = torch.randn(7, 96, generator=g)
+    mixed = kernels.packed_linear(torch.cat([other[:3], x[5:6], other[3:]]), panels, 200, b)
+    assert torch.equal(mixed[3], alone[5])
+
+
+def test_more_threads_give_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(1000, 64, generator=g), torch.randn(4, 64, generator=g)
+    panels, before = kernels.pack(w), torch.get_num_threads()
+    one = kernels.packed_linear(x, panels, 1000)
+    try:
+        torch.set_num_threads(2)
+        two = kernels.packed_linear(x, panels, 1000)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_linear_is_an_nn_linear_with_the_same_state_dict():
+    torch.manual_seed(0)
+    ours, ref = Linear(24, 40), nn.Linear(24, 40)
+    ref.load_state_dict(ours.state_dict())
+    assert isinstance(ours, nn.Linear) and list(ours.state_dict()) == list(ref.state_dict())
+    x = torch.randn(3, 5, 24)  # leading dims kept
+    with torch.inference_mode():
+        y = ours(x)
+    assert y.shape == (3, 5, 40)
+    # both sides are within the bound of the exact value, whatever their order of summation
+    diff = (y - F.linear(x, ref.weight, ref.bias)).reshape(15, 40).double().abs()
+    assert (diff <= 2 * _bound(x.reshape(15, 24), ours.weight, ours.bias)).all()
+
+
+def test_training_takes_autograd_and_inference_follows_the_updated_weights():
+    torch.manual_seed(0)
+    lin = Linear(16, 8)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        before = lin(x)
+    loss = lin(x).pow(2).sum()  # grad enabled, weight requires grad: F.linear, differentiable
+    loss.backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    torch.optim.SGD(lin.parameters(), lr=0.5).step()  # an in-place update: the panels must be rebuilt
+    with torch.inference_mode():
+        after = lin(x)
+    assert not torch.allclose(before, after)
+    assert ((after.double() - F.linear(x, lin.weight, lin.bias).double()).abs() <= 2 * _bound(x, lin.weight, lin.bias)).all()
+    lin.weight = nn.Parameter(torch.zeros(8, 16))  # a replaced weight too
+    with torch.inference_mode():
+        assert torch.equal(lin(x), lin.bias.detach().expand(2, 8))
+
+
+def test_what_the_kernel_does_not_take_runs_on_f_linear_bitwise():
+    torch.manual_seed(0)
+    lin = Linear(32, 48)
+    with torch.inference_mode():
+        many = torch.randn(kernels.MAX_ROWS + 1, 32)  # a prefill
+        assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))
+        lin64 = lin.to(torch.float64)
+        x64 = torch.randn(2, 32, dtype=torch.float64)
+        assert torch.equal(lin64(x64), F.linear(x64, lin64.weight, lin64.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_bf16_accumulates_in_fp32_and_rounds_once(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((70, 200), (rows, 200), (70,)))
+    y = kernels.packed_linear(x, kernels.pack(w), 70, b)
+    exact = x.double() @ w.double().T + b.double()  # bf16 values are exact in fp64
+    assert y.dtype == torch.bfloat16
+    # the fp32 chain's error, then one rounding to bf16 (relative 2^-8 at most)
+    chain = _bound(x.float(), w.float(), b.float())
+    assert ((y.double() - exact).abs() <= chain + (exact.abs() + chain) * 2.0**-8).all()
+    alone = torch.cat([kernels.packed_linear(x[i : i + 1], kernels.pack(w), 70, b) for i in range(rows)])
+    assert torch.equal(alone, y)
+
+
+def test_bad_calls_are_named():
+    w = kernels.pack(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernels.packed_linear(torch.randn(1, 16, dtype=torch.float64), w, 40)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        kernels.packed_linear(torch.randn(1, 16, dtype=torch.bfloat16), w, 40)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernels.packed_linear(torch.randn(1, 15), w, 40)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernels.packed_linear(torch.randn(1, 16), w, 90)
+
+
+def test_turned_off_every_product_is_f_linear():
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from mtpspec import kernels\nfrom mtpspec.models.common import Linear\n"
+        "lin = Linear(8, 4); x = torch.randn(2, 8)\n"
+        "with torch.inference_mode(): y = lin(x)\n"
+        "assert not kernels.available() and 'MTPSPEC_KERNELS=0' in kernels._state['error']\n"
+        "assert torch.equal(y, F.linear(x, lin.weight, lin.bias)); print('ok')\n"
+    )
+    env = {**os.environ, "MTPSPEC_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
