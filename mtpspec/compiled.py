@@ -19,6 +19,7 @@ compiled widths run eagerly.
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -61,8 +62,8 @@ class CompileStats:
 OPTIONS = {"cpp_wrapper": True}
 
 
-# Once every graph in use is built, dynamo re-checking all of each graph's guards (one per weight) costs about
-# as much as a small kernel per step; the guards that tell the graphs apart are still checked.
+# Once a graph is built, dynamo re-checking its guards (one per weight) on every call costs about as much as a small
+# kernel per step; each graph has a function of its own (_Compiled._compile), so nothing else needs telling apart.
 SKIP_GUARDS = True
 
 
@@ -77,35 +78,69 @@ class _Compiled:
         # one graph per width: never fall back to eager silently for lack of room in dynamo's cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * max_width)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 64 * max_width)
-        # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
-        self.fn = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, options=OPTIONS if backend == "inductor" else None)
+        self.fn = fn
         self.params = list(module.parameters())
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
         fuse_projections(module)
-        self.built: set[tuple[int, int, int]] = set()  # (width, KV length, threads) run with every guard checked
+        self.graphs: dict[tuple[int, int, int], object] = {}  # (width, KV span, threads) -> its compiled function
         self.stats = CompileStats()
+
+    @property
+    def built(self) -> set[tuple[int, int, int]]:
+        return set(self.graphs)
+
+    def _compile(self, key: tuple[int, int, int]):
+        """fn compiled for one (width, span, threads), from a copy of fn's code object: dynamo keeps compiled graphs per
+        code object and walks them on every call, so with one shared code object each step paid ~70 us checking the
+        guards of its 10-20 sibling graphs; a code object of its own holds one graph and nothing to walk."""
+        code = self.fn.__code__.replace(co_name=f"{self.fn.__name__}_w{key[0]}_s{key[1]}_t{key[2]}")
+        fn = types.FunctionType(code, self.fn.__globals__, code.co_name, self.fn.__defaults__, self.fn.__closure__)
+        fn.__kwdefaults__ = self.fn.__kwdefaults__
+        # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
+        return torch.compile(fn, dynamic=False, fullgraph=True, backend=self.backend,
+                             options=OPTIONS if self.backend == "inductor" else None)
 
     def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
     def run(self, t: int, length: int, *args):
-        """The graph for width t over KV buffers of `length` positions (a new (t, length, threads) is run with
-        every guard checked, compiling when needed; a known one checks only the guards between graphs)."""
+        """The graph for width t over the first `length` KV positions (a new (t, length, threads) compiles, or loads
+        its kernels from the disk cache; a built one runs with its guards skipped)."""
         version = weights_version(self.params)
         if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
             fuse_projections(self.module)
             self.version = version
         key = (t, length, torch.get_num_threads())  # compiled kernels keep the thread count they were built for
-        if key in self.built:  # a built graph: evaluate only the guards that tell the graphs apart
+        graph = self.graphs.get(key)
+        if graph is not None:  # built: its guards were checked on the first call
             with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
-                return self.fn(*args, key[1])
+                return graph(*args, key[2])
         t0 = perf_counter()
-        out = self.fn(*args, key[1])
-        self.built.add(key)
+        graph = self.graphs[key] = self._compile(key)
+        out = graph(*args, key[2])
         self.stats.graphs += 1
         self.stats.seconds += perf_counter() - t0
         return out
+
+
+def span(n: int, max_len: int) -> int:
+    """The KV positions a graph attends over when n are in use: the next power of two >= n (at least 64), at most
+    the buffer. Attention reads every position of its span under a mask, so a graph over the whole 1024-position
+    buffer of the demo paid for all 1024 at every step (2.8 ms against 2.1 ms over 256, a one-token step); one
+    graph per span keeps that cost near the context actually in use, for log2(max_len / 64) graphs per width."""
+    return min(max_len, max(64, 1 << (n - 1).bit_length()))
+
+
+def spans(lo: int, hi: int, max_len: int) -> list[tuple[int, int]]:
+    """(span, the span below it or 0) for every span that a window ending at positions lo..hi can fall in."""
+    out, below, s = [], 0, span(1, max_len)
+    while True:
+        if s >= span(lo, max_len):
+            out.append((s, below))
+        if s >= span(hi, max_len):
+            return out
+        below, s = s, span(s + 1, max_len)
 
 
 def _inference(x: Tensor) -> Tensor:
@@ -132,6 +167,23 @@ class CompiledStep(_Compiled):
         # for the one-sequence buffer's layout
         return not getattr(cache, "prefill", False) and kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
 
+    @torch.inference_mode()
+    def prepare(self, widths: range, lo: int, hi: int) -> None:
+        """Build (or load from the disk cache) the graph of every width in `widths` for every span a window ending at
+        positions lo..hi falls in, on a scratch cache, so that none is built inside a timed run (mtpspec bench)."""
+        cache = self.module.new_cache()
+        kv = cache.kv if self.hybrid else cache
+        for s, below in spans(lo, hi, kv.max_len):
+            start = max(below, 1)  # a window of t <= max_width rows after `start` ends inside the span
+            if cache.length < start:
+                cache.prefill = True
+                self.module.forward_tokens(torch.zeros(start - cache.length, dtype=torch.long), cache)
+            snap = cache.snapshot()
+            for t in widths:
+                if 1 <= t <= self.max_width and start + t <= s:
+                    self(torch.zeros(t, dtype=torch.long), cache)
+                    cache.restore(snap)
+
     def __call__(self, tokens: Tensor, cache) -> TargetOutput:
         t = tokens.shape[0]
         kv = cache.kv if self.hybrid else cache
@@ -139,15 +191,16 @@ class CompiledStep(_Compiled):
         if start + t > kv.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the model's context of {kv.max_len}")
         pos = torch.arange(start, start + t)[None]  # (1, T)
+        s = span(start + t, kv.max_len)  # the buffer's first s positions: (L, 1, nkv, s, hd) views, written in place
         if self.hybrid:
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
-            logits, hid, pre, hists, slots = self.run(t, kv.max_len, self.module, _inference(tokens[None]), pos, kv.k, kv.v, convs, states)
+            logits, hid, pre, hists, slots = self.run(t, s, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :], convs, states)
             for i in n:
                 cache.record_window(i, hists[i], [Window(states=list(slots[i].unbind(0)))], None)
         else:
-            logits, hid, pre = self.run(t, kv.max_len, self.module, _inference(tokens[None]), pos, kv.k, kv.v)
+            logits, hid, pre = self.run(t, s, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
         cache.advance(t)
         return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
 
@@ -162,6 +215,19 @@ class CompiledDraftStep(_Compiled):
     def handles(self, t: int, cache) -> bool:
         return self.usable(t, self.module.fc.weight.dtype, cache.k.shape[1])
 
+    @torch.inference_mode()
+    def prepare(self, widths: range, lo: int, hi: int, cache) -> None:
+        """CompiledStep.prepare for the module's steps over `cache` (an empty MTP / EAGLE KV cache, used as scratch)."""
+        h = self.module.fc.weight.shape[0]
+        for s, below in spans(lo, hi, cache.max_len):
+            for layer in range(len(self.module.layers)):
+                for t in widths:
+                    if 1 <= t <= self.max_width and below + t <= s:
+                        cache.length = below  # the keys there are zeros: only the shapes matter here
+                        zeros = torch.zeros(t, h, dtype=self.module.fc.weight.dtype)
+                        self(zeros, zeros, cache, layer)
+        cache.length = 0
+
     def __call__(self, hidden: Tensor, emb: Tensor, cache, layer: int = 0) -> Tensor:
         """hidden, emb (T, H) at the cache's next positions -> (T, H); advances the cache."""
         t = hidden.shape[0]
@@ -169,7 +235,8 @@ class CompiledDraftStep(_Compiled):
         if start + t > cache.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
         pos = torch.arange(start, start + t)[None]  # (1, T)
-        out = self.run(t, cache.max_len, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k, cache.v, pos, layer)
+        s = span(start + t, cache.max_len)
+        out = self.run(t, s, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k[..., :s, :], cache.v[..., :s, :], pos, layer)
         cache.advance(t)
         return out[0]
 
@@ -201,6 +268,19 @@ def compile_model(model, max_width: int = 9, backend: str = "inductor") -> Compi
     if getattr(model, "mtp", None) is not None:
         model.mtp.__dict__["compiled_step"] = CompiledDraftStep(model.mtp, max_width, backend)
     return step
+
+
+@torch.inference_mode()  # the scratch caches are inference tensors, as the engine's are (a guard tells them apart)
+def prepare(model, widths: range, lo: int, hi: int) -> None:
+    """Build the graphs of a compiled model (compile_model) that windows of `widths` rows ending at positions lo..hi
+    use, target and MTP module, before anything is timed."""
+    step = model.__dict__.get("compiled_step")
+    if step is None:
+        return
+    step.prepare(widths, lo, hi)
+    draft = getattr(model, "mtp", None) is not None and model.mtp.__dict__.get("compiled_step")
+    if draft:
+        draft.prepare(widths, lo, hi, model.new_mtp_cache())
 
 
 def compiled_draft_step(module, target) -> CompiledDraftStep | None:

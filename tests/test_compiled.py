@@ -49,7 +49,7 @@ def _static_step(model, tokens, cache):
     """One static-function forward run eagerly, with the cache bookkeeping CompiledStep does."""
     step = CompiledStep.__new__(CompiledStep)  # its __call__ without torch.compile: fn is the plain function
     step.module, step.max_width, step.hybrid = model, 16, hasattr(cache, "n_linear")
-    step.params, step.version, step.built, step.backend = [], (), set(), "none"
+    step.params, step.version, step.graphs, step.backend = [], (), {}, "none"
     from mtpspec.compiled import CompileStats, fuse_projections
 
     fuse_projections(model)
@@ -115,6 +115,41 @@ def test_compiled_generation_equals_plain_greedy(kind):
         assert drafts.built, "the MTP drafter went through its compiled step"
     n = step.stats.graphs
     assert gen("none", 1, exact=True) == ref["none", 1] and step.stats.graphs == n  # exact mode: eager
+
+
+def test_spans_cover_the_context_in_powers_of_two():
+    from mtpspec.compiled import span, spans
+
+    assert [span(n, 1024) for n in (1, 64, 65, 128, 129, 1000, 1024)] == [64, 64, 128, 128, 256, 1024, 1024]
+    assert span(700, 1000) == 1000  # the buffer itself past the last power of two below it
+    assert spans(100, 300, 1024) == [(128, 64), (256, 128), (512, 256)]
+    assert spans(1, 1000, 1000) == [(64, 0), (128, 64), (256, 128), (512, 256), (1000, 512)]
+
+
+def test_prepare_builds_every_graph_a_run_needs_before_it():
+    """After prepare(widths, lo, hi), generation over those positions builds no graph (the bench times no
+    compilation), and gives plain greedy's tokens."""
+    import torch._dynamo
+
+    from mtpspec.compiled import prepare, span
+    from mtpspec.drafters import make_drafter
+    from mtpspec.engine import generate_tokens
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    torch._dynamo.reset()
+    model = tiny_hybrid()
+    prompt = [int(t) for t in torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))]
+
+    def gen():
+        return generate_tokens(model, prompt, make_drafter("mtp", model), 3, Sampler(SamplingParams(), 0), 40).tokens
+
+    ref = gen()
+    step = compile_model(model, max_width=5, backend="eager")
+    prepare(model, range(1, 5), len(prompt), len(prompt) + 40 + 3)
+    built, drafts = step.built, model.mtp.__dict__["compiled_step"].built
+    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 5) for s in (64, 128)} == {(t, s) for t, s, _ in drafts}
+    assert gen() == ref and step.built == built and model.mtp.__dict__["compiled_step"].built == drafts
+    assert span(len(prompt) + 40, model.max_seq_len) == 128
 
 
 def test_compile_refuses_what_it_does_not_cover():

@@ -209,6 +209,13 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         runners["llamacpp"] = LlamaCppRunner(tg, threads, model.max_seq_len, tuple(model.tokenizer.stop_ids), dg)
         _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
         phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
+    if compile:  # every graph the runs can reach, built before anything is timed
+        from ..compiled import prepare
+
+        ours = [m for m in methods if m.engine == "mtpspec"]
+        k_top = max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ours), default=0)
+        prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + max_new_tokens + k_top)
+        phases["compile"], t = perf_counter() - t, perf_counter()
     try:
         with progress_bar(progress, len(s.prompts) * len(methods) * repeat, "bench", "run") as tick:
             warm_up(methods, s.prompts[0], ids[0], runners, temperature, seed)
