@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import types
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -83,6 +84,7 @@ class _Compiled:
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
         fuse_projections(module)
         self.graphs: dict[tuple[int, int, int], object] = {}  # (width, KV span, threads) -> its compiled function
+        self.seen = lambda: None  # the cache of the last call (a weak reference)
         self.stats = CompileStats()
 
     @property
@@ -104,13 +106,15 @@ class _Compiled:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
-    def run(self, t: int, length: int, *args):
-        """The graph for width t over the first `length` KV positions (a new (t, length, threads) compiles, or loads
-        its kernels from the disk cache; a built one runs with its guards skipped)."""
-        version = weights_version(self.params)
-        if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
-            fuse_projections(self.module)
-            self.version = version
+    def run(self, t: int, length: int, cache, *args):
+        """The graph for width t over the first `length` KV positions of `cache` (a new (t, length, threads) compiles,
+        or loads its kernels from the disk cache; a built one runs with its guards skipped)."""
+        if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
+            version = weights_version(self.params)  # (~150 tensors: most of a step's Python time if done every call)
+            if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
+                fuse_projections(self.module)
+                self.version = version
+            self.seen = weakref.ref(cache)
         key = (t, length, torch.get_num_threads())  # compiled kernels keep the thread count they were built for
         graph = self.graphs.get(key)
         if graph is not None:  # built: its guards were checked on the first call
@@ -196,11 +200,11 @@ class CompiledStep(_Compiled):
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
-            logits, hid, pre, hists, slots = self.run(t, s, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :], convs, states)
+            logits, hid, pre, hists, slots = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :], convs, states)
             for i in n:
                 cache.record_window(i, hists[i], [Window(states=list(slots[i].unbind(0)))], None)
         else:
-            logits, hid, pre = self.run(t, s, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
+            logits, hid, pre = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
         cache.advance(t)
         return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
 
@@ -236,7 +240,7 @@ class CompiledDraftStep(_Compiled):
             raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
         pos = torch.arange(start, start + t)[None]  # (1, T)
         s = span(start + t, cache.max_len)
-        out = self.run(t, s, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k[..., :s, :], cache.v[..., :s, :], pos, layer)
+        out = self.run(t, s, cache, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k[..., :s, :], cache.v[..., :s, :], pos, layer)
         cache.advance(t)
         return out[0]
 

@@ -54,7 +54,7 @@ def _static_step(model, tokens, cache):
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_forward if step.hybrid else dense_forward)
-    step.run = lambda t, length, *args: step.fn(*args, 1)
+    step.run = lambda t, length, cache, *args: step.fn(*args, 1)
     return step(tokens, cache)
 
 

@@ -42,9 +42,9 @@ void panel_rows(const float* x, const W* w, const float* bias, float* y, int64_t
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) acc[g][j] = v8{0, 0, 0, 0, 0, 0, 0, 0};
   const W* wp = w + p * K * P;
+  // no software prefetch: the panel is one sequential stream, which the hardware prefetcher follows better
+  // (prefetching 16 rows ahead measured 10-25% slower at 1-3 rows)
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(wp + (k + 16) * P, 0, 0);
-    __builtin_prefetch(wp + (k + 16) * P + 16, 0, 0);
     const W* wk = wp + k * P;
     v8 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
     for (int g = 0; g < G; ++g) {
