@@ -141,13 +141,13 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
     prompt = [int(t) for t in torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))]
 
     def gen():
-        return generate_tokens(model, prompt, make_drafter("mtp", model), 3, Sampler(SamplingParams(), 0), 40).tokens
+        return generate_tokens(model, prompt, make_drafter("mtp", model), 2, Sampler(SamplingParams(), 0), 40).tokens
 
     ref = gen()
-    step = compile_model(model, max_width=5, backend="eager")
-    prepare(model, range(1, 5), len(prompt), len(prompt) + 40 + 3)
+    step = compile_model(model, max_width=3, backend="eager")
+    prepare(model, range(1, 4), len(prompt), len(prompt) + 40 + 2)
     built, drafts = step.built, model.mtp.__dict__["compiled_step"].built
-    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 5) for s in (64, 128)} == {(t, s) for t, s, _ in drafts}
+    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 4) for s in (64, 128)} == {(t, s) for t, s, _ in drafts}
     assert gen() == ref and step.built == built and model.mtp.__dict__["compiled_step"].built == drafts
     assert span(len(prompt) + 40, model.max_seq_len) == 128
 
