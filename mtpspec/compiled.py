@@ -79,6 +79,9 @@ class _Compiled:
         # one graph per width: never fall back to eager silently for lack of room in dynamo's cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * max_width)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 64 * max_width)
+        # a built graph's guards: the model's modules are checked by their dicts' tags, not tensor by tensor (with
+        # ~150 weights the per-tensor checks were ~5% of a demo step); a changed dict falls back to the full check
+        torch._dynamo.config.use_recursive_dict_tags_for_guards = True
         self.fn = fn
         self.params = list(module.parameters())
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
