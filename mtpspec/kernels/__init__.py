@@ -2,13 +2,13 @@
 
 At batch 1 every linear layer is a matrix-vector product and reading its weight is the whole cost; torch's
 BLAS path reads a row-major weight at a fraction of this CPU's memory bandwidth (the demo's 32 MB of weights
-streamed at ~8 GB/s, against ~25 GB/s for a plain sequential read). small_linear.cpp keeps each weight in
+streamed at ~8 GB/s, this kernel's at ~30 GB/s). small_linear.cpp keeps each weight in
 panels (N/32, K, 32) read front to back once per call, whatever the number of rows, so a verify pass over
 k+1 rows costs little more than one step, and each output is the same FMA chain over k in order however many
 rows share the call: the product is row-invariant, bitwise. bf16 weights stay bf16 in the panels (half the
 bytes to read), are widened exactly in registers, accumulate in fp32 and round each output once.
 
-The kernel is C++ built on first use with torch's extension builder (g++, about 30 s, once per machine;
+The kernel is C++ built on first use with torch's extension builder (g++, about 10 s, once per machine;
 kept under $MTPSPEC_KERNEL_CACHE, default ~/.cache/mtpspec/kernels, in a folder named for this CPU's
 instruction set). Without a compiler, or with MTPSPEC_KERNELS=0, every product runs on torch's own
 F.linear: same results up to float rounding, slower.
@@ -31,7 +31,7 @@ from torch import Tensor
 
 P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
-MAX_ROWS = 64  # up to here the panel kernel beat MKL on every shape measured (docs/benchmarks.md); prefill goes to MKL
+MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
 
 _state: dict[str, object] = {}  # "ok": bool once tried, "error": why not
 
