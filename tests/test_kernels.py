@@ -173,3 +173,19 @@ def test_bf16_attention_in_fp32_matches_sdpa_within_one_rounding(t, start, windo
     ref = causal_attention(q.double(), k.double(), v.double(), start, window)  # fp64: SDPA's own path
     assert got.dtype == torch.bfloat16 and got.shape == (2, 8, t, 64)
     assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, kernels.MAX_ROWS + 6])
+def test_product_few_rows_on_the_kernel_many_on_torch_same_function(dtype, rows):
+    """kernels.Product (the folded MTP module, the draft-vocabulary head): the kernel up to MAX_ROWS rows, torch's
+    batched matmul over the same panels past it (a prompt's catch-up), both within the bound of the exact product."""
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = (torch.randn(*s, generator=g).to(dtype) for s in ((75, 40), (rows, 40), (75,)))
+    y = kernels.Product(w)(x, b)
+    exact = x.double() @ w.double().T + b.double()
+    chain = _bound(x.float(), w.float(), b.float())
+    # bf16: the output rounds to bf16 once in the kernel; torch's path rounds the product x w^T, then its sum with the bias
+    product = (x.double() @ w.double().T).abs()
+    slack = 0 if dtype == torch.float32 else (product + exact.abs() + 2 * chain) * 2.0**-8
+    assert y.shape == (rows, 75) and ((y.double() - exact).abs() <= 2 * chain + slack).all()

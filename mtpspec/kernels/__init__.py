@@ -82,13 +82,22 @@ def _fake(x: Tensor, panels: Tensor, n: int, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], n)  # x's dtype
 
 
+# bf16 panels hold each 16 outputs as o0 o8 o1 o9 .. o7 o15: the kernel widens a 32-bit word (two bfloat16) into
+# outputs i and i+8 with two integer ops (small_linear.cpp, row8 / row16)
+BF16_ORDER = [g * 16 + i + h * 8 for g in range(2) for i in range(8) for h in range(2)]
+BF16_UNDO = sorted(range(P), key=BF16_ORDER.__getitem__)  # panel position of output j
+
+
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> panels (ceil(N/32), K, 32): panel p holds outputs 32p.. 32p+31, one input column's 32 weights
-    side by side; rows past N are zero."""
+    side by side (bf16: in the kernel's interleaved order, BF16_ORDER); rows past N are zero."""
     n, k = weight.shape
     padded = weight.new_zeros((n + P - 1) // P * P, k)
     padded[:n] = weight.detach()
-    return padded.view(-1, P, k).transpose(1, 2).contiguous()
+    panels = padded.view(-1, P, k).transpose(1, 2)  # (NP, K, 32)
+    if weight.dtype == torch.bfloat16:
+        panels = panels[..., BF16_ORDER]
+    return panels.contiguous()
 
 
 def usable(x: Tensor, weight: Tensor) -> bool:
@@ -142,6 +151,9 @@ class Product:
         if 0 < rows <= MAX_ROWS and x.dtype == self.dtype and not (torch.is_grad_enabled() and x.requires_grad):
             return packed_linear(x, self.panels, self.n, bias)
         flat = x.reshape(-1, self.k)
-        y = torch.matmul(flat, self.panels).transpose(0, 1).reshape(rows, -1)[:, : self.n]  # (NP, M, 32) -> (M, N)
+        y = torch.matmul(flat, self.panels)  # (NP, M, 32)
+        if self.dtype == torch.bfloat16:  # the panels' interleaved order, undone
+            y = y[..., BF16_UNDO]
+        y = y.transpose(0, 1).reshape(rows, -1)[:, : self.n]  # (M, N)
         y = y if bias is None else y + bias
         return y.reshape(*x.shape[:-1], self.n)

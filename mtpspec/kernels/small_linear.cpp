@@ -9,7 +9,7 @@
 // Each output is one FMA chain over k = 0..K-1 in order, whatever the number of rows, the row's place in
 // the batch, the thread count or the vector width the compiler picks: the product is row-invariant
 // (a row's result does not depend on what else shares the call), bitwise. bfloat16 weights are widened to
-// float32 in registers (exactly) and read at half the bytes.
+// float32 in registers (exactly, by integer ops) and read at half the bytes.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,17 +28,29 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
-inline v8 load8(const at::BFloat16* p) {  // 8 bfloat16 -> 8 floats, exactly (a bfloat16 is the top half of a float)
-  u16x8 h; std::memcpy(&h, p, sizeof h);
-  u32x8 f = __builtin_convertvector(h, u32x8) << 16;
-  v8 v; std::memcpy(&v, &f, sizeof v); return v;
+// One panel row's 32 weights as floats. fp32: in output order. bf16: pack() interleaves each 16 outputs as
+// o0 o8 o1 o9 .. o7 o15, so a 32-bit word holds outputs i and i+8, and (a bfloat16 being the top half of a float)
+// word << 16 is output i and word & 0xffff0000 output i+8, exactly: one load and two integer ops per 16 weights.
+inline void row8(const float* p, v8& a, v8& b) { std::memcpy(&a, p, sizeof a); std::memcpy(&b, p + 8, sizeof b); }
+inline void row8(const at::BFloat16* p, v8& a, v8& b) {  // a: outputs 0-7 of the 16, b: 8-15
+  u32x8 w; std::memcpy(&w, p, sizeof w);
+  const u32x8 lo = w << 16, hi = w & 0xffff0000u;
+  std::memcpy(&a, &lo, sizeof a); std::memcpy(&b, &hi, sizeof b);
 }
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline v16 load16(const at::BFloat16* p) {
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  u32x16 f = __builtin_convertvector(h, u32x16) << 16;
-  v16 v; std::memcpy(&v, &f, sizeof v); return v;
+inline void row16(const float* p, v16& a, v16& b) { std::memcpy(&a, p, sizeof a); std::memcpy(&b, p + 16, sizeof b); }
+inline void row16(const at::BFloat16* p, v16& a, v16& b) {  // a: outputs 0-7 and 16-23, b: 8-15 and 24-31
+  u32x16 w; std::memcpy(&w, p, sizeof w);
+  const u32x16 lo = w << 16, hi = w & 0xffff0000u;
+  std::memcpy(&a, &lo, sizeof a); std::memcpy(&b, &hi, sizeof b);
+}
+// The 32 outputs of a 16-float pair (a, b) in order.
+inline void outputs16(const v16& a, const v16& b, float* out, const float*) {
+  std::memcpy(out, &a, sizeof a); std::memcpy(out + 16, &b, sizeof b);
+}
+inline void outputs16(const v16& a, const v16& b, float* out, const at::BFloat16*) {
+  float fa[16], fb[16];
+  std::memcpy(fa, &a, sizeof fa); std::memcpy(fb, &b, sizeof fb);
+  std::memcpy(out, fa, 32); std::memcpy(out + 8, fb, 32); std::memcpy(out + 16, fa + 8, 32); std::memcpy(out + 24, fb + 8, 32);
 }
 
 // Rows m0..m0+G-1 of x against panel p: G x 32 accumulators, one FMA chain each, in 8-float vectors (1-3 rows: measured
@@ -52,7 +64,9 @@ void panel_rows8(const float* x, const W* w, const float* bias, float* y, int64_
   const W* wp = w + p * K * P;
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = wp + k * P;
-    const v8 w0 = load8(wk), w1 = load8(wk + 8), w2 = load8(wk + 16), w3 = load8(wk + 24);
+    v8 w0, w1, w2, w3;
+    row8(wk, w0, w1);
+    row8(wk + 16, w2, w3);
     for (int g = 0; g < G; ++g) {
       const v8 xb = v8{} + x[(m0 + g) * K + k];
       acc[g][0] += w0 * xb;
@@ -80,7 +94,8 @@ void panel_rows(const float* x, const W* w, const float* bias, float* y, int64_t
   // (prefetching 16 rows ahead measured 10-25% slower at 1-3 rows)
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = wp + k * P;
-    const v16 w0 = load16(wk), w1 = load16(wk + 16);
+    v16 w0, w1;
+    row16(wk, w0, w1);
     for (int g = 0; g < G; ++g) {
       const v16 xb = v16{} + x[(m0 + g) * K + k];
       acc[g][0] += w0 * xb;
@@ -90,8 +105,7 @@ void panel_rows(const float* x, const W* w, const float* bias, float* y, int64_t
   const int64_t n0 = p * P, valid = std::min(P, N - n0);
   for (int g = 0; g < G; ++g) {
     float out[P];
-    std::memcpy(out, &acc[g][0], 64);
-    std::memcpy(out + 16, &acc[g][1], 64);
+    outputs16(acc[g][0], acc[g][1], out, w);
     if (bias != nullptr)
       for (int64_t i = 0; i < valid; ++i) out[i] += bias[n0 + i];
     std::memcpy(y + (m0 + g) * N + n0, out, valid * sizeof(float));
