@@ -3,7 +3,7 @@
 For k = 1..9 new tokens over a 256-token cache, median seconds per forward, and T(k)/T(1) (k = D + 1).
 Both models get the same weights (ours is loaded from transformers' state_dict by name).
 
-    python scripts/qwen35_forward_cost.py [--threads 2] [--reps 5] [--cache 256] [--kmax 9] [--layers 24] [--draft-vocab 32768]
+    python scripts/qwen35_forward_cost.py [--threads 2] [--reps 5] [--cache 256] [--kmax 9] [--layers 24] [--draft-vocab 32768] [--compile]
 
 It also times one MTP draft step with the full 248k-row head and with a draft-vocabulary head, and
 prints the per-token time the cost model predicts for MTP at D = 1, 2 from these costs and the tokens
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--exact", action="store_true", help="our model in exact mode (DeltaNet position by position)")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="rows of the draft-vocabulary head timed beside the full one")
+    ap.add_argument("--compile", action="store_true", help="our forward through the compiled step (mtpspec.compiled; "
+                    "each width compiles on first use: 1-2 min each on 2 cores, cold)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -67,6 +69,10 @@ def main() -> None:
     prompt = torch.randint(0, hf_cfg.vocab_size, (args.cache,))
     ks = list(range(1, args.kmax + 1))
     with torch.inference_mode():
+        if args.compile:
+            from mtpspec.compiled import compile_model
+
+            compile_model(ours, max_width=max(ks))
         our_cache = ours.new_cache()
         our_cache.prefill = True  # as the engine's prefill: final state only
         ours.forward_tokens(prompt, our_cache)
@@ -91,7 +97,8 @@ def main() -> None:
 
         times = {("ours", k): [] for k in ks} | {("hf", k): [] for k in ks}
         for name, fn in (("ours", run_ours), ("hf", run_hf)):
-            fn(1), fn(4)  # warm up
+            for k in ks if args.compile else (1, 4):  # warm up (compiled: every width built before timing)
+                fn(k)
         for _ in range(args.reps):  # round robin, so drift in machine load hits every k alike
             for k in ks:
                 times[("ours", k)].append(run_ours(k))
