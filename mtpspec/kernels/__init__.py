@@ -100,12 +100,18 @@ def pack(weight: Tensor) -> Tensor:
     return panels.contiguous()
 
 
-def usable(x: Tensor, weight: Tensor) -> bool:
-    """Whether linear() takes the kernel for this call."""
+def takes(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes x (..., K) against weights of `dtype`: 1..MAX_ROWS rows of that dtype (fp32 or bf16) on
+    the CPU, outside autograd."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in DTYPES
-            and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and available())
+    return (0 < rows <= MAX_ROWS and x.dtype == dtype and dtype in DTYPES and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether a Linear (or a fused projection) runs this call on the kernel: takes(), a weight outside autograd, and
+    the kernel built."""
+    return takes(x, weight.dtype) and not (torch.is_grad_enabled() and weight.requires_grad) and available()
 
 
 def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
@@ -147,9 +153,9 @@ class Product:
         """x (..., K) -> (..., N)"""
         if self.t is not None:
             return x @ self.t if bias is None else torch.addmm(bias, x.reshape(-1, self.k), self.t).view(*x.shape[:-1], self.n)
-        rows = x.numel() // self.k
-        if 0 < rows <= MAX_ROWS and x.dtype == self.dtype and not (torch.is_grad_enabled() and x.requires_grad):
+        if takes(x, self.dtype):
             return packed_linear(x, self.panels, self.n, bias)
+        rows = x.numel() // self.k
         flat = x.reshape(-1, self.k)
         y = torch.matmul(flat, self.panels)  # (NP, M, 32)
         if self.dtype == torch.bfloat16:  # the panels' interleaved order, undone

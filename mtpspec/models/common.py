@@ -50,7 +50,7 @@ class CausalLM(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose inference products of a few fp32 rows run on the
+    """nn.Linear (same parameters, same state dict) whose inference products of a few fp32 / bf16 rows run on the
     panel kernel (mtpspec.kernels: the weight read once at full bandwidth, row-invariant results); training,
     prefill and other dtypes run F.linear as nn.Linear does."""
 

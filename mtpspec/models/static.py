@@ -42,10 +42,11 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
     return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
-def _fuse(*linears) -> None:
-    """Concatenate the weights (and biases) of linears that read the same input; stored on the first."""
+def _fuse(*linears) -> bool:
+    """Concatenate the weights (and biases) of linears that read the same input; stored on the first. False when they
+    stay apart."""
     if not all(isinstance(lin, torch.nn.Linear) for lin in linears):  # quantized layers keep their own kernels
-        return
+        return False
     with torch.no_grad():
         w = torch.cat([lin.weight for lin in linears])
         biases = [lin.bias for lin in linears]
@@ -53,21 +54,24 @@ def _fuse(*linears) -> None:
             bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
         panels = kernels.pack(w) if w.dtype in kernels.DTYPES and kernels.available() else None
     linears[0].__dict__["fused_with_next"] = (w, b, panels)
+    return True
 
 
 def fuse_projections(module) -> None:
     """Build the concatenated projections the static functions read (attention q/k/v, the DeltaNet's four
     input projections, SwiGLU gate/up) for every layer of `module`, and every Linear's panels for the
-    small-row kernel (mtpspec.kernels); rebuilt when its weights change."""
+    small-row kernel (mtpspec.kernels) that the graphs read (not those of fused linears, which only the eager
+    forward reads, packing its own on first use); rebuilt when its weights change."""
+    fused: set[int] = set()
     for m in module.modules():
-        if isinstance(m, Linear) and m.weight.dtype in kernels.DTYPES and kernels.available():
+        group = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a) if hasattr(m, "in_proj_qkv")
+                 else (m.q_proj, m.k_proj, m.v_proj) if hasattr(m, "q_proj") and hasattr(m, "v_proj")
+                 else (m.gate_proj, m.up_proj) if isinstance(m, SwiGLU) else ())
+        if group and _fuse(*group):
+            fused.update(id(lin) for lin in group)
+    for m in module.modules():
+        if isinstance(m, Linear) and id(m) not in fused and m.weight.dtype in kernels.DTYPES and kernels.available():
             kernels.panels_of(m.__dict__, m.weight)
-        if hasattr(m, "in_proj_qkv"):
-            _fuse(m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
-        elif hasattr(m, "q_proj") and hasattr(m, "v_proj"):
-            _fuse(m.q_proj, m.k_proj, m.v_proj)
-        elif isinstance(m, SwiGLU):
-            _fuse(m.gate_proj, m.up_proj)
 
 
 class Layout(NamedTuple):
