@@ -22,6 +22,7 @@ import os
 import types
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 from pathlib import Path
 from time import perf_counter
 
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from .models.common import weights_version
 from .models.hybrid_cache import HybridCache, Window
-from .models.static import dense_forward, draft_module_forward, fuse_projections, hybrid_forward
+from .models.static import dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward
 from .errors import ConfigError
 from .types import TargetOutput
 
@@ -63,16 +64,19 @@ class CompileStats:
 OPTIONS = {"cpp_wrapper": True}
 
 
-# Once a graph is built, dynamo re-checking its guards (one per weight) on every call costs about as much as a small
-# kernel per step; each graph has a function of its own (_Compiled._compile), so nothing else needs telling apart.
-SKIP_GUARDS = True
+# Once a graph is built, it is called without dynamo: the function's transformed bytecode (what dynamo runs when the
+# guards pass: read the inputs, call the compiled graph) is taken from dynamo's cache and called as a plain function.
+# Re-checking the guards (one per weight) cost about as much as a small kernel per call, and entering dynamo even with
+# the guards skipped ~5% of a demo step; each graph has a function of its own (_Compiled._compile), so nothing else
+# needs telling apart, and its inputs are read afresh at every call (new weights of the same shapes are used).
+DIRECT = True
 
 
 class _Compiled:
     """What both compiled steps share: one graph per (width, KV length, threads), built on first use and timed; the
     concatenated projections rebuilt when the weights change; the cache's positions as a tensor."""
 
-    def __init__(self, fn, module, max_width: int, backend: str = "inductor") -> None:
+    def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=()) -> None:
         import torch._dynamo
 
         self.module, self.max_width, self.backend = module, max_width, backend
@@ -83,52 +87,78 @@ class _Compiled:
         # ~150 weights the per-tensor checks were ~5% of a demo step); a changed dict falls back to the full check
         torch._dynamo.config.use_recursive_dict_tags_for_guards = True
         self.fn = fn
-        self.params = list(module.parameters())
+        self.also = tuple(also)  # modules outside `module` that the graphs read (a draft chain: the target's LM head)
+        self.params = [p for m in (module, *self.also) for p in m.parameters()]
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
-        fuse_projections(module)
-        self.graphs: dict[tuple[int, int, int], object] = {}  # (width, KV span, threads) -> its compiled function
+        self._fuse()
+        self.graphs: dict[tuple, object] = {}  # (width, KV span, threads, *extra) -> its compiled function
         self.seen = lambda: None  # the cache of the last call (a weak reference)
         self.stats = CompileStats()
 
     @property
-    def built(self) -> set[tuple[int, int, int]]:
+    def built(self) -> set[tuple]:
         return set(self.graphs)
 
-    def _compile(self, key: tuple[int, int, int]):
+    def _fuse(self) -> None:
+        for m in (self.module, *self.also):
+            fuse_projections(m)
+
+    def _compile(self, key: tuple, fn=None):
         """fn compiled for one (width, span, threads), from a copy of fn's code object: dynamo keeps compiled graphs per
         code object and walks them on every call, so with one shared code object each step paid ~70 us checking the
         guards of its 10-20 sibling graphs; a code object of its own holds one graph and nothing to walk."""
-        code = self.fn.__code__.replace(co_name=f"{self.fn.__name__}_w{key[0]}_s{key[1]}_t{key[2]}")
-        fn = types.FunctionType(code, self.fn.__globals__, code.co_name, self.fn.__defaults__, self.fn.__closure__)
-        fn.__kwdefaults__ = self.fn.__kwdefaults__
+        base = fn or self.fn
+        name = f"{base.__name__}_w{key[0]}_s{key[1]}_t{key[2]}" + "".join(f"_{x}" for x in key[3:])
+        code = base.__code__.replace(co_name=name)
+        fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
+        fn.__kwdefaults__ = base.__kwdefaults__
         # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=self.backend,
-                             options=OPTIONS if self.backend == "inductor" else None)
+                             options=OPTIONS if self.backend == "inductor" else None), fn
 
     def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
-    def run(self, t: int, length: int, cache, *args):
+    def run(self, t: int, length: int, cache, *args, fn=None, extra: tuple = ()):
         """The graph for width t over the first `length` KV positions of `cache` (a new (t, length, threads) compiles,
-        or loads its kernels from the disk cache; a built one runs with its guards skipped)."""
+        or loads its kernels from the disk cache; a built one runs with its guards skipped). fn, extra: another
+        function of the same module (a draft chain) and what else tells its graphs apart."""
         if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
             version = weights_version(self.params)  # (~150 tensors: most of a step's Python time if done every call)
             if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
-                fuse_projections(self.module)
+                self._fuse()
                 self.version = version
             self.seen = weakref.ref(cache)
-        key = (t, length, torch.get_num_threads())  # compiled kernels keep the thread count they were built for
+        key = (t, length, torch.get_num_threads(), *extra)  # compiled kernels keep the thread count they were built for
         graph = self.graphs.get(key)
         if graph is not None:  # built: its guards were checked on the first call
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS):
-                return graph(*args, key[2])
+            return graph(*args, key[2])
         t0 = perf_counter()
-        graph = self.graphs[key] = self._compile(key)
+        graph, plain = self._compile(key, fn)
         out = graph(*args, key[2])
+        self.graphs[key] = _direct(plain) or _guards_skipped(graph)
         self.stats.graphs += 1
         self.stats.seconds += perf_counter() - t0
         return out
+
+
+def _direct(fn):
+    """fn's one compiled entry as a plain function (DIRECT), or None when dynamo holds other than one entry for it."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(fn.__code__) if DIRECT else []
+    if len(entries) != 1:
+        return None
+    code = entries[0].code  # reads fn's arguments, calls the compiled graph (a global dynamo put in fn's module)
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _guards_skipped(graph):
+    def call(*args):
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return graph(*args)
+    return call
 
 
 def span(n: int, max_len: int) -> int:
@@ -216,23 +246,47 @@ class CompiledDraftStep(_Compiled):
     """The static-shape MTP / EAGLE module step (a chained draft step, or the catch-up over accepted
     tokens), compiled per width T = 1..max_width like CompiledStep."""
 
-    def __init__(self, module, max_width: int = 9, backend: str = "inductor") -> None:
-        super().__init__(draft_module_forward, module, max_width, backend)
+    def __init__(self, module, base, max_width: int = 9, backend: str = "inductor") -> None:
+        # base: the model whose embedding and LM head a draft chain reads (the target, or a trained head's target)
+        super().__init__(draft_module_forward, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens))
+        self.base = base
 
     def handles(self, t: int, cache) -> bool:
         return self.usable(t, self.module.fc.weight.dtype, cache.k.shape[1])
 
+    def chain(self, h: Tensor, cache, k: int, head) -> Tensor:
+        """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_forward): one graph per (KV
+        span, threads, k, draft vocabulary size), the first k-1 drafts fed back. Advances the cache by k - 1. -> (k,)"""
+        start = cache.length
+        if start + k - 1 > cache.max_len:
+            raise ConfigError(f"context full: {start + k - 1} positions exceed the draft module's context of {cache.max_len}")
+        s = span(start + k - 1, cache.max_len) if k > 1 else span(1, cache.max_len)  # (k = 1 reads no keys)
+        vocab = 0 if head is None else head.ids.shape[0]
+        pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
+        out = self.run(1, s, cache, self.module, self.base, head, _inference(h), cache.k[..., :s, :], cache.v[..., :s, :],
+                       pos, k, fn=draft_chain_forward, extra=("chain", k, vocab))
+        cache.advance(k - 1)
+        return out
+
     @torch.inference_mode()
-    def prepare(self, widths: range, lo: int, hi: int, cache) -> None:
-        """CompiledStep.prepare for the module's steps over `cache` (an empty MTP / EAGLE KV cache, used as scratch)."""
+    def prepare(self, widths: range, lo: int, hi: int, cache, chains: Iterable[int] = (), head=None) -> None:
+        """CompiledStep.prepare for the module's steps over `cache` (an empty MTP / EAGLE KV cache, used as scratch),
+        and its greedy chains of each depth in `chains` with `head` (a DraftHead, or None: the LM head)."""
         h = self.module.fc.weight.shape[0]
+        zeros = torch.zeros(self.max_width, h, dtype=self.module.fc.weight.dtype)
         for s, below in spans(lo, hi, cache.max_len):
             for layer in range(len(self.module.layers)):
                 for t in widths:
                     if 1 <= t <= self.max_width and below + t <= s:
                         cache.length = below  # the keys there are zeros: only the shapes matter here
-                        zeros = torch.zeros(t, h, dtype=self.module.fc.weight.dtype)
-                        self(zeros, zeros, cache, layer)
+                        self(zeros[:t], zeros[:t], cache, layer)
+            for k in chains:
+                if k > 1 and below + 1 < s:  # a chain starting at `start` reads the span of start + k - 1 positions
+                    cache.length = max(below + 2 - k, 1)
+                    self.chain(zeros[:1], cache, k, head)
+        if 1 in chains:  # the head alone: one graph
+            cache.length = 1
+            self.chain(zeros[:1], cache, 1, head)
         cache.length = 0
 
     def __call__(self, hidden: Tensor, emb: Tensor, cache, layer: int = 0) -> Tensor:
@@ -273,21 +327,24 @@ def compile_model(model, max_width: int = 9, backend: str = "inductor") -> Compi
     step = CompiledStep(model, max_width, backend)
     model.__dict__["compiled_step"] = step  # not a submodule: state_dict and .to() leave it alone
     if getattr(model, "mtp", None) is not None:
-        model.mtp.__dict__["compiled_step"] = CompiledDraftStep(model.mtp, max_width, backend)
+        model.mtp.__dict__["compiled_step"] = CompiledDraftStep(model.mtp, model, max_width, backend)
     return step
 
 
 @torch.inference_mode()  # the scratch caches are inference tensors, as the engine's are (a guard tells them apart)
-def prepare(model, widths: range, lo: int, hi: int) -> None:
+def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = ()) -> None:
     """Build the graphs of a compiled model (compile_model) that windows of `widths` rows ending at positions lo..hi
-    use, target and MTP module, before anything is timed."""
+    use, target and MTP module, and the MTP module's greedy chains of each depth in `chains` (with the checkpoint's
+    default draft vocabulary), before anything is timed."""
+    from .drafters.draft_vocab import make_draft_head
+
     step = model.__dict__.get("compiled_step")
     if step is None:
         return
     step.prepare(widths, lo, hi)
     draft = getattr(model, "mtp", None) is not None and model.mtp.__dict__.get("compiled_step")
     if draft:
-        draft.prepare(widths, lo, hi, model.new_mtp_cache())
+        draft.prepare(widths, lo, hi, model.new_mtp_cache(), chains, make_draft_head(model, None) if chains else None)
 
 
 def compiled_draft_step(module, target) -> CompiledDraftStep | None:
@@ -297,5 +354,5 @@ def compiled_draft_step(module, target) -> CompiledDraftStep | None:
     base = getattr(target, "target", target)  # an AttachedHead's frozen target
     if step is None and "compiled_step" in getattr(base, "__dict__", {}):
         parent = base.__dict__["compiled_step"]
-        step = module.__dict__["compiled_step"] = CompiledDraftStep(module, parent.max_width, parent.backend)
+        step = module.__dict__["compiled_step"] = CompiledDraftStep(module, base, parent.max_width, parent.backend)
     return step

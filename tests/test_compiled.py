@@ -117,6 +117,46 @@ def test_compiled_generation_equals_plain_greedy(kind):
     assert gen("none", 1, exact=True) == ref["none", 1] and step.stats.graphs == n  # exact mode: eager
 
 
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
+    """The compiled greedy chain (a round's k drafts from one graph, CompiledDraftStep.chain) proposes, round after
+    round, exactly what the step-by-step compiled drafter proposes (eager backend: the same static functions, so the
+    same bits), with the full LM head and with a draft vocabulary; generation through it equals plain greedy; and
+    the built graphs are called without dynamo (compiled._direct)."""
+    import torch._dynamo
+
+    from mtpspec.compiled import _direct
+    from mtpspec.drafters import make_drafter
+    from mtpspec.drafters.draft_vocab import TokenRanking
+    from mtpspec.engine import generate_tokens
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    torch._dynamo.reset()
+    model = tiny_hybrid()
+    if draft_vocab:
+        model.token_ranking = TokenRanking(torch.randperm(96, generator=torch.Generator().manual_seed(4)), draft_vocab)
+    prompt = [int(t) for t in torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(7))]
+    ref = generate_tokens(model, prompt, make_drafter("none", model), 1, Sampler(SamplingParams(), 0), 30).tokens
+    compile_model(model, max_width=5, backend="eager")
+
+    def run(chain: bool, k: int):
+        d = make_drafter("mtp", model, draft_vocab=draft_vocab)
+        if not chain:
+            d._chains = lambda: False
+        drafts, propose = [], d.propose
+        d.propose = lambda c, n: drafts.append(propose(c, n)) or drafts[-1]
+        out = generate_tokens(model, prompt, d, k, Sampler(SamplingParams(), 0), 30).tokens
+        return out, [x.tokens.tolist() for x in drafts]
+
+    step = model.mtp.__dict__["compiled_step"]
+    for k in (1, 3, 4):
+        (out_c, drafts_c), (out_s, drafts_s) = run(True, k), run(False, k)
+        assert out_c == out_s == ref and drafts_c == drafts_s, k
+        assert any(key[3:5] == ("chain", k) for key in step.built), k
+    assert all(g.__code__.co_name.startswith(("draft_chain_forward", "draft_module_forward")) for g in step.graphs.values())
+    assert _direct(lambda: None) is None  # a function dynamo never compiled: no entry, the guarded call serves
+
+
 def test_spans_cover_the_context_in_powers_of_two():
     from mtpspec.compiled import span, spans
 
@@ -145,9 +185,11 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
 
     ref = gen()
     step = compile_model(model, max_width=3, backend="eager")
-    prepare(model, range(1, 4), len(prompt), len(prompt) + 40 + 2)
+    prepare(model, range(1, 4), len(prompt), len(prompt) + 40 + 2, chains=(1, 2))  # (1: the last round, short of room)
     built, drafts = step.built, model.mtp.__dict__["compiled_step"].built
-    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 4) for s in (64, 128)} == {(t, s) for t, s, _ in drafts}
+    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 4) for s in (64, 128)}
+    assert {key[:2] for key in drafts} == {(t, s) for t in range(1, 4) for s in (64, 128)}
+    assert {(key[1], key[4]) for key in drafts if len(key) > 3} == {(64, 1), (64, 2), (128, 2)}  # chains of depth 1 and 2
     assert gen() == ref and step.built == built and model.mtp.__dict__["compiled_step"].built == drafts
     assert span(len(prompt) + 40, model.max_seq_len) == 128
 

@@ -214,7 +214,9 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
 
         ours = [m for m in methods if m.engine == "mtpspec"]
         k_top = max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ours), default=0)
-        prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + max_new_tokens + k_top)
+        mtp_top = max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ours if m.drafter == "mtp"), default=0)
+        prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + max_new_tokens + k_top,
+                chains=range(1, mtp_top + 1))
         phases["compile"], t = perf_counter() - t, perf_counter()
     try:
         with progress_bar(progress, len(s.prompts) * len(methods) * repeat, "bench", "run") as tick:

@@ -136,6 +136,10 @@ class MTPDrafter:
             budget = tree_budget(self.tree, self.sizer)
             if budget is not None:
                 return self._propose_tree(h, k, budget)
+            if self._chains():  # greedy, compiled: the k drafts from one graph
+                tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,)
+                self.committed = self.cache.length - (k - 1)
+                return Draft(tokens=tokens, q=None)
             if state is not None and self.select == "reuse":
                 state.mode = "reuse"  # the chained steps attend the recorded blocks, without the indexer
             tokens, qs = [], []
@@ -255,6 +259,12 @@ class MTPDrafter:
         grow(grown, self._logq(h)[0].topk(branch), expand, k, TREE_BEAM, self.ranks)
         draft, self.proposed = keep_best(grown, budget)
         return draft
+
+    def _chains(self) -> bool:
+        """Whether this round's drafts come from one compiled graph (CompiledDraftStep.chain): greedy, and a compiled
+        one-layer module with dense attention."""
+        return (self.compiled is not None and self.sampler.params.greedy and self.n_layers == 1 and not self.sparse
+                and self.compiled.handles(1, self.cache))
 
     def _logq(self, h: Tensor) -> Tensor:
         """h (n, H) MTP outputs -> log q (n, V) the drafter's distributions (a tree ranks its nodes by them)."""

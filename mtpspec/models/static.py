@@ -271,3 +271,18 @@ def draft_module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_b
     x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf[kv], v_buf[kv], pos, lay)
     x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
     return lay.grid(module.norm(x) if mtp else x)  # (B, T, H)
+
+
+def draft_chain_forward(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: int,
+                        threads: int = 1) -> Tensor:
+    """A greedy MTP chain as one function: from h (1, H), the module's output at the last pending pair, k drafts,
+    each the argmax of the head over the latest output, the first k-1 fed back with their embeddings at positions
+    pos, pos+1, .. (pos (1, 1): the position after that pair's), as MTPDrafter.propose does step by step.
+    `head`: a DraftHead (draft vocabulary) or None (the target's LM head). -> the k drafted tokens (k,)."""
+    drafts = []
+    for j in range(k):
+        x = target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))  # (1,)
+        drafts.append(x)
+        if j + 1 < k:
+            h = draft_module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, pos + j, 0, threads)[0]  # (1, H)
+    return torch.cat(drafts)  # (k,)
