@@ -22,9 +22,9 @@ import os
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
 from pathlib import Path
 from time import perf_counter
+from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -122,7 +122,7 @@ class _Compiled:
 
     def run(self, t: int, length: int, cache, *args, fn=None, extra: tuple = ()):
         """The graph for width t over the first `length` KV positions of `cache` (a new (t, length, threads) compiles,
-        or loads its kernels from the disk cache; a built one runs with its guards skipped). fn, extra: another
+        or loads its kernels from the disk cache; a built one is called without dynamo, _direct). fn, extra: another
         function of the same module (a draft chain) and what else tells its graphs apart."""
         if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
             version = weights_version(self.params)  # (~150 tensors: most of a step's Python time if done every call)
@@ -155,6 +155,7 @@ def _direct(fn):
 
 
 def _guards_skipped(graph):
+    """The compiled function called through dynamo with its guards skipped (when _direct finds no single entry)."""
     def call(*args):
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return graph(*args)

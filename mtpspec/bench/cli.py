@@ -48,7 +48,7 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="with --repeat: the rounds' mean time (keeps the pairing of interleaved runs) or each one's fastest")
     p.add_argument("--interleave", choices=["auto", "step", "run"], default="auto",
                    help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
-                   "run: whole generations in turn; auto: step with one torch thread, else run")
+                   "run: whole generations in turn, as a peer runs; auto: step with one torch thread and no peers, else run")
     add_threads_arg(p)
     p.add_argument("--peers", nargs="?", const="hf", default="",
                    help="peers on the same weights, comma-separated: hf (transformers' generate(); bare --peers), "
@@ -169,8 +169,9 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     s = load_bench(model_path, prompts, drafters, ks, max_new_tokens, tokenizer, draft_model, limit, dtype, threads, quant,
                    group_size, compile)
     model, ids, threads = s.model, s.ids, s.model.threads
-    if interleave == "auto":  # lockstep needs one torch thread: waiting jobs' OpenMP pools would spin
-        interleave = "step" if threads == 1 else "run"
+    if interleave == "auto":  # lockstep needs one torch thread (waiting jobs' OpenMP pools would spin), and a peer runs
+        # whole requests alone: in the rotation our compiled methods ran 6-14% slower than alone (scripts/rotation_cost.py)
+        interleave = "step" if threads == 1 and not peers else "run"
     elif interleave == "step" and threads != 1:
         raise ConfigError(f"--interleave step needs --threads 1 (got {threads}): each waiting job's thread pool would spin")
     phases, t = {"load": perf_counter() - t}, perf_counter()  # seconds of each setup phase and of the timed runs
