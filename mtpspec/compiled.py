@@ -281,10 +281,9 @@ class CompiledDraftStep(_Compiled):
                     if 1 <= t <= self.max_width and below + t <= s:
                         cache.length = below  # the keys there are zeros: only the shapes matter here
                         self(zeros[:t], zeros[:t], cache, layer)
-            for k in chains:
-                if k > 1 and below + 1 < s:  # a chain starting at `start` reads the span of start + k - 1 positions
-                    cache.length = max(below + 2 - k, 1)
-                    self.chain(zeros[:1], cache, k, head)
+            for k in (k for k in chains if k > 1):  # a chain starting at `start` reads the span of start + k - 1 positions
+                cache.length = max(below + 2 - k, 1)
+                self.chain(zeros[:1], cache, k, head)
         if 1 in chains:  # the head alone: one graph
             cache.length = 1
             self.chain(zeros[:1], cache, 1, head)
