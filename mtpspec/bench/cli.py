@@ -214,8 +214,11 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         from ..compiled import prepare
 
         ours = [m for m in methods if m.engine == "mtpspec"]
-        k_top = max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ours), default=0)
-        mtp_top = max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ours if m.drafter == "mtp"), default=0)
+        def deepest(ms: list[Method]) -> int:
+            return max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ms), default=0)
+
+        k_top = deepest(ours)
+        mtp_top = deepest([m for m in ours if m.drafter == "mtp"])
         prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + max_new_tokens + k_top,
                 chains=range(1, mtp_top + 1))
         phases["compile"], t = perf_counter() - t, perf_counter()

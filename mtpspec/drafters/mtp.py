@@ -38,6 +38,7 @@ from ..cache import KVCache
 from ..errors import ConfigError
 from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
+from ..models.static import draft_module_forward, greedy_draft
 from ..sampling import Sampler
 from ..tree import GrowingTree, RankAcceptance, TreeChoice, check_tree_budget, grow, keep_best, observe_step, shared_sizer, tree_budget
 from ..types import Draft, TargetOutput, Verdict
@@ -164,8 +165,6 @@ class MTPDrafter:
 
         Each sequence's MTP cache is copied into one (L, B, n_kv, S, hd) buffer for the round (its catch-up over
         the pending pairs, then the chained steps, rows padded to the widest), and its new entries copied back."""
-        from ..models.static import draft_module_forward
-
         module = drafters[0].target.mtp
         if any(d.tree is not None or d.depths is not None or d.sparse for d in drafters):  # trees, multi-layer, sparse: one at a time
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
@@ -289,18 +288,15 @@ class MTPDrafter:
         share a head (the target's, or the same draft-vocabulary head)."""
         head = drafters[0].head
         if all(d.sampler.params.greedy and d.head is head for d in drafters):
-            tokens = head.token(head.logits(h).argmax(-1)) if head is not None else drafters[0].target.head(h).argmax(-1)  # (n,)
-            return [(x, None) for x in tokens]
+            return [(x, None) for x in greedy_draft(drafters[0].target, head, h)]  # (n,) tokens
         return [d._next(h[i : i + 1]) for i, d in enumerate(drafters)]
 
     def _next(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """h (1, H) MTP output -> the drafted token and q (V,) (None when greedy)."""
-        greedy, head = self.sampler.params.greedy, self.head
-        if head is not None and greedy:
-            return head.token(head.logits(h)[0].argmax(-1)), None  # argmax over the draft vocabulary
+        head = self.head
+        if self.sampler.params.greedy:
+            return greedy_draft(self.target, head, h)[0], None
         logits = self.target.head(h)[0] if head is None else head.full(head.logits(h))[0]  # (V,)
-        if greedy:
-            return logits.argmax(-1), None
         q = self.sampler.probs(logits)  # (V,) the same transform as p; zero outside a draft vocabulary
         return self.sampler.sample(q), q
 

@@ -273,6 +273,12 @@ def draft_module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_b
     return lay.grid(module.norm(x) if mtp else x)  # (B, T, H)
 
 
+def greedy_draft(target, head, h: Tensor) -> Tensor:
+    """h (n, H) draft-module outputs -> (n,) the greedy drafts: the argmax of the target's LM head, or of `head` (a
+    DraftHead: the draft vocabulary) mapped back to token ids. Eager (MTPDrafter) and compiled (draft_chain_forward)."""
+    return target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))
+
+
 def draft_chain_forward(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: int,
                         threads: int = 1) -> Tensor:
     """A greedy MTP chain as one function: from h (1, H), the module's output at the last pending pair, k drafts,
@@ -281,7 +287,7 @@ def draft_chain_forward(module, target, head, h: Tensor, k_buf: Tensor, v_buf: T
     `head`: a DraftHead (draft vocabulary) or None (the target's LM head). -> the k drafted tokens (k,)."""
     drafts = []
     for j in range(k):
-        x = target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))  # (1,)
+        x = greedy_draft(target, head, h)  # (1,)
         drafts.append(x)
         if j + 1 < k:
             h = draft_module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, pos + j, 0, threads)[0]  # (1, H)
