@@ -14,7 +14,8 @@ forward was seen; T per size seen (the median of its last 5), pulled toward a pr
 non-decreasing, and optimistic where unseen so that it gets tried; a width beside the chosen one that has
 not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
-estimate, shrunk toward the sequence's pooled acceptance. Plain wins ties: each drafting sequence must
+estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
+(AcceptancePool), whose average is also a new sequence's prior. Plain wins ties: each drafting sequence must
 promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for costs unseen here (a draft
 model's catch-up); a drafter that could not pay with every draft accepted is never tried. A plain
 sequence's estimates fade (`forget`) toward its long-run acceptance; after a run of plain steps it is
@@ -31,28 +32,38 @@ from .types import BatchStep
 
 
 class ForwardCost:
-    """T(size): seconds of one target forward over `size` positions, learned, non-decreasing in size."""
+    """T(size): seconds of one target forward over `size` positions, learned, non-decreasing in size.
+
+    Kept in units of the machine's current speed: every forward of a size already seen 3 times updates a
+    running factor (its seconds over that size's median), and each forward is stored divided by it. A slow spell
+    of a shared machine slows every size alike; stored in seconds, a width measured during one looked dearer than
+    one measured before it, and the policy jumped between widths (demo, 8 sequences: per-round speed drifted 10-25%,
+    and the widths chosen wandered from 2 to 6 where a fixed 4 was best)."""
 
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
-        self.mean, self.count = {}, {}  # size -> the median of its last 5 forwards' seconds, and how many seen
-        self.recent: dict[int, list[float]] = {}  # size -> its last 5 forwards' seconds (a spike of the machine is one of 5)
+        self.speed = 1.0  # the machine's current slowness: seconds = stored value x speed
+        self.mean, self.count = {}, {}  # size -> the median of its last 5 forwards (stored units), and how many seen
+        self.recent: dict[int, list[float]] = {}  # size -> its last 5 forwards (a spike of the machine is one of 5)
         self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
         self.n = 0  # observations of any size
-        self._table: list[float] = []  # T(n) for n = 1..len; refitted at a new size or every 8 steps
+        self._table: list[float] = []  # T(n) for n = 1..len, stored units; refitted at a new size or every 8 steps
         self._upto, self._changes = 16, 0
 
     def observe(self, size: int, seconds: float) -> None:
         self._changes += 1
         if size not in self.count or self._changes >= 8:
             self._table, self._changes = [], 0
-        last = (self.recent.get(size, []) + [seconds])[-5:]
+        if self.count.get(size, 0) >= 3:  # the machine's speed, from a size well known
+            self.speed = 0.9 * self.speed + 0.1 * min(max(seconds / (self.speed * self.mean[size]), 0.5), 2.0) * self.speed
+        x = seconds / self.speed
+        last = (self.recent.get(size, []) + [x])[-5:]
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
         self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
         self.n += 1
         self.seen[size] = self.n
-        s = seconds / (self.prior[min(size, len(self.prior)) - 1] if self.prior else 1.0)  # a T(1)
+        s = x / (self.prior[min(size, len(self.prior)) - 1] if self.prior else 1.0)  # a T(1)
         if self.scale is None or size <= len(self.prior):
             self.scale = s if self.scale is None else 0.8 * self.scale + 0.2 * s
 
@@ -61,11 +72,11 @@ class ForwardCost:
         return self.n - self.seen[size] if size in self.seen else float("inf")
 
     def table(self, upto: int) -> list[float]:
-        """[T(1), T(2), ...], at least up to T(upto)."""
+        """[T(1), T(2), ...] in seconds at the machine's current speed, at least up to T(upto)."""
         if upto > len(self._table):
             self._upto = max(self._upto, upto)
             self._build(self._upto)
-        return self._table
+        return [t * self.speed for t in self._table]
 
     def _build(self, upto: int) -> None:
         knots = sorted(set(range(1, len(self.prior) + 1)) | set(self.mean))
@@ -94,6 +105,37 @@ class ForwardCost:
             self._table.append(t)
 
 
+class AcceptancePool:
+    """Acceptance by draft position over every sequence a policy has served (decayed: about 500 sequence steps of
+    memory): the prior of each new sequence, and how each position runs against a sequence's average. A fixed prior
+    (0.6) under-priced the demo's MTP head (0.8): in a server each request started plain at 16 sequences and stayed
+    so for up to 55 steps, until a probe."""
+
+    def __init__(self, k: int, prior: float, decay: float = 0.998) -> None:
+        self.passed, self.reached = [0.0] * k, [0.0] * k  # decayed counts per position
+        self.expected = [0.0] * k  # per position, the sum over checks of the sequence's own pooled acceptance
+        self.prior, self.decay, self.version = prior, decay, 0
+
+    def learn(self, drafted: int, accepted: int, level: float) -> None:
+        """A sequence whose pooled acceptance is `level` had `accepted` of `drafted` drafts accepted."""
+        self.version += 1
+        for i in range(min(drafted, len(self.passed))):
+            checked = i <= accepted  # every accepted position and the first miss
+            self.passed[i] = self.decay * self.passed[i] + (1.0 if i < accepted else 0.0)
+            self.reached[i] = self.decay * self.reached[i] + checked
+            self.expected[i] = self.decay * self.expected[i] + (level if checked else 0.0)
+
+    def level(self) -> float:
+        """Acceptance per checked draft position, over every position (the prior, as 2 observations, until seen)."""
+        return (sum(self.passed) + 2.0 * self.prior) / (sum(self.reached) + 2.0)
+
+    def shape(self) -> list[float]:
+        """Position j's acceptance over what the sequences that reached it accept on average (1 where unseen: each
+        shrunk toward 1 by 2 observations). Against the sequences' own averages, not the pool's: deep positions are
+        reached mostly by the sequences that accept well, and a ratio to the pool's average priced that in twice."""
+        return [(p + 2.0) / (e + 2.0) for p, e in zip(self.passed, self.expected)]
+
+
 class SeqAcceptance:
     """One sequence's acceptance by draft position, and its probing state."""
 
@@ -104,14 +146,16 @@ class SeqAcceptance:
         # plain steps in a row that could have drafted, plain steps between probes, probing now, last D chosen
         self.plain_run, self.probe_wait, self.probing, self.asked = 0, 0, False, 0
         self.drafted_last = False  # it drafted in its last step (so its drafter has no tokens to catch up on)
-        self._gains: list[float] | None = None  # until the estimates change
+        self._gains: list[float] | None = None  # until the estimates (or the pool's shape: _version) change
+        self._version = 0
 
-    def gains(self, d: int, shrink: float) -> list[float]:
-        """Marginal expected tokens of draft positions 1..d: a1, a1 a2, ..., each a_j shrunk to the pool."""
-        if self._gains is None:
-            pooled, self._gains, run = self.pool_passed / self.pool_reached, [], 1.0
-            for p, r in zip(self.passed, self.reached):
-                run *= (p + shrink * pooled) / (r + shrink)
+    def gains(self, d: int, shrink: float, shape: list[float] | None = None, version: int = 0) -> list[float]:
+        """Marginal expected tokens of draft positions 1..d: a1, a1 a2, ..., each a_j shrunk toward the sequence's
+        pooled acceptance times `shape[j]` (how position j runs against the average, over every sequence)."""
+        if self._gains is None or self._version != version:
+            pooled, self._gains, run, self._version = self.pool_passed / self.pool_reached, [], 1.0, version
+            for j, (p, r) in enumerate(zip(self.passed, self.reached)):
+                run *= (p + shrink * min(pooled * (shape[j] if shape else 1.0), 1.0)) / (r + shrink)
                 self._gains.append(run)
         return self._gains[:d]
 
@@ -196,6 +240,7 @@ class AdaptiveDepth:
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
+        pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
@@ -218,6 +263,7 @@ class AdaptiveDepth:
         self._steps, self._probe_base = 0, probe_min
         self._warm = 1 if (draft_cost is not None and target_cost is not None) else 0  # drafting steps learned from
         self.seqs: dict[int, SeqAcceptance] = {}
+        self.pool = pool or AcceptancePool(max(k_max, 1), prior_acceptance)
         self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
         self.batch_probe, self._all_plain, self._probe_left = batch_probe, 0, 0  # all-plain batch steps in a row; probe steps left
         self.width_probe = width_probe
@@ -243,7 +289,7 @@ class AdaptiveDepth:
         return min(max(self.slope, 0.25 * c), c) if self.slope is not None and self.c is not None else c
 
     def _new(self, seq: int) -> SeqAcceptance:
-        self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.prior_acceptance)
+        self.seqs[seq] = SeqAcceptance(max(self.k_max, 1), self.pool.level())
         return self.seqs[seq]
 
     def next_depths(self, seqs: Sequence[int], k_max: int | Sequence[int]) -> list[int]:
@@ -283,7 +329,8 @@ class AdaptiveDepth:
 
     def _choose(self, states: list[SeqAcceptance], caps: list[int]) -> list[int]:
         B, phi, o = len(states), self.phi, self.o
-        gains = [st.gains(cap, self.shrink) if cap > 0 else [] for st, cap in zip(states, caps)]
+        shape, version = self.pool.shape(), self.pool.version
+        gains = [st.gains(cap, self.shrink, shape, version) if cap > 0 else [] for st, cap in zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
         margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B  # per drafting sequence
@@ -304,13 +351,17 @@ class AdaptiveDepth:
                 st.plain_run = 0
                 continue
             if not st.probing:  # drafts that could not pay even if all accepted: no fading, no probe
-                if caps[i] not in pays:  # the best allocation with it drafting `cap`, all accepted
-                    perfect = gains[:i] + [[1.0] * caps[i]] + gains[i + 1 :]
-                    pays[caps[i]] = allocate(perfect, B, c, phi, o, margin, T)[2] > rate * 1.0001
-                if not pays[caps[i]]:
+                # ragged: the best allocation with it drafting `cap`, all accepted; padded: with every sequence so
+                # (one sequence alone never pays for a grid B rows wider, so asked alone no sequence of a plain
+                # batch of 8 faded or probed, and the batch stayed plain on stale estimates until a batch probe)
+                key = -1 if self.padded else caps[i]
+                if key not in pays:
+                    perfect = [[1.0] * k for k in caps] if self.padded else gains[:i] + [[1.0] * caps[i]] + gains[i + 1 :]
+                    pays[key] = allocate(perfect, B, c, phi, o, margin, T)[2] > rate * 1.0001
+                if not pays[key]:
                     continue
                 st.plain_run += 1
-                st.fade(self.forget, self.prior_acceptance)
+                st.fade(self.forget, self.pool.level())
                 st.probe_wait = st.probe_wait or (self._probe_base if st.long_reached > 8 else self.probe_min)
                 if st.plain_run < st.probe_wait:
                     continue
@@ -382,6 +433,7 @@ class AdaptiveDepth:
             st = self.seqs.get(s.seq) or self._new(s.seq)
             st.drafted_last = s.drafted > 0
             if s.drafted > 0:
+                self.pool.learn(s.drafted, s.accepted, st.pool_passed / st.pool_reached)
                 st.learn(s.drafted, s.accepted, self.decay)
                 if st.probing:  # a probe that paid resets the wait; one that failed doubles it (up to 4x)
                     base = self._probe_base
@@ -414,6 +466,7 @@ class ByBatchSize:
         self.options, self.policies = options, {}
         self.padded = options.get("padded", True)  # how its forwards are priced (every class alike)
         self.policy(1)  # bad options are an error here, not at the first step
+        self.options["pool"] = self.policies[1].pool  # acceptance does not depend on the batch size: one pool
 
     def policy(self, batch: int) -> AdaptiveDepth:
         """The policy for a batch of `batch` sequences."""

@@ -149,7 +149,9 @@ def test_depth_shrinks_smoothly_to_zero_as_the_batch_fills(padded):
 def test_depth_goes_to_the_sequence_whose_drafts_are_accepted(padded):
     chosen = drive_batch(batch_policy(padded), 300, [0.9, 0.3])[100:]
     good, poor = (sum(ds[i] for ds in chosen) / len(chosen) for i in (0, 1))
-    assert good > poor + 1.0
+    # padded, the good sequence sets the grid's width; the poor one's second draft (worth 0.3 x 0.3 = 0.09 tokens)
+    # costs the drafter about 0.08 tokens' time here, so drafting 1 or 2 in its padding is a near tie either way
+    assert good > poor + 0.9 and poor <= 2.0
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -230,3 +232,18 @@ def test_by_batch_size_learns_each_size_class_apart():
     p.drop(0)
     assert all(0 not in q.seqs for q in p.policies.values())
 
+
+
+def test_a_new_sequence_starts_from_the_acceptance_of_those_before_it():
+    """The prior of a new sequence is what the policy's earlier sequences accepted (0.9 here), not the fixed 0.6, in
+    every size class; and a position's shape is taken against each sequence's own average."""
+    p = ByBatchSize(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    fresh = p.policy(4)._new(99).gains(3, 2.0)
+    drive_batch(p, 200, [0.9])
+    pool = p.policy(1).pool
+    assert p.policy(4).pool is pool and pool.level() == pytest.approx(0.9, abs=0.05)
+    late = p.policy(4)._new(100).gains(3, 2.0, pool.shape(), pool.version)
+    assert fresh[0] == pytest.approx(0.6) and late[0] == pytest.approx(0.9, abs=0.05) and late[2] > 0.6
+    mixed = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
+    drive_batch(mixed, 300, [0.9, 0.3])  # deep positions are reached mostly by the good sequence
+    assert all(0.85 < x < 1.15 for x in mixed.pool.shape()[:4]), mixed.pool.shape()

@@ -29,9 +29,9 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
             cell = table[lab][b]
             assert cell["tokens_per_second"] > 0 and cell["cpu_tokens_per_second"] > 0 and cell["seconds_per_token"] > 0, (lab, b)
             assert cell["p50_token_latency"] <= cell["p99_token_latency"]
-            assert cell["identical"] == f"{b}/{b}", (lab, b)  # greedy: every method's tokens are plain's
+            assert cell["identical"] == "2/2", (lab, b)  # every B decodes both prompts; greedy: every method's tokens are plain's
     assert res["summary"]["mismatches"] == []
-    assert res["summary"]["agreement_across_batch"] == {"1": "1/1", "2": "2/2"}
+    assert res["summary"]["agreement_across_batch"] == {"1": "2/2", "2": "2/2"}
     assert res["summary"]["plain_scaling"]["1"] == pytest.approx(1.0)
     assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain"}
     assert len(res["runs"]) == 2 * 2 * 3  # batch sizes x rounds x methods
@@ -40,6 +40,31 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     md = (out / "batch.md").read_text()
     assert "| plain |" in md and "| ngram@auto |" in md and "Targets:" in md
     assert (out / "bench_batch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_groups_cover_the_prompt_set_at_every_batch_size():
+    from mtpspec.bench.batch import groups_of
+
+    ids = [[1], [2], [3], [4], [5]]
+    assert groups_of(ids, 1) == [[x] for x in ids]
+    assert groups_of(ids, 2) == [[[1], [2]], [[3], [4]], [[5], [1]]]  # the last group filled by cycling
+    assert groups_of(ids, 8) == [[[1], [2], [3], [4], [5], [1], [2], [3]]]
+
+
+def test_an_auto_method_keeps_one_policy_across_groups_and_rounds(assets):
+    """A round over 3 prompts one at a time: one engine per method, its auto policy the caller's, learning throughout."""
+    from mtpspec.api import load
+    from mtpspec.bench.batch import BatchMethod, run_round
+
+    m = load(assets / "models" / "stories260K.bin", tokenizer=assets / "models" / "tok512.bin")
+    ids = [m.encode(t) for t in ("Once upon a time", "The cat sat", "A little girl")]
+    methods, policies = [BatchMethod("none", 1), BatchMethod("ngram", "auto")], {}
+    runs = run_round(m, methods, ids, 6, {}, batch=1, policies=policies)
+    policy = policies["ngram@auto"]
+    assert [len(r.tokens) for r in runs] == [3, 3] and runs[0].tokens == runs[1].tokens
+    seen = policy.policy(1).T.n
+    run_round(m, methods, ids, 6, {}, round_=1, batch=1, policies=policies)
+    assert policies["ngram@auto"] is policy and policy.policy(1).T.n > seen > 0
 
 
 @pytest.mark.parametrize("value, message", [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("x", "got 'x'"),

@@ -1,11 +1,12 @@
 """`mtpspec bench --batch 1,2,4,8`: throughput and per-sequence latency of B sequences decoding together.
 
-For each batch size B, the first B prompts of the set (cycled) start together in one Engine(max_batch=B),
-once per method: plain, each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy for the
-batch, as `--k auto` runs everywhere). Within a round every method's engine runs at once, stepped in turn (one step each, the order
-rotating by round); each method's clock is the sum of its own steps' durations, decode only (from the
-end of the step that prefilled its last prompt). Each figure is the median over the rounds; what each
-one means: docs/benchmarks.md, "Batches".
+Every batch size decodes the same prompts: the whole set (cycled up to B when it has fewer), in groups of B that
+start together in one Engine(max_batch=B), a group after the one before it has finished; once per method: plain,
+each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy per auto method for the whole bench,
+as a server keeps one: what it learns at B=1 on one prompt it still knows at the next). Within a round every
+method's engine runs at once, stepped in turn (one step each, the order rotating by round); each method's clock is
+the sum of its own steps' durations, decode only (the steps that prefilled a group's prompts are not counted).
+Each figure is the median over the rounds; what each one means: docs/benchmarks.md, "Batches".
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class BatchRun:
     method: str
     batch: int
     round: int
-    decode_tokens: int  # tokens emitted after the last prompt was prefilled
-    decode_seconds: float  # from then until the last sequence finished
+    decode_tokens: int  # tokens emitted in decode steps (not in a step that prefilled a group's prompts)
+    decode_seconds: float  # the decode steps' seconds
     decode_cpu_seconds: float  # the process's CPU time over the same span (with one thread: little moved by other jobs)
-    prefill_seconds: float  # the steps before (each prefilled a prompt and decoded those already running)
+    prefill_seconds: float  # the other steps (each prefilled prompts and decoded those of the group already in)
     seconds_per_token: float  # mean over sequences of its decode seconds / its decode tokens
     p50_token_latency: float | None
     p99_token_latency: float | None
@@ -86,32 +87,49 @@ class BatchRun:
 
 
 class _Run:
-    """One method's engine in a round, and its own clock: the sum of its steps' durations."""
+    """One method's engine in a round, over its groups of prompts one after another, and its own clock: the sum of
+    its steps' durations (decode steps only)."""
 
-    def __init__(self, model, method: BatchMethod, prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
-                 temperature: float, seed: int) -> None:
-        from ..adaptive import ByBatchSize
-        from ..drafters import make_drafter
+    def __init__(self, model, method: BatchMethod, groups: list[list[list[int]]], max_new_tokens: int, draft_models: dict,
+                 temperature: float, seed: int, policy=None) -> None:
         from ..engine import Engine
-        from ..sampling import Sampler, SamplingParams
+        from ..sampling import SamplingParams
 
-        self.method, self.b = method, len(prompts)
-        auto = method.k == "auto"
-        self.engine = Engine(model.module, max_batch=self.b, depth=ByBatchSize(k_max=K_MAX_AUTO) if auto else None)
-        k = K_MAX_AUTO if auto else (1 if method.drafter == "none" else method.k)
+        self.model, self.method, self.groups, self.b = model, method, groups, len(groups[0])
+        self.max_new_tokens, self.draft_models, self.params, self.seed = max_new_tokens, draft_models, SamplingParams(temperature=temperature), seed
+        self.k = K_MAX_AUTO if method.k == "auto" else (1 if method.drafter == "none" else method.k)
+        self.engine = Engine(model.module, max_batch=self.b, depth=policy if method.k == "auto" else None)
+        n = sum(map(len, groups))
         self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
-        params = SamplingParams(temperature=temperature)
-        self.sids = []
-        for i, ids in enumerate(prompts):
-            drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter), tree=method.tree)
-            self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k, max_new_tokens, model.tokenizer.stop_ids,
-                                             lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
+        self.sids: list[int] = []
         self.clock = self.cpu = self.prefill = 0.0
-        self.last, self.n_tok, self.lat = [0.0] * self.b, [0] * self.b, []
+        self.start, self.last, self.n_tok, self.lat = [0.0] * n, [0.0] * n, [0] * n, []
         self.drafted = self.seq_steps = self.steps = 0
+        self.next_group = 0
+        self._add_group()
+
+    def _add_group(self) -> None:
+        from ..drafters import make_drafter
+        from ..sampling import Sampler
+
+        for ids in self.groups[self.next_group]:
+            i = len(self.sids)
+            drafter = make_drafter(self.method.drafter, self.model.module, draft_model=self.draft_models.get(self.method.drafter),
+                                   tree=self.method.tree)
+            self.sids.append(self.engine.add(ids, drafter, Sampler(self.params, self.seed + i), self.k, self.max_new_tokens,
+                                             self.model.tokenizer.stop_ids,
+                                             lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
+            self.start[i] = self.last[i] = self.clock
+        self.next_group += 1
+
+    @property
+    def active(self) -> bool:
+        return self.engine.active or self.next_group < len(self.groups)
 
     def step(self) -> None:
-        """One engine step, timed; before the last prompt is in, prefill time (its tokens are not counted)."""
+        """One engine step, timed; a step that prefills (some of) a group's prompts is prefill time, its tokens not counted."""
+        if not self.engine.active:
+            self._add_group()
         decoding = not self.engine.waiting
         t0, c0 = perf_counter(), process_time()
         rec = self.engine.step()
@@ -130,7 +148,7 @@ class _Run:
         self.got.clear()
 
     def result(self, round_: int) -> BatchRun:
-        per_seq = [self.last[i] / self.n_tok[i] for i in range(self.b) if self.n_tok[i]]
+        per_seq = [(self.last[i] - self.start[i]) / self.n_tok[i] for i in range(len(self.n_tok)) if self.n_tok[i]]
         return BatchRun(
             method=self.method.label, batch=self.b, round=round_, decode_tokens=sum(self.n_tok), decode_seconds=self.clock,
             decode_cpu_seconds=self.cpu, prefill_seconds=self.prefill,
@@ -142,29 +160,43 @@ class _Run:
         )
 
 
+def groups_of(ids: list[list[int]], b: int) -> list[list[list[int]]]:
+    """The prompt set in groups of b (cycled: every group full, at least one group)."""
+    n = -(-max(len(ids), b) // b) * b
+    return [[ids[i % len(ids)] for i in range(g, g + b)] for g in range(0, n, b)]
+
+
 def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
-              temperature: float = 0.0, seed: int = 0, round_: int = 0) -> list[BatchRun]:
-    """Every method's engine over the same `prompts`, stepped in turn (one step each, order rotating by round), so
-    the machine's drift falls on every method alike, step by step; each method is timed by its own steps only."""
-    runs = [_Run(model, m, prompts, max_new_tokens, draft_models, temperature, seed) for m in methods]
+              temperature: float = 0.0, seed: int = 0, round_: int = 0, batch: int | None = None,
+              policies: dict | None = None) -> list[BatchRun]:
+    """Every method's engine over the same `prompts` (in groups of `batch`, default all at once), stepped in turn (one
+    step each, order rotating by round), so the machine's drift falls on every method alike, step by step; each method
+    is timed by its own steps only. `policies`: the depth policy of each auto method (label -> policy), kept by the caller."""
+    from ..adaptive import ByBatchSize
+
+    groups = groups_of(prompts, batch or len(prompts))
+    policies = {} if policies is None else policies
+    runs = [_Run(model, m, groups, max_new_tokens, draft_models, temperature, seed,
+                 policies.setdefault(m.label, ByBatchSize(k_max=K_MAX_AUTO)) if m.k == "auto" else None) for m in methods]
     r = round_ % len(runs)
     runs = runs[r:] + runs[:r]
-    while any(x.engine.active for x in runs):
+    while any(x.active for x in runs):
         for x in runs:
-            if x.engine.active:
+            if x.active:
                 x.step()
     return [x.result(round_) for x in sorted(runs, key=lambda x: methods.index(x.method))]
 
 
 def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: list[int], max_new_tokens: int,
             draft_models: dict, rounds: int = 3, temperature: float = 0.0, seed: int = 0, tick=None) -> list[BatchRun]:
-    """Every method at every batch size, `rounds` times, the methods interleaved step by step (run_round)."""
-    runs = []
+    """Every method at every batch size, over every prompt (groups of B), `rounds` times, the methods interleaved step
+    by step (run_round); each auto method keeps one policy throughout."""
+    runs, policies = [], {}
     for b_n in batches:
-        prompts = [ids[i % len(ids)] for i in range(b_n)]
-        run_round(model, methods, prompts, min(max_new_tokens, 4), draft_models, temperature, seed)  # untimed warm-up
+        # untimed warm-up (one group, a few tokens)
+        run_round(model, methods, groups_of(ids, b_n)[0], min(max_new_tokens, 4), draft_models, temperature, seed, policies=policies)
         for r in range(rounds):
-            runs += run_round(model, methods, prompts, max_new_tokens, draft_models, temperature, seed, r)
+            runs += run_round(model, methods, ids, max_new_tokens, draft_models, temperature, seed, r, b_n, policies)
             if tick is not None:
                 tick(f"B={b_n} round {r + 1}")
     return runs
@@ -196,7 +228,8 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
                         bad.append({"method": r.method, "batch": b_n, "round": r.round, "sequence": i, "first_difference": first})
             mismatches += bad
             cell = {k: _median(getattr(r, k) for r in rs) for k in METRICS}
-            table[m.label][str(b_n)] = cell | {"identical": f"{b_n - len({x['sequence'] for x in bad})}/{b_n}" if greedy else "-"}
+            n = len(rs[0].tokens) if rs else b_n
+            table[m.label][str(b_n)] = cell | {"identical": f"{n - len({x['sequence'] for x in bad})}/{n}" if greedy else "-"}
     for row in table.values():
         for b, cell in row.items():
             p = table["plain"][b]["tokens_per_second"]
@@ -205,7 +238,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
     first: dict[int, list[int]] = {}
     for b_n in batches if greedy else []:
         toks = next(r for r in runs if r.batch == b_n and r.method == "plain" and r.round == 0).tokens
-        across[str(b_n)] = f"{sum(t == first.setdefault(i, t) for i, t in enumerate(toks))}/{b_n}"
+        across[str(b_n)] = f"{sum(t == first.setdefault(i, t) for i, t in enumerate(toks))}/{len(toks)}"
     return {"table": table, **_ratios(table, methods, batches, "tokens_per_second"), "mismatches": mismatches,
             "agreement_across_batch": across, "cpu": _ratios(table, methods, batches, "cpu_tokens_per_second")}
 
@@ -254,9 +287,9 @@ def markdown(result: dict, image: str | None) -> str:
 
     lines = [
         f"# Batch benchmark: {c['model_name']}", "",
-        f"{c['num_prompts']} prompts from {c['prompts_name']} (cycled when B exceeds them), {c['max_new_tokens']} new tokens per "
-        f"sequence, temperature {c['temperature']}, {c['threads']} thread(s), median of {c['rounds']} rounds (methods alternate "
-        "within a round). Decode only: timed from the end of the step that prefilled the last prompt.",
+        f"{c['num_prompts']} prompts from {c['prompts_name']} at every B, in groups of B (cycled when B exceeds them), "
+        f"{c['max_new_tokens']} new tokens per sequence, temperature {c['temperature']}, {c['threads']} thread(s), median of {c['rounds']} rounds (methods alternate "
+        "within a round; one `--k auto` policy per method for the whole run). Decode only: the steps that prefilled a group are not timed.",
         *table("## Throughput (tokens/s, all sequences)", lambda x: f"{x['tokens_per_second']:.1f}"),
         *table("## Throughput by CPU time (tokens per CPU second of this process: with one thread, little moved by other jobs)",
                lambda x: f"{x['cpu_tokens_per_second']:.1f}"),
@@ -319,7 +352,7 @@ def run_batch_bench(setup, drafters: list[str], ks: list[int | str], batches: li
     result = {
         "config": setup.config | {"batches": batches, "methods": [m.label for m in methods], "k_max_auto": K_MAX_AUTO,
                                   "temperature": temperature, "seed": seed, "rounds": rounds, "elapsed_seconds": perf_counter() - t_start,
-                                  "timing": "decode only: from the end of the engine step that prefilled the last prompt"},
+                                  "timing": "decode only: the engine steps that prefilled a group's prompts are not timed"},
         "summary": summary,
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {k: getattr(r, k) for k in METRICS[:2]} for r in runs],
         "targets": check_targets(summary, setup.config["model_name"]),
