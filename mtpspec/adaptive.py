@@ -229,7 +229,7 @@ class AdaptiveDepth:
         draft_cost: float | None = None,  # prior drafter seconds per drafted token (None: learn)
         target_cost: float | None = None,  # prior seconds of a one-position target forward T(1) (None: learn)
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
-        prior_acceptance: float = 0.6,
+        prior_acceptance: float = 0.6,  # a new sequence's acceptance until the pool has seen drafts
         shrink: float = 2.0,  # pseudo-observations pulling each a_j toward the pooled estimate
         forget: float = 0.98,  # per plain step, acceptance evidence fades toward its long-run level
         explore: float = 0.02,  # share of time that probing may cost
@@ -245,7 +245,7 @@ class AdaptiveDepth:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
         self.k_max, self.T, self.padded = k_max, ForwardCost(verify_cost, target_cost), padded
-        self.decay, self.shrink, self.forget, self.prior_acceptance = decay, shrink, forget, prior_acceptance
+        self.decay, self.shrink, self.forget = decay, shrink, forget
         self.explore, self.probe_min, self.margin, self.cost_margin = explore, probe_min, margin, cost_margin
         # prior drafter cost relative to T(1), scaled by the learned T(1) until drafts are seen
         self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
