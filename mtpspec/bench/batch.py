@@ -176,8 +176,10 @@ def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_n
 
     groups = groups_of(prompts, batch or len(prompts))
     policies = {} if policies is None else policies
-    runs = [_Run(model, m, groups, max_new_tokens, draft_models, temperature, seed,
-                 policies.setdefault(m.label, ByBatchSize(k_max=K_MAX_AUTO)) if m.k == "auto" else None) for m in methods]
+    for m in methods:
+        if m.k == "auto" and m.label not in policies:
+            policies[m.label] = ByBatchSize(k_max=K_MAX_AUTO)
+    runs = [_Run(model, m, groups, max_new_tokens, draft_models, temperature, seed, policies.get(m.label)) for m in methods]
     r = round_ % len(runs)
     runs = runs[r:] + runs[:r]
     while any(x.active for x in runs):
