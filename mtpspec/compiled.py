@@ -31,7 +31,8 @@ from torch import Tensor
 
 from .models.common import weights_version
 from .models.hybrid_cache import HybridCache, Window
-from .models.static import dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward
+from .models.static import (dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward,
+                            hybrid_window_forward)
 from .errors import ConfigError
 from .types import TargetOutput
 
@@ -63,6 +64,15 @@ class CompileStats:
 # inputs (not frozen constants): frozen graphs are not cached across runs, and each run would compile again.
 OPTIONS = {"cpp_wrapper": True}
 
+# A model under threads.SMALL_BYTES gets serial graphs whatever torch's thread count: their fused kernels work on a few
+# thousand elements, where an OpenMP fork/join costs more than it saves, while the small-row kernel (mtpspec.kernels),
+# called from inside the graph, still splits each matrix product between torch's threads at run time. On the demo
+# model at two threads this ran plain decoding 1.2x and MTP 1.07-1.16x faster than at one, where graphs built for two
+# threads ran no faster than one (docs/engine.md). One serial graph then serves every thread count.
+SERIAL = {"cpp.threads": 1}
+
+WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from which the compiled step takes the window form
+
 
 # Once a graph is built, it is called without dynamo: the function's transformed bytecode (what dynamo runs when the
 # guards pass: read the inputs, call the compiled graph) is taken from dynamo's cache and called as a plain function.
@@ -76,10 +86,14 @@ class _Compiled:
     """What both compiled steps share: one graph per (width, KV length, threads), built on first use and timed; the
     concatenated projections rebuilt when the weights change; the cache's positions as a tensor."""
 
-    def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=()) -> None:
+    def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=(), model=None) -> None:
         import torch._dynamo
 
+        from .threads import SMALL_BYTES, parameter_bytes
+
         self.module, self.max_width, self.backend = module, max_width, backend
+        # serial graphs (SERIAL) for a small model: one graph for every thread count (keyed as 1); else torch's count
+        self.serial = parameter_bytes(model if model is not None else module) < SMALL_BYTES
         # one graph per width: never fall back to eager silently for lack of room in dynamo's cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * max_width)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 64 * max_width)
@@ -113,8 +127,8 @@ class _Compiled:
         fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
         fn.__kwdefaults__ = base.__kwdefaults__
         # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
-        return torch.compile(fn, dynamic=False, fullgraph=True, backend=self.backend,
-                             options=OPTIONS if self.backend == "inductor" else None), fn
+        options = {**OPTIONS, **(SERIAL if self.serial else {})} if self.backend == "inductor" else None
+        return torch.compile(fn, dynamic=False, fullgraph=True, backend=self.backend, options=options), fn
 
     def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
@@ -130,7 +144,8 @@ class _Compiled:
                 self._fuse()
                 self.version = version
             self.seen = weakref.ref(cache)
-        key = (t, length, torch.get_num_threads(), *extra)  # compiled kernels keep the thread count they were built for
+        # compiled kernels keep the thread count they were built for (a serial graph's: 1, whatever torch's count)
+        key = (t, length, 1 if self.serial else torch.get_num_threads(), *extra)
         graph = self.graphs.get(key)
         if graph is not None:  # built: its guards were checked on the first call
             return graph(*args, key[2])
@@ -198,6 +213,12 @@ class CompiledStep(_Compiled):
     def __init__(self, model, max_width: int = 9, backend: str = "inductor") -> None:
         self.hybrid = isinstance(model.new_cache(1), HybridCache)
         super().__init__(hybrid_forward if self.hybrid else dense_forward, model, max_width, backend)
+        # Gated DeltaNet windows of 2+ positions: position by position, returning the state after each (T states per
+        # layer written), or, when a layer's state is large, as one exact chunk (gated_deltanet.window_delta_rule)
+        # returning what rebuilds any of them (the eager forward's form): at the Qwen3.5-0.8B shape (16 heads of
+        # 128 x 128) T states cost more to write than the chunk's triangular solve (docs/engine.md)
+        dn = next((m for m in model.modules() if hasattr(m, "in_proj_qkv")), None)
+        self.window_form = dn is not None and dn.nv * dn.dk * dn.dv >= WINDOW_FORM_STATE
 
     def handles(self, t: int, cache) -> bool:
         kv = cache.kv if self.hybrid else cache
@@ -234,9 +255,13 @@ class CompiledStep(_Compiled):
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
-            logits, hid, pre, hists, slots = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :], convs, states)
+            chunk = self.window_form and t > 1
+            logits, hid, pre, hists, slots = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :],
+                                                      kv.v[..., :s, :], convs, states,
+                                                      **({"fn": hybrid_window_forward, "extra": ("window",)} if chunk else {}))
             for i in n:
-                cache.record_window(i, hists[i], [Window(states=list(slots[i].unbind(0)))], None)
+                window = Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))  # (gc, k, u) or T states
+                cache.record_window(i, hists[i], [window], None)
         else:
             logits, hid, pre = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
         cache.advance(t)
@@ -249,7 +274,7 @@ class CompiledDraftStep(_Compiled):
 
     def __init__(self, module, base, max_width: int = 9, backend: str = "inductor") -> None:
         # base: the model whose embedding and LM head a draft chain reads (the target, or a trained head's target)
-        super().__init__(draft_module_forward, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens))
+        super().__init__(draft_module_forward, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens), model=base)
         self.base = base
 
     def handles(self, t: int, cache) -> bool:

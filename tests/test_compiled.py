@@ -45,16 +45,17 @@ def tiny_dense(dtype=torch.float32, window: int = 0) -> DenseLM:
     return model.to(dtype).eval()
 
 
-def _static_step(model, tokens, cache):
-    """One static-function forward run eagerly, with the cache bookkeeping CompiledStep does."""
+def _static_step(model, tokens, cache, window_form: bool = False):
+    """One static-function forward run eagerly, with the cache bookkeeping CompiledStep does (window_form: Gated
+    DeltaNet windows of 2+ positions as one exact chunk, the form a model with large states compiles)."""
     step = CompiledStep.__new__(CompiledStep)  # its __call__ without torch.compile: fn is the plain function
-    step.module, step.max_width, step.hybrid = model, 16, hasattr(cache, "n_linear")
+    step.module, step.max_width, step.hybrid, step.window_form = model, 16, hasattr(cache, "n_linear"), window_form
     step.params, step.version, step.graphs, step.backend = [], (), {}, "none"
     from mtpspec.compiled import CompileStats, fuse_projections
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_forward if step.hybrid else dense_forward)
-    step.run = lambda t, length, cache, *args: step.fn(*args, 1)
+    step.run = lambda t, length, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
     return step(tokens, cache)
 
 
@@ -62,12 +63,14 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "dense", "dense-window"])
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid-chunk", "dense", "dense-window"])
 @torch.inference_mode()
 def test_static_forward_is_the_model_forward_fp64(kind):
     """Decode and verify windows of widths 1..5 after a 20-token prefill, then rollback to every slot:
-    the static function's logits and the states it leaves equal the model's own forward (fp64)."""
-    model = {"hybrid": tiny_hybrid, "dense": tiny_dense, "dense-window": lambda dt: tiny_dense(dt, window=6)}[kind](torch.float64)
+    the static function's logits and the states it leaves equal the model's own forward (fp64), the Gated
+    DeltaNet position by position or (hybrid-chunk) as one exact chunk per window."""
+    model = {"hybrid": tiny_hybrid, "hybrid-chunk": tiny_hybrid, "dense": tiny_dense,
+             "dense-window": lambda dt: tiny_dense(dt, window=6)}[kind](torch.float64)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 96, (20,), generator=g)
     for width in range(1, 6):
@@ -78,7 +81,7 @@ def test_static_forward_is_the_model_forward_fp64(kind):
                 c = model.new_cache()
                 c.prefill = True
                 model.forward_tokens(prompt, c)
-                out = _static_step(model, window, c) if static else model.forward_tokens(window, c)
+                out = _static_step(model, window, c, kind == "hybrid-chunk") if static else model.forward_tokens(window, c)
                 c.crop(20 + keep)
                 runs.append((out, model.forward_tokens(window[:1], c).logits))
             (oe, ne), (os_, ns) = runs
@@ -86,17 +89,18 @@ def test_static_forward_is_the_model_forward_fp64(kind):
             assert _rel(ns, ne) < 1e-10, (width, keep)
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid-window", "dense"])
 def test_compiled_generation_equals_plain_greedy(kind):
     """Through dynamo (eager backend): every drafter gives plain greedy's tokens without compiling, one full
-    graph per width is built, and prefill / exact mode stay eager."""
+    graph per width is built, and prefill / exact mode stay eager. hybrid-window: verify windows take the Gated
+    DeltaNet's chunk form (what a model with large states compiles: CompiledStep.window_form)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = tiny_hybrid() if kind == "hybrid" else tiny_dense()
+    model = tiny_hybrid() if kind.startswith("hybrid") else tiny_dense()
     g = torch.Generator().manual_seed(2)
     prompt = [int(t) for t in torch.randint(0, 96, (12,), generator=g)]
-    runs = [("none", 1), ("ngram", 3)] + ([("mtp", 1), ("mtp", 3)] if kind == "hybrid" else [])
+    runs = [("none", 1), ("ngram", 3)] + ([("mtp", 1), ("mtp", 3)] if kind.startswith("hybrid") else [])
     from mtpspec.drafters import make_drafter
     from mtpspec.engine import generate_tokens
     from mtpspec.sampling import Sampler, SamplingParams
@@ -106,11 +110,14 @@ def test_compiled_generation_equals_plain_greedy(kind):
 
     ref = {r: gen(*r) for r in runs}
     step = compile_model(model, max_width=5, backend="eager")
+    assert not step.window_form  # the tiny model's states are small
+    step.window_form = kind == "hybrid-window"
     for r in runs:
         assert gen(*r) == ref[r], r
-    assert step.built and {t for t, _, _ in step.built} <= set(range(1, 6))
+    assert step.built and {key[0] for key in step.built} <= set(range(1, 6))
     assert step.stats.graphs == len(step.built)
-    if kind == "hybrid":
+    assert any(key[3:] == ("window",) for key in step.built) == (kind == "hybrid-window")
+    if kind.startswith("hybrid"):
         drafts = model.mtp.__dict__["compiled_step"]
         assert drafts.built, "the MTP drafter went through its compiled step"
     n = step.stats.graphs

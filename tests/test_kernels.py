@@ -62,17 +62,27 @@ def test_each_row_is_bitwise_the_same_whatever_shares_the_call():
     assert torch.equal(mixed[3], alone[5])
 
 
-def test_more_threads_give_the_same_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_threads_give_the_same_bits(dtype):
+    """The kernel splits the panels between torch's threads (OpenMP): each output is still computed by one thread."""
     g = torch.Generator().manual_seed(2)
-    w, x = torch.randn(1000, 64, generator=g), torch.randn(4, 64, generator=g)
+    w, x = torch.randn(1000, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
     panels, before = kernels.pack(w), torch.get_num_threads()
-    one = kernels.packed_linear(x, panels, 1000)
     try:
+        torch.set_num_threads(1)
+        one = kernels.packed_linear(x, panels, 1000)
         torch.set_num_threads(2)
         two = kernels.packed_linear(x, panels, 1000)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def test_the_kernel_is_built_with_openmp_so_threads_split_it():
+    """at::parallel_for runs on one thread when the extension is compiled without OpenMP: the kernel must be built
+    with it (it once was not, and two threads read the weights no faster than one)."""
+    build = kernels.cache_dir() / f"{kernels._cpu_tag()}-torch{torch.__version__}" / "build.ninja"
+    assert "-fopenmp" in build.read_text()
 
 
 def test_linear_is_an_nn_linear_with_the_same_state_dict():
@@ -119,17 +129,23 @@ def test_what_the_kernel_does_not_take_runs_on_f_linear_bitwise():
         assert torch.equal(lin64(x64), F.linear(x64, lin64.weight, lin64.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
-def test_bf16_accumulates_in_fp32_and_rounds_once(rows):
-    g = torch.Generator().manual_seed(rows)
-    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((70, 200), (rows, 200), (70,)))
-    y = kernels.packed_linear(x, kernels.pack(w), 70, b)
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
+@pytest.mark.parametrize("k", [200, 63])
+def test_bf16_accumulates_in_fp32_and_rounds_once(rows, k):
+    """Widened to fp32 FMAs, or (AVX512_BF16, kernels.bf16_pairs()) exact bf16 products added in pairs by vdpbf16ps:
+    either way at most K + 1 fp32 roundings per output (products of two bf16 are exact in fp32), then one to bf16.
+    An odd K pads the pairs with a zero column."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((70, k), (rows, k), (70,)))
+    panels = kernels.pack(w)
+    assert panels.shape == ((3, (k + 1) // 2, 64) if kernels.bf16_pairs() else (3, k, 32))
+    y = kernels.packed_linear(x, panels, 70, b)
     exact = x.double() @ w.double().T + b.double()  # bf16 values are exact in fp64
     assert y.dtype == torch.bfloat16
     # the fp32 chain's error, then one rounding to bf16 (relative 2^-8 at most)
     chain = _bound(x.float(), w.float(), b.float())
     assert ((y.double() - exact).abs() <= chain + (exact.abs() + chain) * 2.0**-8).all()
-    alone = torch.cat([kernels.packed_linear(x[i : i + 1], kernels.pack(w), 70, b) for i in range(rows)])
+    alone = torch.cat([kernels.packed_linear(x[i : i + 1], panels, 70, b) for i in range(rows)])
     assert torch.equal(alone, y)
 
 
@@ -189,3 +205,19 @@ def test_product_few_rows_on_the_kernel_many_on_torch_same_function(dtype, rows)
     product = (x.double() @ w.double().T).abs()
     slack = 0 if dtype == torch.float32 else (product + exact.abs() + 2 * chain) * 2.0**-8
     assert y.shape == (rows, 75) and ((y.double() - exact).abs() <= 2 * chain + slack).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_widened_bf16_results_are_the_bf16_values_in_fp32(rows):
+    """packed_linear(widen=True), the LM head's path (Linear.wide): the fp32 values of the bf16 results, bitwise."""
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((70, 48), (rows, 48), (70,)))
+    panels = kernels.pack(w)
+    y = kernels.packed_linear(x, panels, 70, b)
+    wide = kernels.packed_linear(x, panels, 70, b, widen=True)
+    assert wide.dtype == torch.float32 and torch.equal(wide, y.float())
+    lin = Linear(48, 70).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(w), lin.bias.copy_(b)
+    with torch.inference_mode():
+        assert torch.equal(lin.wide(x), lin(x).float())

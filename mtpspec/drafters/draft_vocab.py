@@ -91,7 +91,7 @@ class DraftHead:
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
-        return self.product(h).float()
+        return self.product(h, widen=True).float()
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]

@@ -6,9 +6,12 @@ streamed at ~8 GB/s, this kernel's at ~30 GB/s). small_linear.cpp keeps each wei
 panels (N/32, K, 32) read front to back once per call, whatever the number of rows, so a verify pass over
 k+1 rows costs little more than one step, and each output is the same FMA chain over k in order however many
 rows share the call: the product is row-invariant, bitwise. bf16 weights stay bf16 in the panels (half the
-bytes to read), are widened exactly in registers, accumulate in fp32 and round each output once.
+bytes to read), accumulate in fp32 and round each output once: widened exactly in registers and FMA'd, or, on a CPU
+with AVX512_BF16, multiplied in pairs by vdpbf16ps (twice the multiply-adds per instruction: a 5-row verify of a
+bf16 weight then costs about what one row does; bf16_pairs()). The panels of a call are split between torch's
+threads (OpenMP); each output is still one thread's chain.
 
-The kernel is C++ built on first use with torch's extension builder (g++, about 10 s, once per machine;
+The kernel is C++ built on first use with torch's extension builder (g++ with OpenMP, about 10 s, once per machine;
 kept under $MTPSPEC_KERNEL_CACHE, default ~/.cache/mtpspec/kernels, in a folder named for this CPU's
 instruction set). Without a compiler, or with MTPSPEC_KERNELS=0, every product runs on torch's own
 F.linear: same results up to float rounding, slower.
@@ -67,7 +70,7 @@ def available() -> bool:
         src = Path(__file__).with_name("small_linear.cpp")
         build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)
-        load(name="mtpspec_small_linear", sources=[str(src)], extra_cflags=["-O3", "-march=native"],
+        load(name="mtpspec_small_linear", sources=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              build_directory=str(build), is_python_module=False, verbose=False)
         torch.library.register_fake("mtpspec::packed_linear")(_fake)
         _state["ok"] = True
@@ -78,8 +81,8 @@ def available() -> bool:
     return bool(_state["ok"])
 
 
-def _fake(x: Tensor, panels: Tensor, n: int, bias: Tensor | None) -> Tensor:
-    return x.new_empty(x.shape[0], n)  # x's dtype
+def _fake(x: Tensor, panels: Tensor, n: int, bias: Tensor | None, widen: bool = False) -> Tensor:
+    return x.new_empty(x.shape[0], n, dtype=torch.float32 if widen else x.dtype)
 
 
 # bf16 panels hold each 16 outputs as o0 o8 o1 o9 .. o7 o15: the kernel widens a 32-bit word (two bfloat16) into
@@ -88,12 +91,26 @@ BF16_ORDER = [g * 16 + i + h * 8 for g in range(2) for i in range(8) for h in ra
 BF16_UNDO = sorted(range(P), key=BF16_ORDER.__getitem__)  # panel position of output j
 
 
+def bf16_pairs() -> bool:
+    """Whether this CPU's build multiplies bf16 weights in pairs (AVX512_BF16's vdpbf16ps; small_linear.cpp), which
+    lays bf16 panels out as (ceil(N/32), ceil(K/2), 64). False without the kernel."""
+    if "pairs" not in _state:
+        _state["pairs"] = available() and bool(torch.ops.mtpspec.bf16_pairs())
+    return bool(_state["pairs"])
+
+
 def pack(weight: Tensor) -> Tensor:
     """(N, K) -> panels (ceil(N/32), K, 32): panel p holds outputs 32p.. 32p+31, one input column's 32 weights
-    side by side (bf16: in the kernel's interleaved order, BF16_ORDER); rows past N are zero."""
+    side by side (bf16: in the kernel's interleaved order, BF16_ORDER); rows past N are zero. bf16 where the kernel
+    multiplies in pairs (bf16_pairs()): (ceil(N/32), ceil(K/2), 64), each pair of input columns' weights of one
+    output side by side, output by output (an odd K gets a zero column)."""
     n, k = weight.shape
-    padded = weight.new_zeros((n + P - 1) // P * P, k)
-    padded[:n] = weight.detach()
+    pairs = weight.dtype == torch.bfloat16 and bf16_pairs()
+    kp = k + k % 2 if pairs else k
+    padded = weight.new_zeros((n + P - 1) // P * P, kp)
+    padded[:n, :k] = weight.detach()
+    if pairs:  # (NP, 32, K/2, 2) -> (NP, K/2, 32, 2)
+        return padded.view(-1, P, kp // 2, 2).transpose(1, 2).reshape(-1, kp // 2, 2 * P).contiguous()
     panels = padded.view(-1, P, k).transpose(1, 2)  # (NP, K, 32)
     if weight.dtype == torch.bfloat16:
         panels = panels[..., BF16_ORDER]
@@ -114,9 +131,10 @@ def usable(x: Tensor, weight: Tensor) -> bool:
     return takes(x, weight.dtype) and not (torch.is_grad_enabled() and weight.requires_grad) and available()
 
 
-def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
-    """x (..., K) -> (..., n) through the kernel, with panels = pack(weight)."""
-    y = torch.ops.mtpspec.packed_linear(x.reshape(-1, x.shape[-1]), panels, n, bias)
+def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None, widen: bool = False) -> Tensor:
+    """x (..., K) -> (..., n) through the kernel, with panels = pack(weight). widen: bf16 results come back as the
+    fp32 values of their bf16 rounding (what .to(bf16).float() gives, without the two conversions)."""
+    y = torch.ops.mtpspec.packed_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, widen)
     return y.view(*x.shape[:-1], n)
 
 
@@ -149,14 +167,19 @@ class Product:
         self.panels = pack(weight) if kernel else None  # (ceil(N/32), K, 32)
         self.t = None if kernel else weight.t().contiguous()  # (K, N)
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x (..., K) -> (..., N)"""
+    def __call__(self, x: Tensor, bias: Tensor | None = None, widen: bool = False) -> Tensor:
+        """x (..., K) -> (..., N); widen: in at least fp32 (the values of the weight's dtype, packed_linear)."""
+        if widen:
+            return self(x, bias) if not takes(x, self.dtype) or self.t is not None else packed_linear(x, self.panels, self.n, bias, True)
         if self.t is not None:
             return x @ self.t if bias is None else torch.addmm(bias, x.reshape(-1, self.k), self.t).view(*x.shape[:-1], self.n)
         if takes(x, self.dtype):
             return packed_linear(x, self.panels, self.n, bias)
         rows = x.numel() // self.k
         flat = x.reshape(-1, self.k)
+        if self.panels.shape[-1] != P:  # bf16 pairs: no torch product reads them, so MAX_ROWS rows at a time
+            y = torch.cat([packed_linear(part, self.panels, self.n, bias) for part in flat.split(MAX_ROWS)])
+            return y.view(*x.shape[:-1], self.n)
         y = torch.matmul(flat, self.panels)  # (NP, M, 32)
         if self.dtype == torch.bfloat16:  # the panels' interleaved order, undone
             y = y[..., BF16_UNDO]

@@ -9,7 +9,9 @@
 // Each output is one FMA chain over k = 0..K-1 in order, whatever the number of rows, the row's place in
 // the batch, the thread count or the vector width the compiler picks: the product is row-invariant
 // (a row's result does not depend on what else shares the call), bitwise. bfloat16 weights are widened to
-// float32 in registers (exactly, by integer ops) and read at half the bytes.
+// float32 in registers (exactly, by integer ops) and read at half the bytes, or, where the CPU has AVX512_BF16,
+// multiplied in pairs by vdpbf16ps (panel_pairs below). The panels are split between threads by at::parallel_for,
+// which needs the extension built with -fopenmp (without it, it runs on the calling thread alone).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +19,9 @@
 
 #include <algorithm>
 #include <cstring>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -112,6 +117,63 @@ void panel_rows(const float* x, const W* w, const float* bias, float* y, int64_t
   }
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 weights on a CPU with AVX512_BF16: vdpbf16ps multiplies 32 pairs of bfloat16 exactly and adds each pair of
+// products into one of 16 float lanes, twice the multiply-adds per instruction of widening the weights and using FMAs,
+// and x stays bfloat16 (no widening at all). pack() then lays each panel out as (ceil(K/2), 32, 2): for each pair of
+// input columns (2j, 2j+1), every output's two weights side by side, so one 64-byte load is 16 outputs' pairs and one
+// 32-bit broadcast is x's pair. Each output is one chain over j = 0..ceil(K/2)-1 in order, whatever the rows: the
+// product stays row-invariant, bitwise (its roundings differ from the FMA chain's: this CPU's bf16 results are its own).
+constexpr bool BF16_PAIRS = true;
+
+template <int G>
+void panel_pairs(const uint32_t* x, const at::BFloat16* w, const float* bias, float* y, int64_t K2, int64_t N, int64_t p, int64_t m0) {
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) { acc[g][0] = _mm512_setzero_ps(); acc[g][1] = _mm512_setzero_ps(); }
+  const at::BFloat16* wp = w + p * K2 * 2 * P;
+  for (int64_t j = 0; j < K2; ++j) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + j * 2 * P), w1 = (__m512bh)_mm512_loadu_si512(wp + j * 2 * P + P);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[(m0 + g) * K2 + j]));
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], w0, xb);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], w1, xb);
+    }
+  }
+  const int64_t n0 = p * P, valid = std::min(P, N - n0);
+  for (int g = 0; g < G; ++g) {
+    float out[P];
+    _mm512_storeu_ps(out, acc[g][0]);
+    _mm512_storeu_ps(out + 16, acc[g][1]);
+    if (bias != nullptr)
+      for (int64_t i = 0; i < valid; ++i) out[i] += bias[n0 + i];
+    std::memcpy(y + (m0 + g) * N + n0, out, valid * sizeof(float));
+  }
+}
+
+constexpr int GPAIRS = 8;  // 16 accumulators, 2 weights, 1 broadcast: 19 of the 32 registers
+
+void run_pairs(const uint32_t* xp, const at::BFloat16* wp, const float* bp, float* yp, int64_t M, int64_t K2, int64_t n, int64_t NP) {
+  at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int64_t m = 0;
+      for (; m + GPAIRS <= M; m += GPAIRS) panel_pairs<GPAIRS>(xp, wp, bp, yp, K2, n, p, m);
+      switch (M - m) {
+        case 1: panel_pairs<1>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 2: panel_pairs<2>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 3: panel_pairs<3>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 4: panel_pairs<4>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 5: panel_pairs<5>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 6: panel_pairs<6>(xp, wp, bp, yp, K2, n, p, m); break;
+        case 7: panel_pairs<7>(xp, wp, bp, yp, K2, n, p, m); break;
+        default: break;
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
+
 #ifdef __AVX512F__
 constexpr int GMAX = 6;  // 12 accumulators of 16 floats, 2 weights, 1 broadcast: 15 of the 32 registers
 #else
@@ -144,30 +206,61 @@ void run(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, in
 
 // x (M, K) and panels of one dtype, float32 or bfloat16; a bfloat16 call accumulates in float32 and rounds
 // each output to bfloat16 once, at the end, as torch's bfloat16 matmul does.
-at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == P, "packed_linear: x (M, K) and panels (N/32, K, 32)");
+// The fp32 results rounded to bfloat16 in place, kept as floats (widen: the LM head's logits, read in fp32 anyway).
+void round_to_bf16(at::Tensor& y) {
+  float* p = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));  // round to nearest even
+}
+
+// widen (bfloat16 only): return the bfloat16-rounded outputs as float32, sparing the conversions (and the fresh
+// pages of two more buffers) of y.to(bfloat16).to(float32): 3 ms of a 5-row step at the Qwen3.5-0.8B shape's head.
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias_in,
+                         bool widen) {
+  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3, "packed_linear: x (M, K) and panels (N/32, K, 32), or (N/32, K/2, 64) for bf16 pairs");
   const auto dtype = panels.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x_in.scalar_type() == dtype,
               "packed_linear: float32 only, or bfloat16 only (x and panels of one dtype)");
-  TORCH_CHECK(x_in.size(1) == panels.size(1) && (n + P - 1) / P == panels.size(0), "packed_linear: shapes do not match");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = panels.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NP = w.size(0);
+  const bool pairs = BF16_PAIRS && dtype == at::kBFloat16;
+  const int64_t K = x_in.size(1);
+  TORCH_CHECK((pairs ? panels.size(1) == (K + 1) / 2 && panels.size(2) == 2 * P : x_in.size(1) == panels.size(1) && panels.size(2) == P)
+              && (n + P - 1) / P == panels.size(0), "packed_linear: shapes do not match");
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
     TORCH_CHECK(bias_in->scalar_type() == dtype && bias_in->numel() == n, "packed_linear: bias (N,) of the weights' dtype");
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({M, n}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const at::Tensor w = panels.contiguous();
+  const int64_t M = x_in.size(0), NP = w.size(0);
+  at::Tensor y = at::empty({M, n}, x_in.options().dtype(at::kFloat));
+#ifdef __AVX512BF16__
+  if (pairs) {  // x stays bfloat16, read as (M, ceil(K/2)) pairs: an odd K gets a zero column
+    at::Tensor x = K % 2 == 0 ? x_in.contiguous() : at::constant_pad_nd(x_in, {0, 1}).contiguous();
+    run_pairs(reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), w.data_ptr<at::BFloat16>(), bp,
+              y.data_ptr<float>(), M, (K + 1) / 2, n, NP);
+    if (!widen) return y.to(dtype);
+    round_to_bf16(y);
+    return y;
+  }
+#endif
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
   if (dtype == at::kFloat) run(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, n, NP);
   else run(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M, K, n, NP);
-  return dtype == at::kFloat ? y : y.to(dtype);
+  if (dtype == at::kFloat) return y;
+  if (!widen) return y.to(dtype);
+  round_to_bf16(y);
+  return y;
 }
+
+// The panels' layout for bfloat16 weights: true when this build multiplies them in pairs (pack() asks once).
+bool bf16_pairs() { return BF16_PAIRS; }
 
 }  // namespace
 
 TORCH_LIBRARY(mtpspec, m) {
-  m.def("packed_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, int n, Tensor? bias, bool widen=False) -> Tensor");
+  m.def("bf16_pairs() -> bool", &bf16_pairs);
 }
 
 TORCH_LIBRARY_IMPL(mtpspec, CPU, m) {

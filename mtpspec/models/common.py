@@ -44,7 +44,9 @@ class CausalLM(nn.Module):
         return None
 
     def head(self, hidden: Tensor) -> Tensor:
-        """Logits in at least fp32: fp32 for fp32 / bf16 models, fp64 for fp64 ones."""
+        """Logits in at least fp32: fp32 for fp32 / bf16 models (a bf16 model's logits are bf16 values), fp64 for fp64 ones."""
+        if isinstance(self.lm_head, Linear):
+            return self.lm_head.wide(hidden)
         logits = self.lm_head(hidden)
         return logits.to(wide(logits.dtype))
 
@@ -58,6 +60,14 @@ class Linear(nn.Linear):
         if not kernels.usable(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         return kernels.packed_linear(x, kernels.panels_of(self.__dict__, self.weight), self.out_features, self.bias)
+
+    def wide(self, x: Tensor) -> Tensor:
+        """forward(x) in at least fp32 (the logits of an LM head): the same values, without converting a bf16 result
+        twice on the kernel's path."""
+        if not kernels.usable(x, self.weight):
+            y = F.linear(x, self.weight, self.bias)
+            return y.to(wide(y.dtype))
+        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, self.weight), self.out_features, self.bias, widen=True)
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:

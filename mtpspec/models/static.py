@@ -240,6 +240,13 @@ def hybrid_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: T
     return (model.head(hid) if head else None), hid, x, hists, slots
 
 
+def hybrid_window_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
+                          states: list[Tensor], threads: int = 1):
+    """hybrid_forward with chunk=True: each Gated DeltaNet window as one exact chunk, returning (gc, k, u) per layer (the
+    compiled step's form for windows of 2+ positions of a model with large states, compiled.CompiledStep)."""
+    return hybrid_forward(model, tokens, pos, k_bufs, v_bufs, convs, states, threads, chunk=True)
+
+
 def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1, head: bool = True,
                   rows: Tensor | None = None):
     """DenseLM.forward_tokens as a function of tensors (see hybrid_forward): logits (N, V) or None, hidden, prenorm."""
