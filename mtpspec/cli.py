@@ -105,6 +105,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="bit-exact mode: every position computed as a one-token step computes it (same tokens and logits for any k or batch; no speedup)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="MTP: draft over the N most frequent tokens only (default: the checkpoint's draft_vocab.json; 0 = full vocabulary)")
+    p.add_argument("--mtp-lookup", type=int, default=None, metavar="N",
+                   help="mtp: where the context's last N tokens (N >= 2; 4 on code) occurred before, draft what followed them "
+                        "instead of running the MTP head (default 0: off)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt lookup: shortest n-gram matched (default 1)")
     p.add_argument("--ngram-max", type=int, default=None, help="prompt lookup: longest n-gram matched (default 3)")
     p.add_argument("--lookahead-n", type=int, default=None, help="lookahead: n-gram size N, keys of 1..N-1 tokens (default 5)")
@@ -130,7 +133,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
         tree=args.tree, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
-        suffix_shared=args.suffix_shared, sparse_select=args.sparse_select,
+        suffix_shared=args.suffix_shared, sparse_select=args.sparse_select, mtp_lookup=args.mtp_lookup,
     )
 
 

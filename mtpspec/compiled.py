@@ -71,6 +71,8 @@ OPTIONS = {"cpp_wrapper": True}
 # threads ran no faster than one (docs/engine.md). One serial graph then serves every thread count.
 SERIAL = {"cpp.threads": 1}
 
+MAX_WIDTH = 9  # the widest window (rows) a compiled graph takes by default; wider ones run eagerly
+
 WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from which the compiled step takes the window form
 
 
@@ -210,7 +212,7 @@ class CompiledStep(_Compiled):
     bookkeeping as the eager forward does, so crop / rollback / snapshot work unchanged.
     """
 
-    def __init__(self, model, max_width: int = 9, backend: str = "inductor") -> None:
+    def __init__(self, model, max_width: int = MAX_WIDTH, backend: str = "inductor") -> None:
         self.hybrid = isinstance(model.new_cache(1), HybridCache)
         super().__init__(hybrid_forward if self.hybrid else dense_forward, model, max_width, backend)
         # Gated DeltaNet windows of 2+ positions: position by position, returning the state after each (T states per
@@ -272,7 +274,7 @@ class CompiledDraftStep(_Compiled):
     """The static-shape MTP / EAGLE module step (a chained draft step, or the catch-up over accepted
     tokens), compiled per width T = 1..max_width like CompiledStep."""
 
-    def __init__(self, module, base, max_width: int = 9, backend: str = "inductor") -> None:
+    def __init__(self, module, base, max_width: int = MAX_WIDTH, backend: str = "inductor") -> None:
         # base: the model whose embedding and LM head a draft chain reads (the target, or a trained head's target)
         super().__init__(draft_module_forward, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens), model=base)
         self.base = base
@@ -343,7 +345,7 @@ def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | 
         raise ConfigError("--compile does not cover sparse attention layers yet: run without --compile")
 
 
-def compile_model(model, max_width: int = 9, backend: str = "inductor") -> CompiledStep:
+def compile_model(model, max_width: int = MAX_WIDTH, backend: str = "inductor") -> CompiledStep:
     """Route `model.forward_tokens` windows of up to max_width positions (and its MTP module's steps) through
     compiled graphs, kept on the model. Graphs are built on first use of each width; kernels are cached on
     disk (cache_dir()) so later runs skip the C++ compilation."""
@@ -357,9 +359,10 @@ def compile_model(model, max_width: int = 9, backend: str = "inductor") -> Compi
 
 
 @torch.inference_mode()  # the scratch caches are inference tensors, as the engine's are (a guard tells them apart)
-def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = ()) -> None:
+def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), draft_widths: range | None = None) -> None:
     """Build the graphs of a compiled model (compile_model) that windows of `widths` rows ending at positions lo..hi
-    use, target and MTP module, and the MTP module's greedy chains of each depth in `chains` (with the checkpoint's
+    use, target and MTP module (`draft_widths` for the module when other: a catch-up after rounds drafted by lookup
+    spans several rounds' tokens), and the MTP module's greedy chains of each depth in `chains` (with the checkpoint's
     default draft vocabulary), before anything is timed."""
     from .drafters.draft_vocab import make_draft_head
 
@@ -369,7 +372,7 @@ def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = ()) 
     step.prepare(widths, lo, hi)
     draft = getattr(model, "mtp", None) is not None and model.mtp.__dict__.get("compiled_step")
     if draft:
-        draft.prepare(widths, lo, hi, model.new_mtp_cache(), chains, make_draft_head(model, None) if chains else None)
+        draft.prepare(draft_widths or widths, lo, hi, model.new_mtp_cache(), chains, make_draft_head(model, None) if chains else None)
 
 
 def compiled_draft_step(module, target) -> CompiledDraftStep | None:

@@ -83,7 +83,7 @@ def test_every_registered_drafter_is_a_drafter(target, heads):
 
 
 def test_options_are_frozen_typed_dataclasses():
-    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden", "tree", "sparse_select")
+    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden", "tree", "sparse_select", "mtp_lookup")
     assert OPTION_TYPES["ngram_max"] == ("--ngram-max", int) and OPTION_TYPES["mtp_prenorm_hidden"][1] is bool
     o = NgramOptions(2, 4)
     with pytest.raises(AttributeError):

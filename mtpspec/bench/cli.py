@@ -35,7 +35,8 @@ def _list(text: str) -> list[str]:
 def _args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--prompts", help="(required but with --contexts) spec_bench | mt_bench | humaneval | tinystories, or a .jsonl / .jsonl.gz / .txt file")
-    p.add_argument("--drafters", default="none,ngram", help="comma-separated: none,ngram,draft,mtp,...")
+    p.add_argument("--drafters", default="none,ngram", help="comma-separated: none,ngram,draft,mtp,...; a drafter with options "
+                   "as NAME+KEY=VALUE (e.g. mtp+mtp_lookup=4, keywords as in Model.generate), measured beside NAME alone")
     p.add_argument("--draft-model", help="draft model for the 'draft' drafter (and the assisted-generation peer), "
                    "or a head folder (mtp / eagle / medusa, from `mtpspec train head`) for that drafter")
     p.add_argument("--k", help="comma-separated draft depths, e.g. 1,2,4,auto (default; with --contexts: one depth, default 4)")
@@ -68,6 +69,26 @@ def _args(p: argparse.ArgumentParser) -> None:
                    "stdlib modules); --limit prompts per context (default 4 up to 2k tokens, fewer beyond)")
     p.add_argument("--sparse-model", help="with --contexts: a checkpoint of the same target with a sparse-attention MTP module")
     p.add_argument("--out", required=True, help="output directory")
+
+
+def drafter_specs(items: list[str]) -> list[tuple[str, tuple[tuple[str, object], ...]]]:
+    """--drafters entries, NAME or NAME+KEY=VALUE[+KEY=VALUE...], as (name, options); options checked as make_drafter checks
+    them (an unknown one, or one the drafter does not read, is an error naming it)."""
+    from ..drafters import check_options
+
+    specs = []
+    for item in items:
+        name, *pairs = item.split("+")
+        options = []
+        for pair in pairs:
+            key, eq, text = pair.partition("=")
+            if not eq or not key or not text:
+                raise ConfigError(f"--drafters {item}: a drafter option is KEY=VALUE (e.g. mtp+mtp_lookup=4), got {pair!r}")
+            value = {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+            options.append((key, value))
+        check_options(name, dict(options))
+        specs.append((name, tuple(options)))
+    return specs
 
 
 @dataclass
@@ -166,6 +187,8 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         from .llamacpp import find_binary
 
         find_binary("llama-server")
+    specs = drafter_specs(drafters)
+    drafters = list(dict.fromkeys(name for name, _ in specs))  # the drafters' names, each once
     s = load_bench(model_path, prompts, drafters, ks, max_new_tokens, tokenizer, draft_model, limit, dtype, threads, quant,
                    group_size, compile)
     model, ids, threads = s.model, s.ids, s.model.threads
@@ -183,7 +206,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         cost = costmodel.measure(model.module, k_max, context, threads, drafters, s.draft_models, typical)
     phases["cost_model"], t = perf_counter() - t, perf_counter()
 
-    methods = [PLAIN] + [Method("mtpspec", d, k) for d in drafters if d != "none" for k in ks]
+    methods = [PLAIN] + [Method("mtpspec", d, k, options) for d, options in specs if d != "none" for k in ks]
     runners: dict[str, object] = {"mtpspec": OursRunner(model, s.draft_models, cost)}
     skipped: dict[str, str] = {}  # peer method -> why the peer cannot run it on this model
     export_diff = {}
@@ -211,7 +234,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
         phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
     if compile:  # every graph the runs can reach, built before anything is timed
-        from ..compiled import prepare
+        from ..compiled import MAX_WIDTH, prepare
 
         ours = [m for m in methods if m.engine == "mtpspec"]
         def deepest(ms: list[Method]) -> int:
@@ -219,8 +242,10 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
 
         k_top = deepest(ours)
         mtp_top = deepest([m for m in ours if m.drafter == "mtp"])
+        # after rounds drafted by lookup (mtp_lookup) the module catches up on several rounds' tokens: every compiled width
+        lookup = any(dict(m.options).get("mtp_lookup") for m in ours)
         prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + max_new_tokens + k_top,
-                chains=range(1, mtp_top + 1))
+                chains=range(1, mtp_top + 1), draft_widths=range(1, MAX_WIDTH + 1) if lookup else None)
         phases["compile"], t = perf_counter() - t, perf_counter()
     try:
         with progress_bar(progress, len(s.prompts) * len(methods) * repeat, "bench", "run") as tick:
@@ -298,6 +323,8 @@ def _run_batch(args: argparse.Namespace, ks: list[int | str]) -> dict:
         raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
     trees = [check_tree_budget(n) for n in parse_counts(args.trees, "--trees", "node budgets", "8,16")] if args.trees else []
     drafters = _list(args.drafters)
+    if any(options for _, options in drafter_specs(drafters)):
+        raise ConfigError("drafter options in --drafters (NAME+KEY=VALUE) are measured by the per-prompt bench, not with --batch")
     setup = load_bench(args.model, args.prompts, drafters, ks, args.max_new_tokens, args.tokenizer, args.draft_model, args.limit,
                        args.dtype, args.threads, args.quant, args.quant_group_size, args.compile, tree=(trees or [None])[0])
     return run_batch_bench(setup, drafters, ks, batches, args.out, args.rounds, trees, args.temperature, args.seed,

@@ -33,13 +33,15 @@ class Method:
     engine: str  # "mtpspec", "transformers" or "llamacpp"
     drafter: str  # "none" | "ngram" | "draft" | "mtp" | ... (peers: none | ngram | draft; llama.cpp also mtp)
     k: int | str | None  # draft depth D, "auto", or None (plain / the peer's own default)
+    options: tuple[tuple[str, object], ...] = ()  # ours: drafter options (--drafters mtp+mtp_lookup=4)
 
     @property
     def label(self) -> str:
         who = {"mtpspec": "ours", "transformers": "hf"}.get(self.engine, self.engine)
         if self.drafter == "none":
             return f"{who}:plain"
-        return f"{who}:{self.drafter}" + (f"@{self.k}" if self.k is not None else "")
+        opts = "".join(f"+{key}={value}" for key, value in self.options)
+        return f"{who}:{self.drafter}{opts}" + (f"@{self.k}" if self.k is not None else "")
 
 
 PLAIN = Method("mtpspec", "none", None)
@@ -97,7 +99,7 @@ class OursRunner:
         c0 = process_time()
         res = self.model.generate(
             ids, drafter=method.drafter, draft_model=self.draft_models.get(method.drafter), temperature=temperature, seed=seed,
-            max_new_tokens=max_new_tokens, on_tokens=turn.step_done if turn is not None else None, **kw)
+            max_new_tokens=max_new_tokens, on_tokens=turn.step_done if turn is not None else None, **kw, **dict(method.options))
         s, acc = res.stats, Acceptance.from_steps(res.steps)
         run = Run(
             method=method.label, prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(res.prompt_tokens),

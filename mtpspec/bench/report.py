@@ -66,7 +66,7 @@ def aggregate(rs: list[Run], plain: list[Run], cost: CostModel | None) -> Aggreg
     if cost is not None:
         pre = {r.prompt_id: r.prefill_seconds or 0.0 for r in plain}
         name = rs[0].method.split(":", 1)[1]
-        dr = "none" if name == "plain" else name.split("@", 1)[0]
+        dr = "none" if name == "plain" else name.split("@", 1)[0].split("+", 1)[0]  # (the cost model prices the drafter alone)
         plain_s = sum(r.new_tokens * cost.plain_seconds(dr) + pre.get(r.prompt_id, 0.0) for r in rs)
         agg.predicted_speedup = _ratio(plain_s, sum(cost.run_seconds(dr, r.drafts_per_step, pre.get(r.prompt_id, 0.0)) for r in rs))
         agg.efficiency = _ratio(agg.speedup, agg.predicted_speedup)

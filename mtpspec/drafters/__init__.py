@@ -47,6 +47,7 @@ class MTPOptions(DrafterOptions):
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
     tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
     sparse_select: str | None = option("sparse_select", "--sparse-select", None)  # a sparse MTP: reuse (default) | recompute | full
+    lookup: int = option("mtp_lookup", "--mtp-lookup", 0)  # N >= 2: draft by prompt lookup where the last N tokens recur; 0 = off
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
         raise ConfigError("--sparse-select needs a sparse-attention MTP module (mtp_sparse_attention in the model's config, "
                           "from `mtpspec train mtp --sparse`); this model's MTP attends to its whole context")
     return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree,
-                      sparse_select=options.sparse_select or "reuse")
+                      sparse_select=options.sparse_select or "reuse", lookup=options.lookup)
 
 
 def _head(draft_model, kind: str, target):

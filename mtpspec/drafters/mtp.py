@@ -27,6 +27,13 @@ Greedy: drafts are argmaxes and q is None. Sampling: drafts are sampled from q =
 (the same transform the target's p gets), and q is returned so rejection sampling stays exact.
 With a draft vocabulary (draft_vocab.py) the head scores only the N most frequent tokens; greedy
 drafts are the argmax over them and q is zero outside them.
+
+Prompt-lookup shortcut (`lookup=N`, `--mtp-lookup N`): when the context's last N tokens occurred earlier,
+the round drafts what followed their latest occurrence (ngram.py) instead of running the module, and the
+module's state is left as after a plain step (its pending pairs wait for the next round that drafts with
+it). A lookup draft is a point mass (q = None) like any n-gram draft, so verification stays lossless. On
+code, where a 4-token repeat is usually a copied identifier or line, it drafts as far as the MTP chain
+(demo, 8 held-out Python prompts, D = 5: 3.92 tokens per forward against 3.91) for none of its cost.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from ..sampling import Sampler
 from ..tree import GrowingTree, RankAcceptance, TreeChoice, check_tree_budget, grow, keep_best, observe_step, shared_sizer, tree_budget
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
+from .ngram import NgramDrafter
 
 
 SPARSE_SELECT = ("reuse", "recompute", "full")  # a sparse MTP's block choice for chained draft steps (full: attend everything)
@@ -55,7 +63,7 @@ class MTPDrafter:
     name = "mtp"
 
     def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
-                 tree: int | None = None, sparse_select: str = "reuse") -> None:
+                 tree: int | None = None, sparse_select: str = "reuse", lookup: int = 0) -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
@@ -89,6 +97,12 @@ class MTPDrafter:
         self.proposed = None  # a tree: the last one proposed (tree.Proposed)
         # --tree auto: a chain or a tree, by measured tokens/s (one sizer per MTP / EAGLE module, shared by its sequences)
         self.sizer = TreeChoice(shared_sizer(target.mtp, "mtp")) if tree == "auto" else None
+        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0 or lookup == 1:
+            raise ConfigError(f"--mtp-lookup takes 0 (off) or a match length N >= 2 (tokens), got {lookup!r}")
+        if lookup and tree is not None:
+            raise ConfigError("--mtp-lookup drafts chains: it cannot be combined with --tree")
+        # the prompt-lookup shortcut: the continuation of the context's last `lookup` tokens where they occurred before
+        self.lookup = NgramDrafter(n_min=lookup, n_max=lookup) if lookup else None
 
     def _hidden(self, out: TargetOutput) -> Tensor:
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
@@ -106,6 +120,8 @@ class MTPDrafter:
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         self.sampler = sampler
+        if self.lookup is not None:
+            self.lookup.prefill(context, out, sampler)
         if self.n_layers > 1:
             self.depths = DepthChain(self.target, self.fused)
             if out is not None:
@@ -118,8 +134,21 @@ class MTPDrafter:
         if out is not None:  # pairs (h_i, t_{i+1}) for i = 0..L-2
             self._queue(self._hidden(out), context[1 : out.hidden.shape[0] + 1])
 
+    def _looked_up(self, context: Tensor, k: int) -> Draft | None:
+        """The lookup shortcut's draft for this round (at least 2 tokens, or k when k < 2), else None."""
+        if self.lookup is None:
+            return None
+        pending = 0 if self.pending_h is None else self.pending_h.shape[0]
+        if self.compiled is not None and pending + k + 1 > self.compiled.max_width:
+            return None  # the module catches up now: after one more lookup round it would be wider than its compiled graphs
+        draft = self.lookup.propose(context, k)
+        return draft if draft.size >= min(2, k) else None
+
     @torch.inference_mode()
     def propose(self, context: Tensor, k: int) -> Draft:
+        looked_up = self._looked_up(context, k)
+        if looked_up is not None:  # the module's state stays as after a plain step: commit queues this round's pairs
+            return looked_up
         if self.depths is not None:
             return self._propose_depths(context, k)
         if self.pending_h is None or self.pending_h.shape[0] == 0:
@@ -165,6 +194,20 @@ class MTPDrafter:
 
         Each sequence's MTP cache is copied into one (L, B, n_kv, S, hd) buffer for the round (its catch-up over
         the pending pairs, then the chained steps, rows padded to the widest), and its new entries copied back."""
+        looked_up = [d._looked_up(c, k) for d, c, k in zip(drafters, contexts, ks)]
+        if any(x is not None for x in looked_up):  # the lookup shortcut's sequences need no module forward
+            rest = [i for i, x in enumerate(looked_up) if x is None]
+            drafts = cls._propose_modules([drafters[i] for i in rest], [contexts[i] for i in rest], [ks[i] for i in rest])
+            for i, d in zip(rest, drafts):
+                looked_up[i] = d
+            return looked_up
+        return cls._propose_modules(drafters, contexts, ks)
+
+    @classmethod
+    def _propose_modules(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
+        """propose_batch for sequences that all draft with the module this round."""
+        if len(drafters) < 2:
+            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
         module = drafters[0].target.mtp
         if any(d.tree is not None or d.depths is not None or d.sparse for d in drafters):  # trees, multi-layer, sparse: one at a time
             return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
