@@ -138,7 +138,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
 
     threads: torch threads for this model's generate() calls (None = mtpspec.threads.default_threads: 1 for
-    small models or a busy machine, else the idle cores); applied now too (process-wide).
+    small models run eagerly or a busy machine, else the idle cores); applied now too (process-wide).
     quant: None, "int8" or "int4" (group_size 32 / 64 / 128): weight-only quantization of the linear layers
     (mtpspec.quant); the quantized model is the target that generation is lossless to.
     compile: run decode and verify windows (and the MTP module's steps) through torch.compile'd static-shape
@@ -153,7 +153,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     module, tok = load_checkpoint(path, tokenizer, dtype)
     if qcfg is not None:
         quantize(module, qcfg.kind, qcfg.group_size)
-    n = apply_threads(resolve_threads(threads, module))
+    n = apply_threads(resolve_threads(threads, module, compiled=compile))
     if module.dtype in kernels.DTYPES:
         kernels.available()  # the small-row kernel built (once per machine) or loaded now, not inside the first step
     if compile:

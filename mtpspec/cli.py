@@ -46,7 +46,8 @@ def parse_tree(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--tree must be a node budget (an integer) or 'auto', got {text!r}") from None
 
 
-THREADS_RULE = "chosen per model: 1 under 256 MiB of weights or on a busy machine, else the idle cores (mtpspec.threads)"
+THREADS_RULE = ("chosen per model: 1 under 256 MiB of weights (unless --compile) or on a busy machine, else the idle cores "
+                "(mtpspec.threads)")
 
 
 def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None, when_unset: str = THREADS_RULE) -> None:

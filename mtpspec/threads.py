@@ -18,11 +18,29 @@ median, 1 and 2 threads interleaved rep by rep: scripts/threads_t1.py --ladder -
 and on a quiet one (issue 13's measurement, same VM): the 0.8B shape 121 ms at 1 thread, 92 ms at 2
 (1.3x faster). The demo's ~4 ms steps are dispatch-bound (issue 13), so splitting them cannot pay. No quiet
 machine was available for the ladder in between, so the size threshold sits between the largest
-dispatch-bound model here (the demo, 32 MB) and the smallest one measured to gain (1.5 GB). Hence:
+dispatch-bound model here (the demo, 32 MB) and the smallest one measured to gain (1.5 GB).
 
-- weights under SMALL_BYTES (256 MiB): 1 thread, always;
-- larger: one thread per idle physical core (cores this process may run on, minus the 1-minute load
-  average rounded), at least 1: on a busy machine extra threads cost 3-11x, on a quiet one they gain ~1.3x.
+Re-measured on a quiet machine (2026-12-02, a fresh AMD EPYC VM; the kernel now built with OpenMP, so a
+second thread splits every matrix product; `--ladder --big --reps 15`, eager):
+
+    model (weights)                              T(1) 1 thread   T(1) 2 threads   2 threads vs 1
+    stories260K fp32 (1 MB)                        2.18 ms          2.19 ms          1.00
+    demo hybrid fp32 (32 MB)                       7.51 ms          7.33 ms          0.98
+    stories15M-shaped dense fp32 (61 MB)           4.61 ms          4.39 ms          0.95
+    stories42M-shaped dense fp32 (167 MB)         10.81 ms          9.88 ms          0.91
+    stories110M-shaped dense fp32 (438 MB)        21.94 ms         20.82 ms          0.95
+    Qwen3.5-0.8B-shaped hybrid bf16 (1.5 GB)      96.8 ms          82.8 ms          0.86
+
+An eager small model still gains nothing from a second core (its step is Python and dispatch), but a
+compiled one does: the demo's compiled step is mostly the kernel's products, and with two threads plain
+decoding ran 1.28x and MTP at D = 3 1.23x faster than with one, in one process, alternating
+(docs/engine.md, "threads"); in `mtpspec bench --peers llamacpp --compile` runs of the same day the demo
+decoded 1.3-1.4x faster at two threads than at one. Hence:
+
+- weights under SMALL_BYTES (256 MiB), not compiled: 1 thread, always;
+- larger, or compiled (`load(..., compile=True)`, `--compile`): one thread per idle physical core (cores this
+  process may run on, minus the 1-minute load average rounded), at least 1: on a busy machine extra threads
+  cost 3-11x, on a quiet one they gain 1.1-1.4x.
   The load average counts this process too once it has run for a while: load() applies the rule once, at
   load time, and generate() reuses that count.
 
@@ -80,11 +98,15 @@ def machine_load() -> float:
         return 0.0
 
 
-def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None) -> int:
-    """The rule: 1 thread under SMALL_BYTES of weights; above, one per idle core (cores - round(load)), at least 1.
+def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None, compiled: bool | None = None) -> int:
+    """The rule: 1 thread under SMALL_BYTES of weights unless compiled; else one per idle core (cores - round(load)),
+    at least 1.
 
-    cores / load default to this machine's (physical_cores, machine_load); pass them to ask about another."""
-    if parameter_bytes(module) < SMALL_BYTES:
+    cores / load default to this machine's (physical_cores, machine_load); pass them to ask about another. compiled:
+    whether the model runs the compiled step (None: whether compile_model has been applied to it)."""
+    if compiled is None:
+        compiled = "compiled_step" in module.__dict__
+    if parameter_bytes(module) < SMALL_BYTES and not compiled:
         return 1
     cores = physical_cores() if cores is None else cores
     load = machine_load() if load is None else load
@@ -102,10 +124,12 @@ def check_threads(threads, name: str = "threads") -> int | None:
     return int(threads)
 
 
-def resolve_threads(threads, module: nn.Module) -> int:
-    """threads as given (checked), or default_threads(module) when None."""
+def resolve_threads(threads, module: nn.Module, compiled: bool | None = None) -> int:
+    """threads as given (checked), or default_threads(module) when None (compiled: as default_threads takes it)."""
     n = check_threads(threads)
-    return default_threads(module) if n is None else n
+    if n is not None:
+        return n
+    return default_threads(module) if compiled is None else default_threads(module, compiled=compiled)
 
 
 def apply_threads(n: int) -> int:

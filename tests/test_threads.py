@@ -35,6 +35,17 @@ def test_large_models_get_the_idle_cores():
     assert th.default_threads(m, cores=1, load=0.0) == 1
 
 
+def test_compiled_small_models_get_the_idle_cores():
+    """A compiled step is mostly the kernel's products, which a second thread splits; an eager small step is dispatch."""
+    small = nn.Linear(64, 64, bias=False, device="meta")
+    assert th.default_threads(small, cores=2, load=0.0) == 1
+    assert th.default_threads(small, cores=2, load=0.0, compiled=True) == 2
+    assert th.default_threads(small, cores=2, load=1.2, compiled=True) == 1  # a busy machine: still one
+    small.__dict__["compiled_step"] = object()  # what compile_model leaves on a model: found without being told
+    assert th.default_threads(small, cores=2, load=0.0) == 2
+    assert th.resolve_threads(None, small, compiled=False) == 1 and th.resolve_threads(3, small) == 3
+
+
 def test_parameter_bytes_counts_a_tied_head_once(stories):
     params = {id(p): p for p in stories.module.parameters()}  # parameters() already yields a tied weight once
     assert th.parameter_bytes(stories.module) == sum(p.numel() * p.element_size() for p in params.values())
@@ -104,7 +115,7 @@ def test_generate_command_goes_through_the_rule(monkeypatch, capsys, assets):
     """`mtpspec generate` without --threads asks the rule about the loaded module (and runs with its answer)."""
     asked = []
 
-    def rule(module, cores=None, load=None):
+    def rule(module, cores=None, load=None, compiled=None):
         asked.append(module)
         return 1
 

@@ -77,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for model in served.models.values():  # each generate() sets its model's threads: --threads, else the rule at load
         if qcfg is not None:
             quantize(model.module, qcfg.kind, qcfg.group_size)
-        model.threads = resolve_threads(args.threads, model.module)
+        model.threads = resolve_threads(args.threads, model.module, compiled=args.compile)
         if args.compile:
             compile_model(model.module)
     app = create_app(served, options)  # checks each model's speculation before binding
