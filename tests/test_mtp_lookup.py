@@ -128,3 +128,34 @@ def test_bench_drafter_specs():
         drafter_specs(["mtp+mtp_lokup=4"])
     with pytest.raises(ConfigError, match="not used by --drafter ngram"):
         drafter_specs(["ngram+mtp_lookup=4"])
+
+
+def test_compiled_catch_ups_stay_within_the_compiled_widths():
+    """With the compiled step (traced by dynamo's eager backend here), a round drafts with the module whenever one more
+    lookup round would make its catch-up wider than the graphs: every module call stays compiled, output unchanged."""
+    import torch._dynamo
+
+    from mtpspec.compiled import compile_model
+
+    torch._dynamo.reset()
+    model = _model(1)
+    ref = [generate_tokens(model, p, make_drafter("none", model), 1, Sampler(SamplingParams()), N).tokens for p in PROMPTS[1:4]]
+    compile_model(model, max_width=5, backend="eager")
+    widths, rounds = [], [0, 0]
+    for prompt, want in zip(PROMPTS[1:4], ref):
+        d, counts = counted(make_drafter("mtp", model, mtp_lookup=2))
+        mtp, propose, calls = d._mtp, d.propose, []
+        d.propose = lambda c, k, propose=propose, calls=calls: calls.append(k) or propose(c, k)
+        # the module's calls after the first round (the prompt's own catch-up is as long as the prompt)
+        d._mtp = lambda h, t, layer, mtp=mtp, calls=calls: (len(calls) > 1 and widths.append(t.shape[0])) or mtp(h, t, layer)
+        assert generate_tokens(model, prompt, d, 3, Sampler(SamplingParams()), N).tokens == want
+        rounds = [a + b for a, b in zip(rounds, counts)]
+    assert rounds[0] > 0 and rounds[1] > 0 and widths and max(widths) <= 5
+    d = make_drafter("mtp", model, mtp_lookup=2)  # the rule itself: pending pairs + the round's rows against 5
+    ctx = torch.tensor([1, 2, 3, 1, 2])
+    d.prefill(ctx, None, Sampler(SamplingParams()))
+    h = torch.zeros(2, CFG.hidden_size)
+    d.pending_h, d.pending_t = h[:1], torch.tensor([2])
+    assert d._looked_up(ctx, 3).tokens.tolist() == [3, 1, 2]  # 1 pending + 4 rows: the lookup drafts
+    d.pending_h, d.pending_t = h, torch.tensor([1, 2])
+    assert d._looked_up(ctx, 3) is None  # 2 + 4 rows > 5: the module drafts (and catches up) this round
