@@ -19,6 +19,7 @@ import pytest
 import torch
 import uvicorn
 
+from mtpspec.errors import ConfigError
 from mtpspec.server import create_app
 from mtpspec.server.cli import _listen
 from mtpspec.server.options import ServeOptions
@@ -180,6 +181,29 @@ def test_demo_mtp_auto_batch_equals_separate_runs():
         got = asyncio.run(main())
     assert [g["choices"][0]["text"] for g in got] == [demo.generate(p, max_new_tokens=24).text for p in prompts]
     assert sum(g["mtpspec"]["accepted"] for g in got) > 0 and isinstance(mtpspec.load, object)
+
+
+def test_demo_mtp_lookup_equals_generate():
+    """--mtp-lookup: the server's MTP drafter takes the prompt-lookup shortcut; greedy output is still generate's."""
+    served = load_served(["demo"])
+    demo = served.models["demo"]
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+               "import os\n", "class Stack:\n    def push(self, x):\n        self.items.append(x)\n\n    def pop(self):\n"]
+    with running(served, ServeOptions(max_batch=4, mtp_lookup=4)) as (url, app):
+        assert app.state.schedulers["demo"].spec.describe() == {"drafter": "mtp", "k": "auto", "mtp_lookup": 4}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+                rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": 32, "temperature": 0})
+                                            for p in prompts))
+            return [r.json() for r in rs]
+
+        got = asyncio.run(main())
+    assert [g["choices"][0]["text"] for g in got] == [demo.generate(p, max_new_tokens=32).text for p in prompts]
+    with pytest.raises(ConfigError, match="N >= 2"):
+        ServeOptions(mtp_lookup=1)
+    with pytest.raises(ConfigError, match="--mtp-lookup is an option of --drafter mtp"):
+        create_app(served, ServeOptions(drafter="ngram", mtp_lookup=4))
 
 
 BAD = [

@@ -171,15 +171,18 @@ def speculation(served: Served, name: str, options: ServeOptions) -> Speculation
     drafter = options.drafter
     if drafter not in KNOWN + ("auto",):
         raise ConfigError(f"--drafter: unknown drafter {drafter!r} (choose from: auto, {', '.join(KNOWN)})")
+    if options.mtp_lookup and drafter not in ("mtp", "auto"):
+        raise ConfigError(f"--mtp-lookup is an option of --drafter mtp (or auto), not of --drafter {drafter}")
     menu = {d["name"]: d for d in served.menus[name]}
     if drafter == "auto":
         drafter = "mtp" if menu["mtp"]["own"] else "ngram"
+    opts = (("mtp_lookup", options.mtp_lookup),) if options.mtp_lookup and drafter == "mtp" else ()  # (auto's n-gram: no)
     if drafter in ("none", "ngram") or menu[drafter]["own"]:
-        return Speculation(drafter, None, options.k)
+        return Speculation(drafter, None, options.k, opts)
     fits = menu[drafter]["draft_models"]
     if not fits:
         raise ConfigError(f"--drafter {drafter}: model {name!r}: {menu[drafter]['reason']}")
-    return Speculation(drafter, served.drafts[fits[0]].obj, options.k)
+    return Speculation(drafter, served.drafts[fits[0]].obj, options.k, opts)
 
 
 def _one_line(text: str, limit: int = 500) -> str:

@@ -29,6 +29,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default="auto", metavar="N|auto",
                    help="draft length D, or auto (default): chosen per sequence from acceptance and the whole batch's "
                         "measured cost, so speculation steps aside as the batch fills")
+    p.add_argument("--mtp-lookup", type=int, default=0, metavar="N",
+                   help="with the MTP drafter (--drafter mtp, or auto on a model with its own MTP head): where the last N "
+                        "tokens (N >= 2; 4 on code) occurred before, draft what followed them instead of running the head "
+                        "(default 0: off)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences sharing one target forward (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a free slot, per model (default 64); more are answered 429 with Retry-After")
@@ -60,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     k = args.k if args.k == "auto" else _int_k(args.k)
     options = ServeOptions(drafter=args.drafter, k=k, max_batch=args.max_batch, max_queue=args.max_queue,
                            prefill_chunk=args.prefill_chunk, max_prompt_chars=args.max_prompt_chars,
-                           max_tokens_default=args.max_tokens_default,
+                           max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("MTPSPEC_API_KEY") or None)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")

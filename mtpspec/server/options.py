@@ -21,6 +21,7 @@ class ServeOptions:
     max_prompt_chars: int = 200_000  # characters of one prompt (or of all chat messages), before tokenising
     max_tokens_default: int = 256  # max_tokens when a request gives none (then clipped by the context)
     api_key: str | None = None  # when set: `Authorization: Bearer KEY` on every endpoint but the static page
+    mtp_lookup: int = 0  # mtp: where the last N tokens recur, draft their earlier continuation instead (N >= 2); 0 = off
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "max_prompt_chars", "max_tokens_default"):
@@ -29,5 +30,7 @@ class ServeOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ConfigError(f"--k must be an integer >= 1 or 'auto', got {self.k!r}")
+        if isinstance(self.mtp_lookup, bool) or not isinstance(self.mtp_lookup, int) or self.mtp_lookup < 0 or self.mtp_lookup == 1:
+            raise ConfigError(f"--mtp-lookup takes 0 (off) or a match length N >= 2 (tokens), got {self.mtp_lookup!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty")

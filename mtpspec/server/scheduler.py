@@ -86,14 +86,15 @@ class Handle:
 
 @dataclass(frozen=True)
 class Speculation:
-    """What the server drafts with for one model: a drafter name, its draft object, k (or auto)."""
+    """What the server drafts with for one model: a drafter name, its draft object, k (or auto), the drafter's options."""
 
     drafter: str
     draft_model: object
     k: int | str
+    options: tuple[tuple[str, object], ...] = ()  # keywords of make_drafter (mtp_lookup)
 
     def describe(self) -> dict:
-        return {"drafter": self.drafter, "k": self.k}
+        return {"drafter": self.drafter, "k": self.k, **dict(self.options)}
 
 
 class Scheduler:
@@ -192,7 +193,7 @@ class Scheduler:
 
     def _add(self, handle: Handle, req: GenRequest) -> None:
         module = self.model.module
-        drafter = make_drafter(self.spec.drafter, module, draft_model=self.spec.draft_model)
+        drafter = make_drafter(self.spec.drafter, module, draft_model=self.spec.draft_model, **dict(self.spec.options))
         seed = secrets.randbits(63) if req.seed is None else req.seed
         stop = tuple(dict.fromkeys(tuple(self.model.tokenizer.stop_ids) + req.stop_ids))
         seq_box: list[Sequence] = []
