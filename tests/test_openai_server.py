@@ -163,6 +163,17 @@ def test_16_concurrent_greedy_requests_equal_separate_runs(client, stories):
     assert got == [plain(stories, p, 32).text for p in PROMPTS]
 
 
+def greedy_together(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Greedy completions of every prompt, sent at once (they share the server's batch)."""
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": max_tokens, "temperature": 0})
+                                        for p in prompts))
+        return [r.json() for r in rs]
+
+    return asyncio.run(main())
+
+
 def test_demo_mtp_auto_batch_equals_separate_runs():
     import mtpspec
 
@@ -171,14 +182,7 @@ def test_demo_mtp_auto_batch_equals_separate_runs():
     prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "def fib(n):\n    ", "for i in range(10):\n", "# sort a list\n"]
     with running(served, ServeOptions(max_batch=4)) as (url, app):
         assert app.state.schedulers["demo"].spec.describe() == {"drafter": "mtp", "k": "auto"}
-
-        async def main():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
-                rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0})
-                                            for p in prompts))
-            return [r.json() for r in rs]
-
-        got = asyncio.run(main())
+        got = greedy_together(url, prompts, 24)
     assert [g["choices"][0]["text"] for g in got] == [demo.generate(p, max_new_tokens=24).text for p in prompts]
     assert sum(g["mtpspec"]["accepted"] for g in got) > 0 and isinstance(mtpspec.load, object)
 
@@ -191,14 +195,7 @@ def test_demo_mtp_lookup_equals_generate():
                "import os\n", "class Stack:\n    def push(self, x):\n        self.items.append(x)\n\n    def pop(self):\n"]
     with running(served, ServeOptions(max_batch=4, mtp_lookup=4)) as (url, app):
         assert app.state.schedulers["demo"].spec.describe() == {"drafter": "mtp", "k": "auto", "mtp_lookup": 4}
-
-        async def main():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
-                rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": 32, "temperature": 0})
-                                            for p in prompts))
-            return [r.json() for r in rs]
-
-        got = asyncio.run(main())
+        got = greedy_together(url, prompts, 32)
     assert [g["choices"][0]["text"] for g in got] == [demo.generate(p, max_new_tokens=32).text for p in prompts]
     with pytest.raises(ConfigError, match="N >= 2"):
         ServeOptions(mtp_lookup=1)
