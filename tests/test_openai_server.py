@@ -281,7 +281,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(served):
     with running(served, ServeOptions(drafter="ngram", k=2, max_batch=2)) as (url, app):
         sched = app.state.schedulers["stories"]
         with httpx.Client(base_url=url, timeout=30) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 100000, "temperature": 0.7,
+            with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 100000, "temperature": 0.7, "seed": 0,
                                                             "stream": True}) as r:
                 first = next(r.iter_lines())
                 assert first.startswith("data: ") and json.loads(first[6:])["object"] == "text_completion"
