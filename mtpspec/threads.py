@@ -127,9 +127,7 @@ def check_threads(threads, name: str = "threads") -> int | None:
 def resolve_threads(threads, module: nn.Module, compiled: bool | None = None) -> int:
     """threads as given (checked), or default_threads(module) when None (compiled: as default_threads takes it)."""
     n = check_threads(threads)
-    if n is not None:
-        return n
-    return default_threads(module) if compiled is None else default_threads(module, compiled=compiled)
+    return default_threads(module, compiled=compiled) if n is None else n
 
 
 def apply_threads(n: int) -> int:

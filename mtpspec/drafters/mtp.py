@@ -59,6 +59,13 @@ TREE_BRANCH = 4  # a tree: children per expanded node (the drafter's top guesses
 TREE_BEAM = 4  # a tree: nodes expanded per level
 
 
+def check_lookup(n) -> int:
+    """--mtp-lookup's value: 0 (off) or a match length N >= 2; anything else is a ConfigError naming it."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
+        raise ConfigError(f"--mtp-lookup takes 0 (off) or a match length N >= 2 (tokens), got {n!r}")
+    return n
+
+
 class MTPDrafter:
     name = "mtp"
 
@@ -97,8 +104,7 @@ class MTPDrafter:
         self.proposed = None  # a tree: the last one proposed (tree.Proposed)
         # --tree auto: a chain or a tree, by measured tokens/s (one sizer per MTP / EAGLE module, shared by its sequences)
         self.sizer = TreeChoice(shared_sizer(target.mtp, "mtp")) if tree == "auto" else None
-        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0 or lookup == 1:
-            raise ConfigError(f"--mtp-lookup takes 0 (off) or a match length N >= 2 (tokens), got {lookup!r}")
+        check_lookup(lookup)
         if lookup and tree is not None:
             raise ConfigError("--mtp-lookup drafts chains: it cannot be combined with --tree")
         # the prompt-lookup shortcut: the continuation of the context's last `lookup` tokens where they occurred before
@@ -149,6 +155,10 @@ class MTPDrafter:
         looked_up = self._looked_up(context, k)
         if looked_up is not None:  # the module's state stays as after a plain step: commit queues this round's pairs
             return looked_up
+        return self._propose_module(context, k)
+
+    def _propose_module(self, context: Tensor, k: int) -> Draft:
+        """The round's drafts from the module (its catch-up over the pending pairs, then the chain or tree)."""
         if self.depths is not None:
             return self._propose_depths(context, k)
         if self.pending_h is None or self.pending_h.shape[0] == 0:
@@ -207,15 +217,15 @@ class MTPDrafter:
     def _propose_modules(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
         """propose_batch for sequences that all draft with the module this round."""
         if len(drafters) < 2:
-            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         module = drafters[0].target.mtp
         if any(d.tree is not None or d.depths is not None or d.sparse for d in drafters):  # trees, multi-layer, sparse: one at a time
-            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
-            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
+            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
-            return [d.propose(c, k) for d, c, k in zip(drafters, contexts, ks)]
+            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         b_n = len(drafters)
         lens = [d.cache.length for d in drafters]  # (B,) MTP entries each
         pend = [d.pending_h.shape[0] for d in drafters]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..drafters.mtp import check_lookup
 from ..errors import ConfigError
 
 
@@ -30,7 +31,6 @@ class ServeOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ConfigError(f"--k must be an integer >= 1 or 'auto', got {self.k!r}")
-        if isinstance(self.mtp_lookup, bool) or not isinstance(self.mtp_lookup, int) or self.mtp_lookup < 0 or self.mtp_lookup == 1:
-            raise ConfigError(f"--mtp-lookup takes 0 (off) or a match length N >= 2 (tokens), got {self.mtp_lookup!r}")
+        check_lookup(self.mtp_lookup)
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty")
