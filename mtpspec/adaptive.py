@@ -333,7 +333,11 @@ class AdaptiveDepth:
         gains = [st.gains(cap, self.shrink, shape, version) if cap > 0 else [] for st, cap in zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
-        margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B  # per drafting sequence
+        # per drafting sequence. In a batch's size class T(1) is not seen but extrapolated (T(B) / B), so a batched
+        # drafter's c / T(1) reaches the cap and the margin is 13% (demo, B = 8). Weighing c against T(B) instead (4%)
+        # was measured worse at B = 2-16 (0.92-0.95 of the best fixed D against 0.96-0.98): the margin damps the depth's
+        # wandering between widths whose learned T differ by noise (docs/benchmarks.md, "Batches")
+        margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
         rows, width, drafted = B + sum(ds), max(ds) + 1, sum(ds)
