@@ -57,22 +57,23 @@ class Verdict:
 class TargetOutput:
     """One target forward over T new positions."""
 
-    logits: Tensor  # (T, V) float32, next-token logits at each position
+    logits: Tensor | None  # (T, V) float32, next-token logits at each position (None: a prefill asked for none)
     hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
     prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
 
     def rows(self, rows: list[int]) -> "TargetOutput":
         """The output at these rows only (a tree's accepted path)."""
         idx = torch.tensor(rows, dtype=torch.long)
-        return TargetOutput(self.logits[idx], self.hidden[idx], None if self.prenorm_hidden is None else self.prenorm_hidden[idx])
+        return TargetOutput(None if self.logits is None else self.logits[idx], self.hidden[idx],
+                            None if self.prenorm_hidden is None else self.prenorm_hidden[idx])
 
     @staticmethod
     def cat(outs: list["TargetOutput"]) -> "TargetOutput":
         """Forwards over consecutive positions (prefill chunks, one-position passes) as one output."""
         if len(outs) == 1:
             return outs[0]
-        pre = [o.prenorm_hidden for o in outs]
-        return TargetOutput(logits=torch.cat([o.logits for o in outs]), hidden=torch.cat([o.hidden for o in outs]),
+        pre, logits = [o.prenorm_hidden for o in outs], [o.logits for o in outs]
+        return TargetOutput(logits=None if any(x is None for x in logits) else torch.cat(logits), hidden=torch.cat([o.hidden for o in outs]),
                             prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
 
 

@@ -77,6 +77,38 @@ def test_every_registered_drafter_is_a_drafter(target, heads):
         assert isinstance(d, BatchDrafter) == hasattr(type(d), "propose_batch")  # else the engine drafts per sequence
         r = generate_tokens(target, PROMPT, d, 3, Sampler(SamplingParams()), 12)
         assert len(r.tokens) == 12
+        assert d.prefill_logits is (name == "lookahead")  # only lookahead's Jacobi pool reads the prompt's logits
+
+
+def test_the_prefill_runs_the_lm_head_only_for_a_drafter_that_reads_it(target, monkeypatch):
+    """A prefill's logits are (T, V) over every prompt row, and only lookahead reads them: for the others the target
+    skips its LM head over the prompt (logits None), and the output is unchanged."""
+    heads = []
+    head = type(target).head
+    monkeypatch.setattr(type(target), "head", lambda self, h: heads.append(h.shape[0]) or head(self, h))
+    runs = {}
+    for name in ("mtp", "ngram", "lookahead"):
+        heads.clear()
+        runs[name] = generate_tokens(target, PROMPT, make_drafter(name, target), 3, Sampler(SamplingParams()), 12).tokens
+        prompt_rows = len(PROMPT) - 1
+        assert (prompt_rows in heads) is (name == "lookahead"), (name, heads)
+    assert runs["mtp"] == runs["ngram"] == runs["lookahead"]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_forward_tokens_without_logits_keeps_the_hidden_states(kind):
+    from mtpspec.models.dense import DenseConfig, DenseLM
+
+    torch.manual_seed(0)
+    m = _model(0) if kind == "hybrid" else DenseLM(DenseConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
+                                                                num_kv_heads=2, intermediate_size=48, max_seq_len=64)).eval()
+    toks = torch.tensor(PROMPT)
+    a, b = m.new_cache(), m.new_cache()
+    a.prefill = b.prefill = True
+    full, bare = m.forward_tokens(toks, a), m.forward_tokens(toks, b, logits=False)
+    assert bare.logits is None and torch.equal(bare.hidden, full.hidden) and a.length == b.length == len(PROMPT)
+    with torch.inference_mode():
+        assert torch.equal(m.head(bare.hidden), full.logits)
 
 
 # --- typed options ----------------------------------------------------------------------------------

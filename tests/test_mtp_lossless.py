@@ -55,6 +55,7 @@ class OracleDrafter:
     """Proposes the true greedy continuation with every 3rd-ish token corrupted: accepts n = 0..D all occur."""
 
     name = "oracle"
+    prefill_logits = False
 
     def __init__(self, prompt_len: int, truth: list[int], seed: int) -> None:
         self.prompt_len, self.truth = prompt_len, truth

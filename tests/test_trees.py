@@ -39,6 +39,7 @@ class RandomTree:
     """Trees holding the true greedy continuation to a random depth, plus random siblings and branches."""
 
     name = "random-tree"
+    prefill_logits = False
 
     def __init__(self, truth: list[int], prompt_len: int, vocab: int, seed: int) -> None:
         self.truth, self.base, self.vocab, self.rng = truth, prompt_len, vocab, random.Random(seed)

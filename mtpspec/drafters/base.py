@@ -4,7 +4,8 @@ MTP drafter reads from its source, and how a drafter's options are declared and 
 A drafter sees the committed context (prompt + emitted tokens; the last one is not yet in the
 target's cache), proposes up to k tokens after it, and is told what verification kept.
 Drafters that read the target (MTP, Medusa, EAGLE) use the TargetOutput of prefill and of each
-verify pass: logits and post-final-norm hidden states at every forwarded position.
+verify pass: logits and post-final-norm hidden states at every forwarded position (a prefill's logits only
+for a drafter whose `prefill_logits` is True: the LM head over a long prompt costs seconds and gigabytes).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class Drafter(Protocol):
     """
 
     name: str  # the registry name (--drafter)
+    # whether prefill's `out` must carry the target's logits over the prompt (lookahead's Jacobi guesses read them);
+    # when False, out.logits is None and the target skips its LM head over the prompt's rows
+    prefill_logits: bool
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         """context (L,) the prompt; out: the target's prefill over context[:-1] (None if L == 1)."""
@@ -107,6 +111,7 @@ class NoDrafter:
     """Plain decoding: no draft, every step is a one-token target forward."""
 
     name = "none"
+    prefill_logits = False
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         pass

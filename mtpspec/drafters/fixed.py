@@ -27,6 +27,10 @@ class FixedDrafter:
         self.inner = inner
         self.verified: TargetOutput | None = None
 
+    @property
+    def prefill_logits(self) -> bool:
+        return self.inner is not None and self.inner.prefill_logits
+
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         if self.inner is not None:
             self.inner.prefill(context, out, sampler)

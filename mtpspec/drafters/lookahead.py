@@ -83,6 +83,7 @@ class LookaheadDrafter:
     def __init__(self, n: int = 5, jacobi: bool = True) -> None:
         LookaheadOptions(n, jacobi)  # checked: integers, n >= 2
         self.n, self.jacobi = n, jacobi
+        self.prefill_logits = jacobi  # the Jacobi pool starts from the target's guesses over the prompt
         self._reset()
 
     def _reset(self) -> None:

@@ -140,6 +140,7 @@ def shared_pool(target, depth: int) -> SuffixPool:
 
 class SuffixDrafter:
     name = "suffix"
+    prefill_logits = False  # it reads the prompt's hidden states at most
 
     def __init__(self, depth: int = 24, pool: SuffixPool | None = None) -> None:
         SuffixOptions(depth)  # checked: an integer >= 2

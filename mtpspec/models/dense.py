@@ -115,10 +115,11 @@ class DenseLM(CausalLM):
         return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
 
     @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False) -> TargetOutput:
+    def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False, logits: bool = True) -> TargetOutput:
         """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H).
 
-        exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
+        exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
+        logits=False: no LM head (logits None), for a prefill whose logits nobody reads."""
         out = self.shortcut(tokens, cache, exact)
         if out is not None:
             return out
@@ -128,4 +129,4 @@ class DenseLM(CausalLM):
             x = layer(x, cache, start)
         cache.advance(tokens.shape[0])
         h = self.model.norm(x)[0]  # (T, H) post final norm
-        return TargetOutput(logits=self.head(h), hidden=h, prenorm_hidden=x[0])
+        return TargetOutput(logits=self.head(h) if logits else None, hidden=h, prenorm_hidden=x[0])

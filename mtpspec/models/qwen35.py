@@ -284,10 +284,11 @@ class HybridLM(CausalLM):
         return cache
 
     @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False) -> TargetOutput:
+    def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False, logits: bool = True) -> TargetOutput:
         """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm.
 
-        exact=True: one position at a time, each computed as a one-token step computes it (see by_position)."""
+        exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
+        logits=False: no LM head (logits None), for a prefill whose logits nobody reads."""
         out = self.shortcut(tokens, cache, exact)
         if out is not None:
             return out
@@ -298,7 +299,7 @@ class HybridLM(CausalLM):
             x = layer(x, cache, start)
         cache.advance(t)
         h = self.model.norm(x)[0]  # (T, H)
-        return TargetOutput(logits=self.head(h), hidden=h, prenorm_hidden=x[0])
+        return TargetOutput(logits=self.head(h) if logits else None, hidden=h, prenorm_hidden=x[0])
 
     @torch.inference_mode()
     def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
