@@ -22,7 +22,7 @@ from ..types import Draft, TargetOutput, Verdict
 
 class DraftModelDrafter:
     name = "draft"
-    prefill_logits = False  # it reads the prompt's hidden states at most
+    prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, model, target_vocab_size: int, tree: int | None = None) -> None:
         from ..tree import TreeChoice, check_tree_budget, shared_sizer

@@ -24,7 +24,7 @@ from ..types import Draft, TargetOutput, Verdict
 
 class MedusaDrafter:
     name = "medusa"
-    prefill_logits = False  # it reads the prompt's hidden states at most
+    prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, target, head, tree: int | None = None) -> None:
         from ..models.heads import check_fits

@@ -68,7 +68,7 @@ def check_lookup(n) -> int:
 
 class MTPDrafter:
     name = "mtp"
-    prefill_logits = False  # it reads the prompt's hidden states at most
+    prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
                  tree: int | None = None, sparse_select: str = "reuse", lookup: int = 0) -> None:

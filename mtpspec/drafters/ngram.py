@@ -35,7 +35,7 @@ class NgramOptions(DrafterOptions):
 
 class NgramDrafter:
     name = "ngram"
-    prefill_logits = False  # it reads the prompt's hidden states at most
+    prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, n_min: int = 1, n_max: int = 3, tree: int | None = None) -> None:
         from ..tree import TreeChoice, TreeSizer, check_tree_budget

@@ -140,7 +140,7 @@ def shared_pool(target, depth: int) -> SuffixPool:
 
 class SuffixDrafter:
     name = "suffix"
-    prefill_logits = False  # it reads the prompt's hidden states at most
+    prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, depth: int = 24, pool: SuffixPool | None = None) -> None:
         SuffixOptions(depth)  # checked: an integer >= 2
