@@ -59,8 +59,8 @@ class Target(Protocol):
 
     def new_cache(self) -> Cache: ...
     def forward_tokens(self, tokens: Tensor, cache: Cache, exact: bool = False, logits: bool = True) -> TargetOutput:
-        """tokens (T,) appended at cache.length -> TargetOutput (T rows); logits=False: its logits None, the LM head
-        skipped (a prompt's prefill, when the drafter does not read them)."""
+        """tokens (T,) appended at cache.length -> TargetOutput (T rows); logits=False: the logits may be left out (None,
+        the LM head skipped: a prompt's prefill whose logits the drafter does not read)."""
         ...
     def head(self, hidden: Tensor) -> Tensor: ...
 

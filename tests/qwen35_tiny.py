@@ -75,6 +75,16 @@ EXTRA_KINDS = {
 }
 
 
+def tiny_hybrid(cfg, mtp_layers: int, seed: int):
+    """An eval-mode HybridLM of `cfg` with `mtp_layers` MTP layers, built under seed 0 and randomize()d with `seed`."""
+    from mtpspec.models.qwen35 import HybridConfig, HybridLM
+
+    torch.manual_seed(0)
+    m = HybridLM(HybridConfig(**{**cfg.__dict__, "mtp_num_layers": mtp_layers}))
+    randomize(m, seed)
+    return m.eval()
+
+
 def hf_model(kind: str, tie: bool = False, seed: int = 0):
     """A randomised transformers model of `kind` in fp32 (qwen35, qwen3next, llama, qwen3, or one of EXTRA_KINDS)."""
     import transformers as tf

@@ -18,7 +18,7 @@ from mtpspec.models.heads import AttachedHead, DraftHead, DraftHeadConfig
 from mtpspec.models.qwen35 import HybridConfig, HybridLM
 from mtpspec.sampling import Sampler, SamplingParams
 from mtpspec.types import StepRecord
-from qwen35_tiny import randomize
+from qwen35_tiny import randomize, tiny_hybrid
 
 V = 16
 CFG = HybridConfig(
@@ -30,10 +30,7 @@ PROMPT = [1, 4, 1, 5, 9, 2, 6, 1, 4, 1]
 
 
 def _model(mtp_layers: int) -> HybridLM:
-    torch.manual_seed(0)
-    m = HybridLM(HybridConfig(**{**CFG.__dict__, "mtp_num_layers": mtp_layers}))
-    randomize(m, 3)
-    return m.eval()
+    return tiny_hybrid(CFG, mtp_layers, 3)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +83,10 @@ def test_the_prefill_runs_the_lm_head_only_for_a_drafter_that_reads_it(target, m
     heads = []
     head = type(target).head
     monkeypatch.setattr(type(target), "head", lambda self, h: heads.append(h.shape[0]) or head(self, h))
-    runs = {}
+    runs, prompt_rows = {}, len(PROMPT) - 1
     for name in ("mtp", "ngram", "lookahead"):
         heads.clear()
         runs[name] = generate_tokens(target, PROMPT, make_drafter(name, target), 3, Sampler(SamplingParams()), 12).tokens
-        prompt_rows = len(PROMPT) - 1
         assert (prompt_rows in heads) is (name == "lookahead"), (name, heads)
     assert runs["mtp"] == runs["ngram"] == runs["lookahead"]
 

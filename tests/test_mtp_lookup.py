@@ -12,19 +12,16 @@ from mtpspec.bench.cli import drafter_specs
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
-from mtpspec.models.qwen35 import HybridConfig, HybridLM
+from mtpspec.models.qwen35 import HybridLM
 from mtpspec.sampling import Sampler, SamplingParams
-from qwen35_tiny import randomize
+from qwen35_tiny import tiny_hybrid
 from test_mtp_lossless import CFG, PROMPTS, V, _chi_square_ok, _exact_two_token_distribution
 
 N = 48
 
 
 def _model(layers: int) -> HybridLM:
-    torch.manual_seed(0)
-    m = HybridLM(HybridConfig(**{**CFG.__dict__, "mtp_num_layers": layers}))
-    randomize(m, 5)
-    return m.eval()
+    return tiny_hybrid(CFG, layers, 5)
 
 
 @pytest.fixture(scope="module")

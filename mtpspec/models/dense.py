@@ -119,7 +119,8 @@ class DenseLM(CausalLM):
         """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H).
 
         exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
-        logits=False: no LM head (logits None), for a prefill whose logits nobody reads."""
+        logits=False: the eager layers skip the LM head (logits None), for a prefill whose logits nobody reads;
+        the compiled step and exact mode's one-position passes return them regardless."""
         out = self.shortcut(tokens, cache, exact)
         if out is not None:
             return out

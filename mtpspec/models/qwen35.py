@@ -288,7 +288,8 @@ class HybridLM(CausalLM):
         """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm.
 
         exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
-        logits=False: no LM head (logits None), for a prefill whose logits nobody reads."""
+        logits=False: the eager layers skip the LM head (logits None), for a prefill whose logits nobody reads;
+        the compiled step and exact mode's one-position passes return them regardless."""
         out = self.shortcut(tokens, cache, exact)
         if out is not None:
             return out
