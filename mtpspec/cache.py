@@ -51,6 +51,8 @@ class KVCache:
     def keep(self, start: int, rows: list[int]) -> None:
         """After a tree forward from `start`: its entries at `rows` (the root and the accepted path) moved to
         start, start + 1, ... (so crop(start + len(rows)) keeps exactly them)."""
+        if rows == list(range(len(rows))):  # already in place
+            return
         idx = torch.tensor(rows, dtype=torch.long) + start
         n = len(rows)
         self.k[:, :, :, start : start + n] = self.k[:, :, :, idx]  # advanced indexing reads a copy first

@@ -121,6 +121,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="mtp / eagle / draft / medusa / ngram: draft a token tree of at most N nodes (depth <= --k), verified "
                         "in one forward; auto: a chain or a tree of 4, 8 or 16 nodes, whichever has given the most tokens/s "
                         "(default: a chain)")
+    p.add_argument("--tree-beam", type=int, default=None, metavar="N",
+                   help="mtp / eagle / draft with --tree: nodes expanded per level (default 1: the best path, each level's "
+                        "runner-up kept as a leaf; 4 is EAGLE-2's shape: more tokens per forward, more rows and drafting)")
     p.add_argument("--sparse-select", choices=("reuse", "recompute", "full"), default=None,
                    help="mtp with a sparse-attention MTP module: run its indexer on the round's first draft step and reuse "
                         "those blocks for the rest (reuse, default), on every step (recompute), or attend the whole context "
@@ -133,7 +136,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
-        tree=args.tree, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
+        tree=args.tree, tree_beam=args.tree_beam, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
         suffix_shared=args.suffix_shared, sparse_select=args.sparse_select, mtp_lookup=args.mtp_lookup,
     )
 

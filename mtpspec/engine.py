@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .metrics import Metrics
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
-from .tree import forward_tree, kept_rows, verify_tree
+from .tree import forward_tree, kept_rows, verify_tree, verify_tree_lazily
 from .verify import verify, verify_greedy_many
 
 
@@ -277,19 +277,26 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     if len(seqs) > 1 and not exact and storage is not None and not trees and not sparse:  # 2. one verify pass, D_i + 1 positions each
         outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
     else:
-        outs = [forward_tree(target, t, d.parents, s.cache) if d.is_tree else target.forward_tokens(t, s.cache, exact)
-                for t, s, d in zip(tokens, seqs, drafts)]
+        # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
+        outs = [forward_tree(target, t, d.parents, s.cache, logits=not (s.sampler.params.greedy and not s.trace))
+                if d.is_tree else target.forward_tokens(t, s.cache, exact) for t, s, d in zip(tokens, seqs, drafts)]
+    lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
     if all(s.sampler.params.greedy for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
         verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())
     else:
-        verdicts = [verify_tree(d, o.logits, s.sampler) if d.is_tree else verify(d, o.logits, s.sampler)
-                    for d, o, s in zip(drafts, outs, seqs)]
+        verdicts = []
+        for i, (d, o, s) in enumerate(zip(drafts, outs, seqs)):
+            if d.is_tree and o.logits is None:
+                v, lazy[i] = verify_tree_lazily(d, o, target.head)
+            else:
+                v = verify_tree(d, o.logits, s.sampler) if d.is_tree else verify(d, o.logits, s.sampler)
+            verdicts.append(v)
     full = list(outs)  # a tree's whole verify window (traces read every node's row)
     for i, (s, v, start) in enumerate(zip(seqs, verdicts, starts)):
         if v.path is not None:  # a tree: its root and accepted path to the front of the window
             kept = kept_rows(v)
             s.cache.keep(start, kept)
-            outs[i] = outs[i].rows(kept)
+            outs[i] = outs[i].rows(kept) if i not in lazy else replace(outs[i].rows(kept), logits=lazy[i])
         s.cache.crop(start + v.num_accepted + 1)  # 4. roll back rejected drafts (pointer / slot)
     t2 = perf_counter()
     parts = []

@@ -62,22 +62,31 @@ class TreeLayout:
         return int(self.parent.shape[0])
 
     def positions(self, start: int) -> Tensor:
-        """(T,) the position of each row."""
-        return start + self.depth
+        """(T,) the position of each row (the same tensor for every layer that asks: Rotary keeps its gather)."""
+        memo = self.__dict__.setdefault("_pos", {})
+        if start not in memo:
+            memo[start] = start + self.depth
+        return memo[start]
 
     def attn_mask(self, start: int) -> Tensor:
         """(T, start + T) bool: the committed keys 0..start-1, then the row's ancestors and itself."""
-        return torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1)
+        memo = self.__dict__.setdefault("_mask", {})  # every attention layer of the forward asks the same
+        if start not in memo:
+            memo[start] = torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1)
+        return memo[start]
+
+    def conv_taps(self, kern: int) -> Tensor:
+        """(T K,) for a causal conv of width K over the window with its K-1 inputs before it: row r's K input
+        columns, oldest first (its ancestors K-1..1 levels up, then itself), row after row."""
+        memo = self.__dict__.setdefault("_taps", {})  # every linear layer of the forward asks the same
+        if kern not in memo:
+            back = self.gather_back(kern - 1)  # (T, K-1)
+            memo[kern] = (torch.cat([back.flip(-1), torch.arange(self.size)[:, None]], dim=-1) + kern - 1).flatten()
+        return memo[kern]
 
     def gather_back(self, steps: int) -> Tensor:
         """(T, steps) row indices of each row's ancestors 1..steps levels up (-m: m levels above the root,
         i.e. the m-th input before the window): what a causal conv over a row's own path reads."""
-        memo = self.__dict__.setdefault("_back", {})  # every linear layer of the forward asks the same
-        if steps not in memo:
-            memo[steps] = self._gather_back(steps)
-        return memo[steps]
-
-    def _gather_back(self, steps: int) -> Tensor:
         parent = self.parent.tolist()
         out = []
         for r in range(len(parent)):
@@ -126,9 +135,15 @@ class GrowingTree:
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
         return len(self.tokens) - 1
 
-    def rows_for(self, nodes: list[int]) -> TreeRows:
+    def rows_for(self, nodes: list[int]) -> TreeRows | None:
         """The attention of new cache entries for `nodes` (appended in this order): each sees the committed
-        entries and its ancestors' entries (every ancestor was expanded before it)."""
+        entries and its ancestors' entries (every ancestor was expanded before it). None when the entries go on
+        as a chain's would (one node whose ancestors are every entry so far: a beam of 1, or the first level), so
+        the drafter runs its plain causal step, at the position a chain's step takes (base + its depth)."""
+        if len(nodes) == 1 and len(self.entry_node) == self.depth[nodes[0]]:
+            self.entry[nodes[0]] = len(self.entry_node)
+            self.entry_node.append(nodes[0])
+            return None
         for n in nodes:
             self.entry[n] = len(self.entry_node)
             self.entry_node.append(n)
@@ -198,22 +213,29 @@ class Proposed:
     ranks: list[int]
 
 
+def top_guesses(logits: Tensor, branch: int) -> tuple[Tensor, Tensor]:
+    """logits (n, V) -> the `branch` largest log-softmax values and their indices, (n, branch) each (two fused
+    kernels; a logsumexp beside top-k of the logits is several, and cost more at the vocabularies here)."""
+    return torch.log_softmax(logits.float(), dim=-1).topk(branch, dim=-1)
+
+
 def keep_best(tree: GrowingTree, budget: int) -> tuple[Draft, Proposed]:
     """The `budget` most valuable nodes of a grown tree as a Draft (point masses), and what observe() needs."""
-    nodes = best_nodes(tree.parents, tree.scores, budget)
+    nodes = best_first(tree.parents, tree.scores, best_nodes(tree.parents, tree.scores, budget))
     tokens, parents = subtree(tree.tokens, tree.parents, nodes)
     return Draft(tokens=tokens, parents=parents), Proposed(parents.tolist(), [tree.rank[i] for i in nodes])
 
 
-def forward_tree(target, tokens: Tensor, parents: Tensor, cache) -> TargetOutput:
-    """The target's forward over a tree draft's verify window: tokens (T,) = [last, nodes], the nodes' parents (N,)."""
+def forward_tree(target, tokens: Tensor, parents: Tensor, cache, logits: bool = True) -> TargetOutput:
+    """The target's forward over a tree draft's verify window: tokens (T,) = [last, nodes], the nodes' parents (N,).
+    logits=False: the LM head left out (verify_tree_lazily runs it at the rows it reaches)."""
     layout = TreeLayout.of(parents)
     kv = getattr(cache, "kv", None)  # a hybrid cache's attention layers read their own KV cache
     cache.tree = layout
     if kv is not None:
         kv.tree = layout
     try:
-        return target.forward_tokens(tokens, cache)
+        return target.forward_tokens(tokens, cache, logits=logits)
     finally:
         cache.tree = None
         if kv is not None:
@@ -230,6 +252,22 @@ def check_tree_budget(tree) -> int | str | None:
     if not isinstance(tree, int) or isinstance(tree, bool) or not 1 <= tree <= MAX_TREE:
         raise ConfigError(f"--tree must be a node budget from 1 to {MAX_TREE} or 'auto', got {tree!r}")
     return tree
+
+
+MAX_BEAM = 8
+
+
+def check_tree_beam(beam) -> int:
+    """A tree drafter's `tree_beam` option: nodes expanded per level, 1..MAX_BEAM."""
+    if not isinstance(beam, int) or isinstance(beam, bool) or not 1 <= beam <= MAX_BEAM:
+        raise ConfigError(f"--tree-beam must be the number of nodes expanded per level, 1 to {MAX_BEAM}, got {beam!r}")
+    return beam
+
+
+def tree_branch(beam: int) -> int:
+    """Children per expanded node (the drafter's top guesses there): 2 for a beam of 1 (the best path, and at each
+    level its runner-up as a leaf), else 4 (EAGLE-2's shape)."""
+    return 2 if beam == 1 else 4
 
 
 class TreeSizer:
@@ -314,8 +352,8 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     return kids
 
 
-def verify_tree_greedy(draft: Draft, choices: list[int]) -> Verdict:
-    """choices (T,): the target's argmax at every row. Accept the path that follows them."""
+def verify_tree_greedy(draft: Draft, choices) -> Verdict:
+    """choices[row]: the target's argmax at that row (a list, or _RowChoices). Accept the path that follows them."""
     tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
     kids = children_of(parents)
     row, path, out = 0, [], []
@@ -328,6 +366,36 @@ def verify_tree_greedy(draft: Draft, choices: list[int]) -> Verdict:
         path.append(nxt)
         row = nxt
     return Verdict(num_accepted=len(path), tokens=torch.tensor(out), num_drafted=len(tokens), path=tuple(path))
+
+
+class _RowChoices:
+    """The target's argmax at the rows of a tree's verify window, its LM head run where first needed: the best path's
+    rows (0, 1, ..: best_first puts it first) in one product, any other row alone. A tree of N nodes reaches at most
+    its depth + 1 rows, and the head over a large vocabulary is a large part of a row's cost on a CPU (demo, the
+    chain's 6 rows against a 7-row tree: a row cost ~0.6 ms of a ~10 ms step)."""
+
+    def __init__(self, hidden: Tensor, head, parents: list[int]) -> None:
+        m = 1  # rows 0..m-1 a chain: node i (row i + 1) the child of row i
+        while m <= len(parents) and parents[m - 1] == m - 2:
+            m += 1
+        self.hidden, self.head = hidden, head
+        logits = head(hidden[:m])  # (m, V)
+        self.logits = dict(enumerate(logits))
+        self.choice = dict(enumerate(logits.argmax(-1).tolist()))
+
+    def __getitem__(self, row: int) -> int:
+        if row not in self.choice:
+            self.logits[row] = self.head(self.hidden[row : row + 1])[0]  # (V,)
+            self.choice[row] = int(self.logits[row].argmax())
+        return self.choice[row]
+
+
+def verify_tree_lazily(draft: Draft, out: TargetOutput, head) -> tuple[Verdict, Tensor]:
+    """Greedy verification of a tree whose forward left out the LM head (forward_tree(..., logits=False)): `head`
+    (hidden (n, H) -> logits (n, V)) runs at the rows the walk reaches. -> the verdict and its kept rows' logits."""
+    rows = _RowChoices(out.hidden, head, draft.parents.tolist())
+    verdict = verify_tree_greedy(draft, rows)
+    return verdict, torch.stack([rows.logits[r] for r in kept_rows(verdict)])  # (n + 1, V)
 
 
 def verify_tree_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
@@ -393,8 +461,23 @@ def best_nodes(parents: list[int], scores: list[float], budget: int) -> list[int
     return sorted(keep)
 
 
+def best_first(parents: list[int], scores: list[float], nodes: list[int]) -> list[int]:
+    """`nodes` (closed under parents) in depth-first order, the most valuable child first: the tree's best path
+    takes rows 1, 2, ..., so when verification accepts along it the kept rows are a prefix of the window, as a
+    chain's are, and rollback is the chain's crop (HybridCache.keep, KVCache.keep)."""
+    kids: dict[int, list[int]] = {}
+    for n in nodes:
+        kids.setdefault(parents[n], []).append(n)
+    order, stack = [], sorted(kids.get(-1, []), key=lambda c: scores[c])
+    while stack:
+        n = stack.pop()  # the most valuable of the nodes waiting
+        order.append(n)
+        stack += sorted(kids.get(n, []), key=lambda c: scores[c])
+    return order
+
+
 def subtree(tokens: list[int], parents: list[int], nodes: list[int]) -> tuple[Tensor, Tensor]:
-    """The tree restricted to `nodes` (closed under parents, in node order), renumbered: tokens (n,), parents (n,)."""
+    """The tree restricted to `nodes` (closed under parents, each after its parent), renumbered: tokens (n,), parents (n,)."""
     index = {old: new for new, old in enumerate(nodes)}
     return (torch.tensor([tokens[i] for i in nodes], dtype=torch.long),
             torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in nodes], dtype=torch.long))

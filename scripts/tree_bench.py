@@ -1,6 +1,6 @@
 """Token trees against chains, one sequence at a time, every method stepped in turn (bench/batch.run_round).
 
-    python scripts/tree_bench.py --model demo --prompts humaneval --limit 8 --drafter mtp --ks 3,5 --trees 6,10,16
+    python scripts/tree_bench.py --model demo --prompts humaneval --limit 8 --drafter mtp --ks 3,5 --trees 6,10,16 --beams 1,4
     python scripts/tree_bench.py --model $A/stories260K.bin --tokenizer $A/tok512.bin --prompts tinystories \\
         --drafter eagle --draft-model models/heads/stories260K-eagle --ks 4,6 --trees 8,16
 
@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--draft-model")
     p.add_argument("--ks", default="3,5")
     p.add_argument("--trees", default="8,16")
+    p.add_argument("--beams", default="", help="trees also with these tree_beam values (e.g. 1,4); default: the drafter's")
     p.add_argument("--max-new-tokens", type=int, default=96)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -39,7 +40,8 @@ def main() -> None:
     ids = prepare_ids(model, load_prompts(a.prompts, a.limit), a.max_new_tokens)
     ks, trees = [int(x) for x in a.ks.split(",")], [x if x == "auto" else int(x) for x in a.trees.split(",")]
     methods = [BatchMethod("none", 1)] + [BatchMethod(a.drafter, k) for k in ks]
-    methods += [BatchMethod(a.drafter, k, n) for n in trees for k in ks]
+    beams = [int(x) for x in a.beams.split(",")] if a.beams else [None]
+    methods += [BatchMethod(a.drafter, k, n, b) for b in beams for n in trees for k in ks]
     dm = {a.drafter: a.draft_model} if a.draft_model else {}
     run_round(model, methods, ids[:1], 8, dm)  # warm-up
     t0 = time.time()

@@ -111,7 +111,7 @@ def test_forward_tokens_without_logits_keeps_the_hidden_states(kind):
 
 
 def test_options_are_frozen_typed_dataclasses():
-    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden", "tree", "sparse_select", "mtp_lookup")
+    assert OPTION_CLASSES["ngram"] is NgramOptions and OPTIONS["mtp"] == ("draft_vocab", "mtp_prenorm_hidden", "tree", "tree_beam", "sparse_select", "mtp_lookup")
     assert OPTION_TYPES["ngram_max"] == ("--ngram-max", int) and OPTION_TYPES["mtp_prenorm_hidden"][1] is bool
     o = NgramOptions(2, 4)
     with pytest.raises(AttributeError):

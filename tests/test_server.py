@@ -157,8 +157,10 @@ def check_tree_step(s: dict) -> tuple[str, ...]:
 def test_step_through_a_token_tree(client, stories, drafter, draft_model, prefix):
     """tree=N: every round's draft is a tree (nodes, parents, depths, statuses) whose accepted path is the tokens
     emitted, and the whole output is plain greedy's."""
+    # the Q8_0 draft model is right ~95% of the time: a beam of 1 rarely leaves its best path, a beam of 4 branches
+    beam = {"tree_beam": 4} if drafter == "draft" else {}
     r = client.post("/api/step", json={"prefix": prefix, "drafter": drafter, "draft_model": draft_model, "k": 4, "tree": 8,
-                                       "max_new_tokens": 24})
+                                       "max_new_tokens": 24, **beam})
     assert r.status_code == 200, r.text
     r = r.json()
     assert r["tree"] == 8 and r["identical_to_plain"]
@@ -310,6 +312,9 @@ BAD = [  # (path, body, status, the field the error names); "raw:" bodies are se
     ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": "8"}, 400, "tree"),
     ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": 8.0}, 400, "tree"),
     ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": None}, 400, "tree"),
+    ("/api/step", {"prefix": "Hi", "drafter": "ngram", "tree": 8, "tree_beam": 2}, 400, "tree_beam"),
+    ("/api/step", {"prefix": "Hi", "drafter": "mtp", "draft_model": "stories260K-mtp", "tree": 8, "tree_beam": 9}, 400, "tree_beam"),
+    ("/api/verify", {"prefix": "Hi", "drafter": "mtp", "draft_model": "stories260K-mtp", "tree_beam": 4}, 400, "tree_beam"),
 ]
 
 

@@ -20,7 +20,9 @@ from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
 from mtpspec.sampling import Sampler, SamplingParams
-from mtpspec.tree import TreeLayout, best_nodes, verify_tree_greedy, verify_tree_sampling
+from mtpspec.tree import (GrowingTree, TreeLayout, best_first, best_nodes, verify_tree_greedy, verify_tree_lazily,
+                          verify_tree_sampling)
+from mtpspec.types import TargetOutput
 from mtpspec.types import Draft
 
 from test_sampling_exact import PARAMS, PROMPT, chi_square, exact_pairs
@@ -103,10 +105,19 @@ def test_head_trees_equal_plain_greedy_and_beat_the_chain(stories, plain64, draf
     assert forwards[16] < forwards[None]  # more tokens per target forward than the chain of depth 4
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "eagle"])
+def test_wide_beam_trees_equal_plain_greedy(stories, plain64, drafter):
+    """tree_beam=4 (EAGLE-2's shape: 4 nodes expanded per level, each row of the head's forward on its own path)."""
+    for prompt in PROMPTS:
+        r = stories.generate(prompt, drafter=drafter, draft_model=HEADS + drafter, k=6, tree=16, tree_beam=4, max_new_tokens=64)
+        assert r.tokens == plain64[prompt], (drafter, prompt)
+
+
 def test_demo_mtp_tree_equals_plain_greedy(demo):
     for prompt in ["def fib(n):\n", "import os\nimport sys\n"]:
         plain = demo.generate(prompt, max_new_tokens=48).tokens
         assert demo.generate(prompt, drafter="mtp", k=5, tree=12, max_new_tokens=48).tokens == plain
+        assert demo.generate(prompt, drafter="mtp", k=5, tree=12, tree_beam=3, max_new_tokens=48).tokens == plain
 
 
 def test_trees_and_chains_in_one_batch_equal_separate_runs(stories):
@@ -189,10 +200,57 @@ def test_greedy_walk_and_layout():
     assert best_nodes([-1, 0, 0, -1], [-0.1, -0.5, -0.2, -3.0], 2) == [0, 2]
 
 
+def test_lazy_head_walk_equals_the_full_one():
+    """verify_tree_lazily (the LM head run at the rows the walk reaches) gives the verdict of the walk over every row's
+    argmax, and its kept rows' logits; random trees in best-first order, targets that often follow the best path."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    head = torch.nn.Linear(8, 5, bias=False)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+        order = best_first(parents, [-rng.random() * (1 + i) for i in range(n)], list(range(n)))
+        index = {old: new for new, old in enumerate(order)}
+        par = [index[parents[i]] if parents[i] >= 0 else -1 for i in order]
+        toks = torch.randint(0, 5, (n,))
+        hidden = torch.randn(n + 1, 8)
+        logits = head(hidden).detach()  # (n + 1, 5)
+        for r, p in enumerate(par):  # make the target agree with about half the nodes
+            if rng.random() < 0.5:
+                logits[p + 1] = logits[p + 1].index_fill(0, toks[r].reshape(1), 10.0)
+        reached = []
+        draft = Draft(tokens=toks, parents=torch.tensor(par))
+        rows_of = {tuple(hidden[i].tolist()): i for i in range(n + 1)}
+        lazy_head = lambda h: (reached.append(h.shape[0]), logits[[rows_of[tuple(x.tolist())] for x in h]])[1]
+        v, kept = verify_tree_lazily(draft, TargetOutput(logits=None, hidden=hidden), lazy_head)
+        full = verify_tree_greedy(draft, logits.argmax(-1).tolist())
+        assert (v.path, v.tokens.tolist()) == (full.path, full.tokens.tolist())
+        assert torch.equal(kept, logits[[0, *v.path]])
+        assert sum(reached) <= (v.num_accepted + 1) + sum(1 for i, p in enumerate(par) if p == i - 1)  # the path + the best chain
+
+
+def test_best_first_order_and_chain_shaped_expansions():
+    parents, scores = [-1, -1, 0, 0, 2, 1], [-0.5, -0.1, -0.9, -0.6, -0.8, -0.3]
+    order = best_first(parents, scores, list(range(6)))
+    assert order == [1, 5, 0, 3, 2, 4]  # the best root child and its subtree first, each child after its parent
+    tree = GrowingTree(base=7)
+    a = tree.add(-1, 3, -0.1)
+    b = tree.add(-1, 4, -0.2)
+    assert tree.rows_for([a]) is None  # the first level: a chain's step
+    c = tree.add(a, 5, -0.3)
+    assert tree.rows_for([c]) is None  # every entry so far is its ancestor: a chain's step, at position 7 + 1
+    rows = tree.rows_for([b])  # a sibling of an entry: its own row, seeing the context and itself only
+    assert rows is not None and rows.pos.tolist() == [7]
+    assert rows.mask.tolist() == [[True] * 7 + [False, False, True]]
+
+
 def test_bad_tree_settings_are_named(stories):
     for bad in (0, 64, "x", True):
         with pytest.raises(ConfigError, match="--tree"):
             make_drafter("eagle", stories.module, draft_model=HEADS + "eagle", tree=bad)
+    for bad in (0, 9, "2", True):
+        with pytest.raises(ConfigError, match="--tree-beam"):
+            make_drafter("mtp", stories.module, draft_model=HEADS + "mtp", tree=8, tree_beam=bad)
     with pytest.raises(ConfigError, match="not used by --drafter none"):
         make_drafter("none", stories.module, tree=8)
     with pytest.raises(ConfigError, match="exact mode"):

@@ -50,12 +50,13 @@ class BatchMethod:
     drafter: str  # "none" = plain decoding
     k: int | str  # draft depth D, or "auto"
     tree: int | None = None  # a token tree of this many nodes (depth <= k), else a chain
+    beam: int | None = None  # a tree's nodes expanded per level (tree_beam; None: the drafter's default)
 
     @property
     def label(self) -> str:
         if self.drafter == "none":
             return "plain"
-        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}")
+        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}") + ("" if self.beam is None else f"/beam{self.beam}")
 
 
 @dataclass
@@ -115,7 +116,7 @@ class _Run:
         for ids in self.groups[self.next_group]:
             i = len(self.sids)
             drafter = make_drafter(self.method.drafter, self.model.module, draft_model=self.draft_models.get(self.method.drafter),
-                                   tree=self.method.tree)
+                                   tree=self.method.tree, tree_beam=self.method.beam)
             self.sids.append(self.engine.add(ids, drafter, Sampler(self.params, self.seed + i), self.k, self.max_new_tokens,
                                              self.model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))

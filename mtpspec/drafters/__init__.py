@@ -32,6 +32,7 @@ class DraftModelOptions(DrafterOptions):
     """--drafter draft: its draft model is the draft_model argument; --tree N drafts a token tree of N nodes."""
 
     tree: int | str | None = option("tree", "--tree", None)  # a node budget (tree.py); None = a chain
+    tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class MTPOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     prenorm_hidden: bool = option("mtp_prenorm_hidden", "mtp_prenorm_hidden", False)  # feed the pre-final-norm hidden
     tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
     sparse_select: str | None = option("sparse_select", "--sparse-select", None)  # a sparse MTP: reuse (default) | recompute | full
     lookup: int = option("mtp_lookup", "--mtp-lookup", 0)  # N >= 2: draft by prompt lookup where the last N tokens recur; 0 = off
 
@@ -54,6 +56,7 @@ class MTPOptions(DrafterOptions):
 class EagleOptions(DrafterOptions):
     draft_vocab: int | None = option("draft_vocab", "--draft-vocab", None)  # None = the checkpoint's default, 0 = full
     tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
 
 
 # name -> factory(target_model, draft_model, options) and the class of its options
@@ -117,7 +120,7 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
         draft_model = load_module(draft_model, dtype=target.dtype)
     if not callable(getattr(draft_model, "forward_tokens", None)) or not hasattr(draft_model, "new_cache"):
         raise ConfigError(f"--drafter draft needs a causal LM as its draft model, got {type(draft_model).__name__}")
-    return DraftModelDrafter(draft_model, target.vocab_size, tree=options.tree)
+    return DraftModelDrafter(draft_model, target.vocab_size, tree=options.tree, tree_beam=options.tree_beam)
 
 
 @register("mtp", MTPOptions)
@@ -130,7 +133,7 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
         raise ConfigError("--sparse-select needs a sparse-attention MTP module (mtp_sparse_attention in the model's config, "
                           "from `mtpspec train mtp --sparse`); this model's MTP attends to its whole context")
     return MTPDrafter(source, prenorm_hidden=options.prenorm_hidden, draft_vocab=options.draft_vocab, tree=options.tree,
-                      sparse_select=options.sparse_select or "reuse", lookup=options.lookup)
+                      tree_beam=options.tree_beam, sparse_select=options.sparse_select or "reuse", lookup=options.lookup)
 
 
 def _head(draft_model, kind: str, target):
@@ -173,7 +176,8 @@ def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
     """An EAGLE head: the MTP drafter's bookkeeping, on a head that predicts the target's next feature."""
     from .mtp import MTPDrafter
 
-    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=options.draft_vocab, tree=options.tree)
+    d = MTPDrafter(_attached(target, draft_model, "eagle"), draft_vocab=options.draft_vocab, tree=options.tree,
+                    tree_beam=options.tree_beam)
     d.name = "eagle"
     return d
 

@@ -24,13 +24,14 @@ class DraftModelDrafter:
     name = "draft"
     prefill_logits = False  # it never reads the target's logits over the prompt
 
-    def __init__(self, model, target_vocab_size: int, tree: int | None = None) -> None:
-        from ..tree import TreeChoice, check_tree_budget, shared_sizer
+    def __init__(self, model, target_vocab_size: int, tree: int | None = None, tree_beam: int = 1) -> None:
+        from ..tree import TreeChoice, check_tree_beam, check_tree_budget, shared_sizer
 
         if model.vocab_size != target_vocab_size:
             raise ConfigError(
                 f"draft model vocabulary ({model.vocab_size}) differs from the target's ({target_vocab_size})"
             )
+        self.tree_beam = check_tree_beam(tree_beam)  # a tree: nodes expanded per level
         self.tree = check_tree_budget(tree)  # a node budget: draft a token tree (tree.py); "auto": TreeSizer decides
         self.sizer = TreeChoice(shared_sizer(model, "draft")) if tree == "auto" else None
         if self.tree is not None and not model.new_cache(1).crops_across_forwards:
@@ -84,12 +85,12 @@ class DraftModelDrafter:
         """A dynamic token tree (EAGLE-2 expansion, tree.grow): each level one forward of the draft model over the
         nodes expanded, every row attending to its own path (tree.TreeRows); point masses. Its cache entries past
         the context are dropped at commit (the accepted tokens are read again with the next context)."""
-        from ..tree import GrowingTree, RankAcceptance, grow, keep_best
+        from ..tree import GrowingTree, RankAcceptance, grow, keep_best, top_guesses, tree_branch
 
         grown = GrowingTree(self.cache.length)
 
-        def logq(lg: Tensor) -> Tensor:  # (n, V) the draft's log q, by which nodes are ranked
-            return torch.log_softmax(lg.float(), -1) if self.sampler.params.greedy else self.sampler.probs(lg).log()
+        def top(lg: Tensor) -> tuple[Tensor, Tensor]:  # (n, V) -> the draft's best guesses: log q, ids (n, branch)
+            return top_guesses(lg, branch) if self.sampler.params.greedy else self.sampler.probs(lg).log().topk(branch, dim=-1)
 
         def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
             self.cache.tree = grown.rows_for(nodes)
@@ -97,11 +98,12 @@ class DraftModelDrafter:
                 out = self.model.forward_tokens(torch.tensor([grown.tokens[n] for n in nodes]), self.cache)
             finally:
                 self.cache.tree = None
-            return logq(out.logits).topk(branch, dim=-1)
+            return top(out.logits)
 
-        branch = 4
+        branch = tree_branch(self.tree_beam)
         self.ranks = self.ranks or RankAcceptance(branch)
-        grow(grown, logq(logits[None])[0].topk(branch), expand, k, 4, self.ranks)
+        vals, ids = top(logits[None])
+        grow(grown, (vals[0], ids[0]), expand, k, self.tree_beam, self.ranks)
         draft, self.proposed = keep_best(grown, budget)
         self.pending = 0  # commit crops to the context
         return draft

@@ -47,7 +47,8 @@ from ..compiled import compiled_draft_step
 from ..models.fused_mtp import fused_mtp
 from ..models.static import draft_module_forward, greedy_draft
 from ..sampling import Sampler
-from ..tree import GrowingTree, RankAcceptance, TreeChoice, check_tree_budget, grow, keep_best, observe_step, shared_sizer, tree_budget
+from ..tree import (GrowingTree, RankAcceptance, TreeChoice, check_tree_beam, check_tree_budget, grow, keep_best, observe_step,
+                    shared_sizer, top_guesses, tree_branch, tree_budget)
 from ..types import Draft, TargetOutput, Verdict
 from .draft_vocab import make_draft_head
 from .ngram import NgramDrafter
@@ -55,8 +56,6 @@ from .ngram import NgramDrafter
 
 SPARSE_SELECT = ("reuse", "recompute", "full")  # a sparse MTP's block choice for chained draft steps (full: attend everything)
 MAX_PENDING = 16  # pairs queued before a catch-up runs without a draft (plain steps chosen by --k auto, a long prompt)
-TREE_BRANCH = 4  # a tree: children per expanded node (the drafter's top guesses there)
-TREE_BEAM = 4  # a tree: nodes expanded per level
 
 
 def check_lookup(n) -> int:
@@ -71,12 +70,13 @@ class MTPDrafter:
     prefill_logits = False  # it never reads the target's logits over the prompt
 
     def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
-                 tree: int | None = None, sparse_select: str = "reuse", lookup: int = 0) -> None:
+                 tree: int | None = None, sparse_select: str = "reuse", lookup: int = 0, tree_beam: int = 1) -> None:
         if getattr(target, "mtp", None) is None:
             raise ConfigError(
                 "--drafter mtp needs a model with an MTP module (mtp.* tensors in the checkpoint); this one has none"
             )
         self.target = target
+        self.tree_beam = check_tree_beam(tree_beam)  # a tree: nodes expanded per level
         self.prenorm = prenorm_hidden  # feed the pre-final-norm hidden (for heads trained that way)
         self.head = make_draft_head(target, draft_vocab)  # None = the target's full LM head
         self.n_layers = target.config.mtp_num_layers
@@ -304,12 +304,13 @@ class MTPDrafter:
                 self.cache.tree = None
             for n, o in zip(nodes, out):
                 hid[n] = o
-            return self._logq(out).topk(branch, dim=-1)
+            return self._top(out, branch)
 
-        branch = TREE_BRANCH
+        branch = tree_branch(self.tree_beam)
         if self.ranks is None:
             self.ranks = RankAcceptance(branch)
-        grow(grown, self._logq(h)[0].topk(branch), expand, k, TREE_BEAM, self.ranks)
+        vals, ids = self._top(h, branch)
+        grow(grown, (vals[0], ids[0]), expand, k, self.tree_beam, self.ranks)
         draft, self.proposed = keep_best(grown, budget)
         return draft
 
@@ -319,12 +320,16 @@ class MTPDrafter:
         return (self.compiled is not None and self.sampler.params.greedy and self.n_layers == 1 and not self.sparse
                 and self.compiled.handles(1, self.cache))
 
-    def _logq(self, h: Tensor) -> Tensor:
-        """h (n, H) MTP outputs -> log q (n, V) the drafter's distributions (a tree ranks its nodes by them)."""
-        logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
+    def _top(self, h: Tensor, branch: int) -> tuple[Tensor, Tensor]:
+        """h (n, H) MTP outputs -> the drafter's `branch` best guesses after each: log q values and token ids (n, branch)
+        (a tree ranks its nodes by them). Greedy: the top of the logits (the draft vocabulary's, mapped to ids)."""
         if self.sampler.params.greedy:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return self.sampler.probs(logits).log()
+            if self.head is None:
+                return top_guesses(self.target.head(h), branch)
+            vals, idx = top_guesses(self.head.logits(h), branch)
+            return vals, self.head.token(idx)
+        logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
+        return self.sampler.probs(logits).log().topk(branch, dim=-1)
 
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""

@@ -162,10 +162,16 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, start: int, positions: Tensor | None = None) -> Tensor:
         """x (B, nh, T, hd) at positions start..start+T-1 (or at `positions` (T,): a token tree) -> same shape, rotated."""
         t = x.shape[2]
-        cos, sin = self.tables(x.dtype)
-        where = slice(start, start + t) if positions is None else positions
-        cos = cos[where].to(x.dtype)  # (T, rot)
-        sin = sin[where].to(x.dtype)
+        if positions is not None:  # a tree's rows: gathered once per forward (every layer passes the same tensor)
+            kept = self.__dict__.get("_rows")
+            if kept is None or kept[0] is not positions or kept[1] != x.dtype:
+                cos, sin = self.tables(x.dtype)
+                self.__dict__["_rows"] = kept = (positions, x.dtype, cos[positions].to(x.dtype), sin[positions].to(x.dtype))
+            cos, sin = kept[2], kept[3]  # (T, rot)
+        else:
+            cos, sin = self.tables(x.dtype)
+            cos = cos[start : start + t].to(x.dtype)  # (T, rot)
+            sin = sin[start : start + t].to(x.dtype)
         xr, xp = x[..., : self.rot_dim], x[..., self.rot_dim :]
         half = self.rot_dim // 2
         rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)

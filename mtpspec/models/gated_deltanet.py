@@ -114,20 +114,19 @@ def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
     return out.to(hist.dtype)
 
 
-def tree_conv(hist: Tensor, weight: Tensor, back: Tensor) -> Tensor:
-    """causal_conv over a token tree: each row reads its own path's inputs. hist (B, C, K-1+T) (the K-1 inputs
-    before the window, then the rows'), back (T, K-1): each row's ancestors 1..K-1 levels up as rows (-m: the
-    m-th input before the window) -> (B, C, T)."""
+def tree_conv(rows: Tensor, weight: Tensor, taps: Tensor) -> Tensor:
+    """causal_conv over a token tree, each row reading its own path's inputs, in the rows' layout: rows (B, K-1+T, C)
+    (the K-1 inputs before the window, then the window's), taps (T K,): row r's K input rows, oldest first
+    (TreeLayout.conv_taps) -> (B, T, C). One gather of whole rows, then the taps summed one by one in at least fp32, as
+    causal_conv sums them (the same products and sums per element: a chain's numbers along every path)."""
     kern = weight.shape[-1]
-    t_len = back.shape[0]
-    idx = torch.cat([back.flip(-1), torch.arange(t_len)[:, None]], dim=-1) + kern - 1  # (T, K) columns of hist, oldest first
-    dt = wide(hist.dtype)
+    dt = wide(rows.dtype)
     w = weight[:, 0].to(dt)  # (C, K)
-    h = hist.to(dt)
-    out = h[..., idx[:, 0]] * w[:, 0, None]
-    for j in range(1, kern):  # tap by tap, as causal_conv sums them
-        out += h[..., idx[:, j]] * w[:, j, None]
-    return out.to(hist.dtype)
+    h = rows.index_select(1, taps).to(dt).unflatten(1, (-1, kern))  # (B, T, K, C)
+    out = h[:, :, 0] * w[:, 0]
+    for j in range(1, kern):
+        out += h[:, :, j] * w[:, j]
+    return out.to(rows.dtype)
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
@@ -205,12 +204,14 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         tree = cache.tree  # a token tree's verify window (tree.py), or None
         conv_window = cache.conv_window(self.slot, b)  # (B, C, K-1) inputs before this window
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
-        hist = torch.cat([conv_window.to(mixed.dtype), mixed], dim=-1)  # (B, C, K-1+T)
+        mixed = self.in_proj_qkv(x)  # (B, T, C)
         if tree is None:
+            hist = torch.cat([conv_window.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
             conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
-        else:
-            conv = F.silu(tree_conv(hist, self.conv1d.weight, tree.gather_back(self.kernel - 1))).transpose(1, 2)
+        else:  # gathered by rows (whole rows of C inputs), not by columns of the (B, C, .) layout
+            rows = torch.cat([conv_window.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # (B, K-1+T, C)
+            conv = F.silu(tree_conv(rows, self.conv1d.weight, tree.conv_taps(self.kernel)))  # (B, T, C)
+            hist = rows.transpose(1, 2)  # (B, C, K-1+T)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.nv // self.nk  # value heads per key head
         dt = wide(x.dtype)  # the recurrence runs in at least fp32

@@ -200,6 +200,8 @@ class HybridCache:
         (decays, keys, corrections along each row's own path: a chain's window, tree.py) re-indexed."""
         if start != self.fwd_start:
             raise ValueError(f"keep({start}, ...) after a forward from {self.fwd_start}")
+        if rows == list(range(len(rows))):  # rows 0..n in place, each row's records a chain's: the crop that follows suffices
+            return
         self.kv.keep(start, rows)
         idx = torch.tensor(rows, dtype=torch.long)
         k1 = self.conv_kernel - 1

@@ -35,6 +35,7 @@ from .openai_api import Busy, create_router, error_body, unicode_text as _unicod
 from .options import ServeOptions
 from .registry import Served
 from .scheduler import Scheduler, Speculation
+from ..tree import MAX_BEAM
 from .verify_page import MAX_DRAFT, MAX_NEW_TOKENS, MAX_TOP_K, MAX_TREE, FieldError, step_through, verify_draft
 
 MAX_BODY = 1 << 20  # bytes in a request body
@@ -69,6 +70,7 @@ class VerifyRequest(ModelRef):
     draft_model: Name | None = Field(None, description="a served draft model's (or head's) name")
     top_k: int = Field(10, ge=1, le=MAX_TOP_K, description=f"entries of each position's distribution returned (1..{MAX_TOP_K})")
     tree: int = Field(0, ge=0, le=MAX_TREE, description="a proposing drafter's token tree of at most this many nodes (0 = a chain)")
+    tree_beam: int = Field(1, ge=1, le=MAX_BEAM, description="a tree's nodes expanded per level (mtp, eagle, draft)")
 
 
 class StepRequest(ModelRef):
@@ -78,6 +80,7 @@ class StepRequest(ModelRef):
     draft_model: Name | None = None
     max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
     tree: int = Field(0, ge=0, le=MAX_TREE, description=f"a token tree of at most this many nodes (0..{MAX_TREE}; 0 = a chain)")
+    tree_beam: int = Field(1, ge=1, le=MAX_BEAM, description="a tree's nodes expanded per level (mtp, eagle, draft)")
 
 
 def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
@@ -148,7 +151,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
         def work():
             dm = served.draft_for(name, req.drafter, req.draft_model) if proposing else None
             return verify_draft(model, req.prefix, draft=req.draft, draft_ids=req.draft_ids, drafter=req.drafter or None,
-                                k=req.k, draft_model=dm, top_k=req.top_k, tree=req.tree)
+                                k=req.k, draft_model=dm, top_k=req.top_k, tree=req.tree, tree_beam=req.tree_beam)
 
         return await on_worker(name, work)
 
@@ -158,7 +161,8 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
 
         def work():
             dm = served.draft_for(name, req.drafter, req.draft_model)
-            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm, tree=req.tree)
+            return step_through(model, req.prefix, req.drafter, req.k, req.max_new_tokens, draft_model=dm, tree=req.tree,
+                                tree_beam=req.tree_beam)
 
         return await on_worker(name, work)
 

@@ -109,11 +109,13 @@ def verify_draft(
     draft_model: object | None = None,
     top_k: int = 10,
     tree: int = 0,
+    tree_beam: int = 1,
 ) -> dict:
     """One greedy verification round of a draft after `prefix`; see the module docstring.
 
     draft_model: what drafter `drafter` drafts with (a draft model's module, or a trained head).
-    tree: a node budget for a proposing drafter that grows token trees (0: a chain); see _tree_answer."""
+    tree: a node budget for a proposing drafter that grows token trees (0: a chain); see _tree_answer. tree_beam: its nodes
+    expanded per level (mtp, eagle, draft)."""
     if not 1 <= top_k <= MAX_TOP_K:
         raise FieldError("top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
     module, tok = model.module, model.tokenizer
@@ -139,7 +141,8 @@ def verify_draft(
         fixed, depth = FixedDrafter(dids), len(dids)
     else:
         budget = check_tree(drafter, tree)
-        fixed, depth = FixedDrafter(inner=make_drafter(drafter, module, draft_model=draft_model, tree=budget)), k
+        fixed, depth = FixedDrafter(inner=make_drafter(drafter, module, draft_model=draft_model, tree=budget,
+                                                       **beam_option(drafter, budget, tree_beam))), k
     # the engine's own step: prefill all but the last token, ONE verify pass over [last, d1..dD], greedy acceptance
     session = Session(module, ids, fixed, Sampler(SamplingParams()), k=max(depth, 1), max_new_tokens=depth + 1, trace=True)
     step = session.step(depth)
@@ -260,6 +263,17 @@ def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
     return token_texts(model, ids, None)
 
 
+def beam_option(drafter: str, budget: int | None, beam: int) -> dict:
+    """make_drafter's tree_beam for the page's form: given to the drafters that read it, when it drafts a tree; a beam
+    other than 1 with any other drafter is a field error."""
+    if budget is not None and drafter in ("mtp", "eagle", "draft"):
+        return {"tree_beam": beam}
+    if beam != 1:
+        raise FieldError("tree_beam", f"is an option of token trees (tree > 0) drafted by mtp, eagle or draft, not of {drafter}"
+                         + ("" if budget is not None else " chains"))
+    return {}
+
+
 def check_tree(drafter: str, tree: int) -> int | None:
     """The page's tree budget: 0 = a chain (None for the drafter), 1..MAX_TREE nodes for a drafter that grows trees."""
     if isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= MAX_TREE:
@@ -301,7 +315,7 @@ def draft_tree(model: Model, step: StepRecord, prev: int) -> dict:
 
 
 def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens: int, draft_model: object | None = None,
-                 tree: int = 0) -> dict:
+                 tree: int = 0, tree_beam: int = 1) -> dict:
     """A real speculative run (and the plain run it must equal), every step laid out for the page.
 
     tree: a node budget for a drafter that grows token trees (0: chains); each step's `tree` is its draft as a tree."""
@@ -312,10 +326,11 @@ def step_through(model: Model, prefix: str, drafter: str, k: int, max_new_tokens
     if drafter in ("none", ""):
         raise FieldError("drafter", "choose a drafter (ngram, draft, ...) to step through speculative rounds")
     budget = check_tree(drafter, tree)
+    beam = beam_option(drafter, budget, tree_beam)
     prefix_ids(model, prefix)
     plain = model.generate(prefix, max_new_tokens=max_new_tokens, trace=True)
     spec = model.generate(prefix, drafter=drafter, k=k, draft_model=draft_model, max_new_tokens=max_new_tokens, trace=True,
-                          tree=budget)
+                          tree=budget, **beam)
     plain_step = _mean_step_seconds(plain)
     prev = spec.prompt_tokens[-1]
     steps = []
