@@ -278,7 +278,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
     else:
         # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
-        outs = [forward_tree(target, t, d.parents, s.cache, logits=not (s.sampler.params.greedy and not s.trace))
+        outs = [forward_tree(target, t, d.parents, s.cache, logits=s.trace or not s.sampler.params.greedy)
                 if d.is_tree else target.forward_tokens(t, s.cache, exact) for t, s, d in zip(tokens, seqs, drafts)]
     lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
     if all(s.sampler.params.greedy for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus

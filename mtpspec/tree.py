@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from time import perf_counter
 
 import torch
@@ -46,8 +47,13 @@ class TreeLayout:
 
     @staticmethod
     def of(parents: Tensor) -> "TreeLayout":
-        """From a draft's node parents (N,) (-1 = the root)."""
-        parent = [-1] + [p + 1 for p in parents.tolist()]  # rows
+        """From a draft's node parents (N,) (-1 = the root). A tree drafter repeats a few shapes step after step: each
+        shape is laid out once (its per-forward tables keep the last start only)."""
+        return _layout(tuple(parents.tolist()))
+
+    @staticmethod
+    def build(parents: tuple[int, ...]) -> "TreeLayout":
+        parent = [-1] + [p + 1 for p in parents]  # rows
         depth, anc = [0], [[0]]  # per row: its depth, its ancestors-or-self
         for r in range(1, len(parent)):
             depth.append(depth[parent[r]] + 1)
@@ -63,17 +69,17 @@ class TreeLayout:
 
     def positions(self, start: int) -> Tensor:
         """(T,) the position of each row (the same tensor for every layer that asks: Rotary keeps its gather)."""
-        memo = self.__dict__.setdefault("_pos", {})
-        if start not in memo:
-            memo[start] = start + self.depth
-        return memo[start]
+        memo = self.__dict__.get("_pos")
+        if memo is None or memo[0] != start:
+            memo = self.__dict__["_pos"] = (start, start + self.depth)
+        return memo[1]
 
     def attn_mask(self, start: int) -> Tensor:
         """(T, start + T) bool: the committed keys 0..start-1, then the row's ancestors and itself."""
-        memo = self.__dict__.setdefault("_mask", {})  # every attention layer of the forward asks the same
-        if start not in memo:
-            memo[start] = torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1)
-        return memo[start]
+        memo = self.__dict__.get("_mask")  # every attention layer of the forward asks the same
+        if memo is None or memo[0] != start:
+            memo = self.__dict__["_mask"] = (start, torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1))
+        return memo[1]
 
     def conv_taps(self, kern: int) -> Tensor:
         """(T K,) for a causal conv of width K over the window with its K-1 inputs before it: row r's K input
@@ -96,6 +102,11 @@ class TreeLayout:
                 row.append(cur)
             out.append(row)
         return torch.tensor(out, dtype=torch.long).view(len(parent), steps)
+
+
+@lru_cache(maxsize=256)
+def _layout(parents: tuple[int, ...]) -> TreeLayout:
+    return TreeLayout.build(parents)
 
 
 @dataclass(frozen=True)
@@ -240,6 +251,7 @@ def forward_tree(target, tokens: Tensor, parents: Tensor, cache, logits: bool = 
         cache.tree = None
         if kv is not None:
             kv.tree = None
+        layout.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
 
 
 MAX_TREE = 63  # nodes: the verify window (T = nodes + 1) must fit one Gated DeltaNet piece of 64 rows

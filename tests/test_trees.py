@@ -192,6 +192,7 @@ def test_real_model_tree_sampling_follows_the_target(stories):
 def test_greedy_walk_and_layout():
     _, draft = _tree_case()
     layout = TreeLayout.of(draft.parents)
+    assert TreeLayout.of(draft.parents.clone()) is layout  # one layout per shape
     assert layout.depth.tolist() == [0, 1, 1, 1, 2, 2] and layout.anc[4].tolist() == [True, True, False, False, True, False]
     v = verify_tree_greedy(draft, [2, 3, 0, 0, 0, 4])  # root -> 2 (row 1), then 3 (row 5), then 4
     assert v.tokens.tolist() == [2, 3, 4] and v.path == (1, 5) and v.num_accepted == 2
