@@ -266,10 +266,11 @@ def _prefix_tokens(model: Model, ids: list[int]) -> list[dict]:
 def beam_option(drafter: str, budget: int | None, beam: int) -> dict:
     """make_drafter's tree_beam for the page's form: given to the drafters that read it, when it drafts a tree; a beam
     other than 1 with any other drafter is a field error."""
-    if budget is not None and drafter in ("mtp", "eagle", "draft"):
+    if budget is not None and "tree_beam" in OPTIONS.get(drafter, ()):
         return {"tree_beam": beam}
     if beam != 1:
-        raise FieldError("tree_beam", f"is an option of token trees (tree > 0) drafted by mtp, eagle or draft, not of {drafter}"
+        takers = ", ".join(name for name, keys in OPTIONS.items() if "tree_beam" in keys)
+        raise FieldError("tree_beam", f"is an option of token trees (tree > 0) drafted by {takers}, not of {drafter}"
                          + ("" if budget is not None else " chains"))
     return {}
 
