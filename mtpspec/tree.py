@@ -135,11 +135,13 @@ class GrowingTree:
         self.scores: list[float] = []
         self.depth: list[int] = []
         self.rank: list[int] = []  # the node's place among its parent's guesses (0 = the drafter's top one)
+        self.logq: list[float] = []  # the drafter's log q of the node's token after its parent
         self.entry: dict[int, int] = {}  # node -> its cache entry (0-based after base)
         self.entry_node: list[int] = []  # cache entry -> node
 
-    def add(self, parent: int, token: int, score: float, rank: int = 0) -> int:
+    def add(self, parent: int, token: int, score: float, rank: int = 0, logq: float = 0.0) -> int:
         self.rank.append(rank)
+        self.logq.append(logq)
         self.tokens.append(token)
         self.parents.append(parent)
         self.scores.append(score)
@@ -208,11 +210,11 @@ class RankAcceptance:
 def grow(tree: GrowingTree, roots: tuple[Tensor, Tensor], expand, depth: int, beam: int, ranks: RankAcceptance) -> None:
     """EAGLE-2's expansion: the root's top guesses (roots: log q values, token ids), then per level the `beam` most
     valuable frontier nodes (RankAcceptance) expanded by `expand(nodes) -> (log q values, ids) (n, branch)`."""
-    frontier = [tree.add(-1, int(t), ranks.score(r, float(v)), r) for r, (v, t) in enumerate(zip(*roots))]
+    frontier = [tree.add(-1, int(t), ranks.score(r, float(v)), r, float(v)) for r, (v, t) in enumerate(zip(*roots))]
     for _ in range(1, depth):
         pick = sorted(frontier, key=lambda n: -tree.scores[n])[:beam]
         vals, ids = expand(pick)  # (n, branch) each
-        frontier = [tree.add(n, int(t), tree.scores[n] + ranks.score(r, v), r)
+        frontier = [tree.add(n, int(t), tree.scores[n] + ranks.score(r, v), r, v)
                     for n, vs, ts in zip(pick, vals.tolist(), ids.tolist()) for r, (v, t) in enumerate(zip(vs, ts))]
 
 
@@ -222,6 +224,7 @@ class Proposed:
 
     parents: list[int]
     ranks: list[int]
+    logq: list[float]  # the drafter's log q of each node's token after its parent (scripts/tree_leaf_value.py reads it)
 
 
 def top_guesses(logits: Tensor, branch: int) -> tuple[Tensor, Tensor]:
@@ -234,7 +237,7 @@ def keep_best(tree: GrowingTree, budget: int) -> tuple[Draft, Proposed]:
     """The `budget` most valuable nodes of a grown tree as a Draft (point masses), and what observe() needs."""
     nodes = best_first(tree.parents, tree.scores, best_nodes(tree.parents, tree.scores, budget))
     tokens, parents = subtree(tree.tokens, tree.parents, nodes)
-    return Draft(tokens=tokens, parents=parents), Proposed(parents.tolist(), [tree.rank[i] for i in nodes])
+    return Draft(tokens=tokens, parents=parents), Proposed(parents.tolist(), [tree.rank[i] for i in nodes], [tree.logq[i] for i in nodes])
 
 
 def forward_tree(target, tokens: Tensor, parents: Tensor, cache, logits: bool = True) -> TargetOutput:

@@ -245,6 +245,31 @@ def test_best_first_order_and_chain_shaped_expansions():
     assert rows.mask.tolist() == [[True] * 7 + [False, False, True]]
 
 
+def test_kept_tree_carries_each_nodes_rank_and_log_q(stories):
+    """Proposed (what a drafter keeps of its tree to learn from the verdict; scripts/tree_leaf_value.py reads it):
+    per kept node, in draft order, its rank among its parent's guesses and the drafter's log q of it, which is
+    log_softmax of the head at the parent (ranks 0 and 1 of the same parent: the top two guesses there)."""
+    from mtpspec.tree import keep_best
+
+    tree = GrowingTree(base=0)
+    a = tree.add(-1, 3, -0.1, 0, -0.2)
+    b = tree.add(-1, 4, -0.5, 1, -1.9)
+    c = tree.add(a, 5, -0.3, 0, -0.4)
+    draft, kept = keep_best(tree, 3)
+    assert draft.tokens.tolist() == [3, 5, 4] and kept.ranks == [0, 0, 1] and kept.logq == [-0.2, -0.4, -1.9]
+    assert (a, b, c) == (0, 1, 2)
+    d = make_drafter("mtp", stories.module, draft_model=HEADS + "mtp", tree=8)
+    out = generate_tokens(stories.module, stories.encode(PROMPTS[0]), d, 4, Sampler(SamplingParams()), 8)
+    p = d.proposed
+    assert out.tokens and p is not None and len(p.logq) == len(p.parents) == len(p.ranks)
+    assert all(lq <= 0.0 for lq in p.logq)
+    for i, parent in enumerate(p.parents):  # a parent's top guess is at least as likely as its runner-up
+        sibs = [j for j, q in enumerate(p.parents) if q == parent]
+        for j in sibs:
+            if p.ranks[j] < p.ranks[i]:
+                assert p.logq[j] >= p.logq[i]
+
+
 def test_bad_tree_settings_are_named(stories):
     for bad in (0, 64, "x", True):
         with pytest.raises(ConfigError, match="--tree"):
