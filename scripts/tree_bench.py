@@ -22,14 +22,19 @@ from mtpspec.bench.harness import prepare_ids
 from mtpspec.prompts import load_prompts
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def model_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, its prompts and the drafter (shared with tree_leaf_value.py)."""
     p.add_argument("--model", required=True)
     p.add_argument("--tokenizer")
     p.add_argument("--prompts", default="humaneval")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--drafter", required=True)
     p.add_argument("--draft-model")
+    return p
+
+
+def main() -> None:
+    p = model_args(argparse.ArgumentParser())
     p.add_argument("--ks", default="3,5")
     p.add_argument("--trees", default="8,16")
     p.add_argument("--beams", default="", help="trees also with these tree_beam values (e.g. 1,4); default: the drafter's")

@@ -27,6 +27,7 @@ from mtpspec.drafters import make_drafter
 from mtpspec.engine import Session
 from mtpspec.prompts import load_prompts
 from mtpspec.sampling import Sampler, SamplingParams
+from tree_bench import model_args  # scripts/ is on the path when a script runs
 
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.01)  # q edges
 
@@ -51,13 +52,7 @@ def decode(model, x: list[int], drafter: str, draft_model, k: int, tree: int | N
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--tokenizer")
-    p.add_argument("--prompts", default="humaneval")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--drafter", required=True)
-    p.add_argument("--draft-model")
+    p = model_args(argparse.ArgumentParser())
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
