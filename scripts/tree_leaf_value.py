@@ -7,7 +7,7 @@
 A beam-1 tree of depth D is the chain's D drafts plus, at each level, the drafter's runner-up as a leaf (tree.py).
 Greedy verification accepts along the best path exactly as the chain does, and a runner-up leaf adds one token when
 it is reached (its parent accepted) and taken. Each prompt is decoded by the chain and by the whole tree (every grown
-node kept), one after the other, with the step API; every step's seconds (propose + verify + commit) are summed.
+node kept), in turns prompt by prompt, with the step API; every step's seconds (propose + verify + commit) are summed.
 Printed: how often a reached leaf is taken, by the drafter's q of it; each step's cost; and for the policy "keep a leaf
 only when its q >= t" (an oracle's choice of t, its rows priced at the measured cost per extra row) the tok/s it
 would reach against the chain's. When even the best t stays near 1.0x, no choice of leaves beats the chain on this
@@ -30,6 +30,7 @@ from mtpspec.sampling import Sampler, SamplingParams
 from tree_bench import model_args  # scripts/ is on the path when a script runs
 
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.01)  # q edges
+NEW_TOKENS = 96  # per prompt
 
 
 def decode(model, x: list[int], drafter: str, draft_model, k: int, tree: int | None):
@@ -37,7 +38,7 @@ def decode(model, x: list[int], drafter: str, draft_model, k: int, tree: int | N
     steps = tokens = 0
     seconds, leaves = 0.0, []
     d = make_drafter(drafter, model.module, draft_model, **({} if tree is None else {"tree": tree}))
-    s = Session(model.module, x, d, Sampler(SamplingParams()), k=k, max_new_tokens=96)
+    s = Session(model.module, x, d, Sampler(SamplingParams()), k=k, max_new_tokens=NEW_TOKENS)
     s.prefill()
     while not s.done:
         r = s.step()
@@ -58,7 +59,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     model = mtpspec.load(a.model, a.tokenizer)
-    ids = prepare_ids(model, load_prompts(a.prompts, a.limit), 96)
+    ids = prepare_ids(model, load_prompts(a.prompts, a.limit), NEW_TOKENS)
     tree = min(2 * a.k, 63)  # a beam-1 tree grows 2 nodes per level: every one is kept
     decode(model, ids[0], a.drafter, a.draft_model, a.k, None)  # warm-up
     decode(model, ids[0], a.drafter, a.draft_model, a.k, tree)
