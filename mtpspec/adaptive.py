@@ -11,7 +11,8 @@ its depth, the drafter's catch-up on the tokens just kept, is paid when plain to
 batched drafter (MTP, EAGLE) pays once for the batch; o: engine seconds per step. All are learned from
 observe() alone (no clock): c only from steps without a catch-up inside and at a batch size whose plain
 forward was seen; T per size seen (the median of its last 5), pulled toward a prior curve where given,
-non-decreasing, and optimistic where unseen so that it gets tried; a width beside the chosen one that has
+non-decreasing, and optimistic where unseen so that it gets tried (for a batch, `smooth_cost`: one convex
+quadratic through every size's median instead); a width beside the chosen one that has
 not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
@@ -27,6 +28,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
+import numpy as np
+
 from .errors import ConfigError
 from .types import BatchStep
 
@@ -40,12 +43,14 @@ class ForwardCost:
     one measured before it, and the policy jumped between widths (demo, 8 sequences: per-round speed drifted 10-25%,
     and the widths chosen wandered from 2 to 6 where a fixed 4 was best)."""
 
-    def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None) -> None:
+    def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None, smooth: bool = False) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
+        self.smooth = smooth  # read T off one convex quadratic through every size seen (see _quadratic)
+        self.window = 15 if smooth else 5  # forwards per size whose median is its T (smooth: the curve follows changes)
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
         self.speed = 1.0  # the machine's current slowness: seconds = stored value x speed
-        self.mean, self.count = {}, {}  # size -> the median of its last 5 forwards (stored units), and how many seen
-        self.recent: dict[int, list[float]] = {}  # size -> its last 5 forwards (a spike of the machine is one of 5)
+        self.mean, self.count = {}, {}  # size -> the median of its last `window` forwards (stored units), and how many seen
+        self.recent: dict[int, list[float]] = {}  # size -> its last `window` forwards (a spike of the machine is one of them)
         self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
         self.n = 0  # observations of any size
         self._table: list[float] = []  # T(n) for n = 1..len, stored units; refitted at a new size or every 8 steps
@@ -58,7 +63,7 @@ class ForwardCost:
         if self.count.get(size, 0) >= 3:  # the machine's speed, from a size well known
             self.speed = 0.9 * self.speed + 0.1 * min(max(seconds / (self.speed * self.mean[size]), 0.5), 2.0) * self.speed
         x = seconds / self.speed
-        last = (self.recent.get(size, []) + [x])[-5:]
+        last = (self.recent.get(size, []) + [x])[-self.window :]
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
         self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
         self.n += 1
@@ -103,6 +108,30 @@ class ForwardCost:
                 mid = (knots[i] + knots[i + 1]) / 2
                 t = fit[i] + (fit[i + 1] - fit[i]) * max(n - mid, 0.0) / (knots[i + 1] - mid)
             self._table.append(t)
+        q = self._quadratic(knots) if self.smooth else None
+        if q is not None:  # from the smallest size seen on: the curve, made non-decreasing
+            top = 0.0
+            for n in range(knots[0], upto + 1):
+                top = max(top, q[0] + q[1] * n + q[2] * n * n)
+                self._table[n - 1] = top
+
+    def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
+        """T(n) = a + b n + c n^2, c >= 0, by least squares through every size's median weighted by its forwards seen
+        (up to 10), or None under 3 sizes. One curve through all sizes: each size's own median (of 5) wandered by 5-10%
+        on this VM, as much as a draft position adds to a batch's forward, so the width with the best rate wandered
+        with it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best)."""
+        pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
+        if len(pts) < 3:
+            return None
+        top = max(n for n, _, _ in pts)
+        for deg in (2, 1):  # a concave best fit: the line instead
+            x = np.array([[(n / top) ** j for j in range(deg + 1)] for n, _, _ in pts])  # sizes scaled to <= 1
+            w = np.sqrt([w for _, _, w in pts])
+            coef = np.linalg.lstsq(x * w[:, None], np.array([v for _, v, _ in pts]) * w, rcond=None)[0]
+            if deg == 1 or coef[2] >= 0:
+                coef = list(coef) + [0.0] * (2 - deg)
+                return float(coef[0]), float(coef[1]) / top, float(coef[2]) / top**2
+        return None
 
 
 class AcceptancePool:
@@ -241,10 +270,11 @@ class AdaptiveDepth:
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
         pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
+        smooth_cost: bool = False,  # T off one convex quadratic through every size seen (ByBatchSize: for B >= 2)
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
-        self.k_max, self.T, self.padded = k_max, ForwardCost(verify_cost, target_cost), padded
+        self.k_max, self.T, self.padded = k_max, ForwardCost(verify_cost, target_cost, smooth_cost), padded
         self.decay, self.shrink, self.forget = decay, shrink, forget
         self.explore, self.probe_min, self.margin, self.cost_margin = explore, probe_min, margin, cost_margin
         # prior drafter cost relative to T(1), scaled by the learned T(1) until drafts are seen
@@ -476,7 +506,7 @@ class ByBatchSize:
         """The policy for a batch of `batch` sequences."""
         size_class = batch.bit_length()
         if size_class not in self.policies:
-            self.policies[size_class] = AdaptiveDepth(**self.options)
+            self.policies[size_class] = AdaptiveDepth(**{"smooth_cost": size_class > 1, **self.options})
         return self.policies[size_class]
 
     def next_depths(self, seqs: Sequence[int], k_max: int | Sequence[int]) -> list[int]:
