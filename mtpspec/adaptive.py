@@ -117,9 +117,9 @@ class ForwardCost:
 
     def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
         """T(n) = a + b n + c n^2, c >= 0, by least squares through every size's median weighted by its forwards seen
-        (up to 10), or None under 3 sizes. One curve through all sizes: each size's own median (of 5) wandered by 5-10%
-        on this VM, as much as a draft position adds to a batch's forward, so the width with the best rate wandered
-        with it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best)."""
+        (up to 10), or None under 3 sizes. One curve through all sizes: each size's own median of 5 wandered by 5-20%
+        between rounds on this VM, as much as a draft position adds to a batch's forward, so the width with the best
+        rate wandered with it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best)."""
         pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
         if len(pts) < 3:
             return None
