@@ -11,9 +11,9 @@ its depth, the drafter's catch-up on the tokens just kept, is paid when plain to
 batched drafter (MTP, EAGLE) pays once for the batch; o: engine seconds per step. All are learned from
 observe() alone (no clock): c only from steps without a catch-up inside and at a batch size whose plain
 forward was seen; T per size seen (the median of its last 5), pulled toward a prior curve where given,
-non-decreasing, and optimistic where unseen so that it gets tried (for a batch, `smooth_cost`: one convex
-quadratic through every size's median instead); a width beside the chosen one that has
-not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
+non-decreasing, and optimistic where unseen so that it gets tried (for a batch, `smooth_cost`: one
+curve through every drafting size's median instead, rising from the narrowest, plain kept apart); a width
+beside the chosen one that has not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
 (AcceptancePool), whose average is also a new sequence's prior. Plain wins ties: each drafting sequence must
@@ -28,10 +28,33 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
-import numpy as np
-
 from .errors import ConfigError
 from .types import BatchStep
+
+
+# a forward's cost over a batch's drafting widths is a line unless a bend up halves the weighted residual: on the demo
+# it measured straight or bent down (2 sequences: 10.6 ms at width 2 to 18.5 ms at 9), and a bend fitted to one slow
+# narrow width flattened the low end (tests/test_adaptive.py: 1.5 let that bend through, 3 kept a real one out)
+CURVE_PENALTY = 2.0
+
+
+def _least_squares(x: list[list[float]], y: list[float], w: list[float]) -> list[float] | None:
+    """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations (at most 3 columns: plain Python, as the policy's
+    per-step arithmetic is; numpy's lstsq cost 50 us a call, a tenth of the policy's time at 16 sequences); None if
+    singular."""
+    m = len(x[0])
+    a = [[sum(wi * xi[r] * xi[c] for xi, wi in zip(x, w)) for c in range(m)]
+         + [sum(wi * xi[r] * yi for xi, yi, wi in zip(x, y, w))] for r in range(m)]
+    for c in range(m):  # Gauss-Jordan with partial pivoting on [X'WX | X'Wy]
+        p = max(range(c, m), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) < 1e-12 * max(1.0, abs(a[c][c])):
+            return None
+        a[c], a[p] = a[p], a[c]
+        for r in range(m):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                a[r] = [v - f * u for v, u in zip(a[r], a[c])]
+    return [a[r][m] / a[r][r] for r in range(m)]
 
 
 class ForwardCost:
@@ -52,11 +75,15 @@ class ForwardCost:
         self.mean, self.count = {}, {}  # size -> the median of its last `window` forwards (stored units), and how many seen
         self.recent: dict[int, list[float]] = {}  # size -> its last `window` forwards (a spike of the machine is one of them)
         self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
+        self.plain: set[int] = set()  # sizes seen as plain forwards: kept out of the curve (see _build)
         self.n = 0  # observations of any size
         self._table: list[float] = []  # T(n) for n = 1..len, stored units; refitted at a new size or every 8 steps
         self._upto, self._changes = 16, 0
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, plain: bool = False) -> None:
+        """One forward over `size` positions took `seconds`; `plain`: a step without drafts (its own kernel path)."""
+        if plain:
+            self.plain.add(size)
         self._changes += 1
         if size not in self.count or self._changes >= 8:
             self._table, self._changes = [], 0
@@ -83,6 +110,12 @@ class ForwardCost:
             self._build(self._upto)
         return [t * self.speed for t in self._table]
 
+    def at(self, size: int) -> float:
+        """T(size) in seconds at the machine's current speed (one value: no copy of the table)."""
+        if size > len(self._table):
+            self.table(size)
+        return self._table[size - 1] * self.speed
+
     def _build(self, upto: int) -> None:
         knots = sorted(set(range(1, len(self.prior) + 1)) | set(self.mean))
         blocks: list[list[float]] = []  # [value, weight, knots]: pool adjacent violators -> non-decreasing
@@ -108,30 +141,56 @@ class ForwardCost:
                 mid = (knots[i] + knots[i + 1]) / 2
                 t = fit[i] + (fit[i + 1] - fit[i]) * max(n - mid, 0.0) / (knots[i + 1] - mid)
             self._table.append(t)
-        q = self._quadratic(knots) if self.smooth else None
-        if q is not None:  # from the smallest size seen on: the curve, made non-decreasing
-            top = 0.0
-            for n in range(knots[0], upto + 1):
+        # the curve only through drafting forwards, from the smallest on: a plain forward (one row per sequence) takes
+        # the DeltaNet's recurrent step, a drafting one its chunk form and per-position rollback states, so the first
+        # draft position costs a step (demo, 8 sequences: plain 15.0 ms, widths 2-4 23.2, 26.5, 29.5 ms). Through both,
+        # the convex fit flattened that step: below the vertex the running max lifted plain to the level of the widths
+        # above it (2-3 sequences: T(B w) / T(B) = 1.0 for w = 1-4), so those widths looked free and depth grew
+        drafting = [n for n in knots if n not in self.plain]
+        q = self._quadratic(drafting) if self.smooth else None
+        if q is not None:  # from the smallest drafting size on: the curve, made non-decreasing
+            n0 = drafting[0]
+            first = q[0] + q[1] * n0 + q[2] * n0 * n0
+            for n in range(1, n0):  # below it, a plain forward: no dearer than the narrowest drafting one. A batch's
+                # plain forwards are few (its first decode step, cold, among them), and one slow one pooled with the
+                # drafting sizes lifted T flat across widths 1-6 for 100 steps (demo, 2 sequences: drafted 5-6 deep)
+                self._table[n - 1] = min(self._table[n - 1], first)
+            top = self._table[n0 - 2] if n0 > 1 else 0.0
+            for n in range(n0, upto + 1):
                 top = max(top, q[0] + q[1] * n + q[2] * n * n)
                 self._table[n - 1] = top
 
     def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
-        """T(n) = a + b n + c n^2, c >= 0, by least squares through every size's median weighted by its forwards seen
-        (up to 10), or None under 3 sizes. One curve through all sizes: each size's own median of 5 wandered by 5-20%
-        between rounds on this VM, as much as a draft position adds to a batch's forward, so the width with the best
-        rate wandered with it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best)."""
+        """T(n) = a + b n + c n^2, rising from the smallest knot n0 (T'(n0) >= 0, c >= 0; a line unless the bend pays,
+        CURVE_PENALTY), by least squares through every size's median weighted by its forwards seen (up to 10); None
+        under 3 sizes. One curve through all sizes: each size's own median of 5 wandered by 5-20% between rounds on
+        this VM, as much as a draft position adds to a batch's forward, so the width with the best rate wandered with
+        it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best). Rising from n0, not only convex: a convex fit
+        whose vertex fell inside the range (a rarely run narrow width measured slow) was flattened by the running max,
+        and widths 2-5 looked free (demo, 4 sequences: 16.3-17.1 ms where 15.3-19.0 ms were measured), so the batch
+        drafted 4-5 deep where 3 was best."""
         pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
         if len(pts) < 3:
             return None
-        top = max(n for n, _, _ in pts)
-        for deg in (2, 1):  # a concave best fit: the line instead
-            x = np.array([[(n / top) ** j for j in range(deg + 1)] for n, _, _ in pts])  # sizes scaled to <= 1
-            w = np.sqrt([w for _, _, w in pts])
-            coef = np.linalg.lstsq(x * w[:, None], np.array([v for _, v, _ in pts]) * w, rcond=None)[0]
-            if deg == 1 or coef[2] >= 0:
-                coef = list(coef) + [0.0] * (2 - deg)
-                return float(coef[0]), float(coef[1]) / top, float(coef[2]) / top**2
-        return None
+        n0, top = pts[0][0], max(n for n, _, _ in pts)
+        data = [((n - n0) / (top - n0), v, w) for n, v, w in pts]  # u: 0 at n0, 1 at the largest size
+        y, w = [v for _, v, _ in data], [x for _, _, x in data]
+        best = None  # (residual, [a, b, c] in u): the feasible fit of least residual over the active sets (b, c >= 0)
+        for free in ((0, 1, 2), (0, 2), (0, 1), (0,)):
+            coef = _least_squares([[u**j for j in free] for u, _, _ in data], y, w)
+            if coef is None:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for j, v in zip(free, coef):
+                full[j] = v
+            if min(full[1:]) >= 0:
+                r = sum(wt * (full[0] + full[1] * u + full[2] * u * u - v) ** 2 for u, v, wt in data)
+                r *= CURVE_PENALTY if full[2] > 0 else 1.0
+                if best is None or r < best[0]:
+                    best = (r, full)
+        a, b, c = best[1]  # the constant alone is always feasible
+        s = 1.0 / (top - n0)  # back to n: a + b s (n - n0) + c s^2 (n - n0)^2
+        return a - b * s * n0 + c * s * s * n0 * n0, b * s - 2 * c * s * s * n0, c * s * s
 
 
 class AcceptancePool:
@@ -181,10 +240,10 @@ class SeqAcceptance:
     def gains(self, d: int, shrink: float, shape: list[float] | None = None, version: int = 0) -> list[float]:
         """Marginal expected tokens of draft positions 1..d: a1, a1 a2, ..., each a_j shrunk toward the sequence's
         pooled acceptance times `shape[j]` (how position j runs against the average, over every sequence)."""
-        if self._gains is None or self._version != version:
+        if self._gains is None or self._version != version or len(self._gains) < min(d, len(self.passed)):
             pooled, self._gains, run, self._version = self.pool_passed / self.pool_reached, [], 1.0, version
-            for j, (p, r) in enumerate(zip(self.passed, self.reached)):
-                run *= (p + shrink * min(pooled * (shape[j] if shape else 1.0), 1.0)) / (r + shrink)
+            for j, (p, r) in enumerate(zip(self.passed[:d], self.reached[:d])):  # only as deep as asked (recomputed
+                run *= (p + shrink * min(pooled * (shape[j] if shape else 1.0), 1.0)) / (r + shrink)  # after each step)
                 self._gains.append(run)
         return self._gains[:d]
 
@@ -270,7 +329,7 @@ class AdaptiveDepth:
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
         pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
-        smooth_cost: bool = False,  # T off one convex quadratic through every size seen (ByBatchSize: for B >= 2)
+        smooth_cost: bool = False,  # T off one rising curve through every drafting size seen (ByBatchSize: for B >= 2)
     ) -> None:
         if k_max < 0:
             raise ConfigError(f"k_max must be >= 0, got {k_max}")
@@ -305,7 +364,7 @@ class AdaptiveDepth:
         if self.c is not None:
             return self.c
         if self.c_prior is not None:
-            return self.c_prior / self.T.table(1)[0]
+            return self.c_prior / self.T.at(1)
         return self.c_ratio if self.c_ratio is not None else 0.5
 
     def _marginal(self) -> float:
@@ -360,7 +419,9 @@ class AdaptiveDepth:
     def _choose(self, states: list[SeqAcceptance], caps: list[int]) -> list[int]:
         B, phi, o = len(states), self.phi, self.o
         shape, version = self.pool.shape(), self.pool.version
-        gains = [st.gains(cap, self.shrink, shape, version) if cap > 0 else [] for st, cap in zip(states, caps)]
+        deep = self._width_seen  # never more than one draft position deeper than any step so far (see next_depths)
+        gains = [st.gains(min(cap, deep), self.shrink, shape, version) if cap > 0 else [] for st, cap in
+                 zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
         # per drafting sequence. In a batch's size class T(1) is not seen but extrapolated (T(B) / B), so a batched
@@ -431,12 +492,12 @@ class AdaptiveDepth:
 
     def observe(self, step: BatchStep) -> None:
         """After each engine step: learn T, c, o and each sequence's acceptance."""
-        self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds)
+        self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds, step.width == 1)
         self.o = step.overhead_seconds if self._steps == 0 else 0.8 * self.o + 0.2 * step.overhead_seconds
         self._width_seen = max(self._width_seen, step.width)
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
-        t_plain = self.T.table(len(step.seqs))[len(step.seqs) - 1]  # a plain step's forward at this batch size
+        t_plain = self.T.at(len(step.seqs))  # a plain step's forward at this batch size
         # drafting seconds = c (phi levels + (1 - phi) n), in plain forwards at this batch size: phi is the share a
         # batched drafter pays once; learned only where a plain forward at this size was seen (as the batch drains, an
         # unseen size's T is a guess, and a cost divided by it came out up to 3x too high and kept the batch plain)

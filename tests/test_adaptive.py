@@ -141,6 +141,45 @@ def test_smooth_forward_cost_is_one_convex_curve_through_noisy_sizes():
     assert all(type(x) is float for x in curve)  # not numpy scalars (the policy's arithmetic stays plain Python)
 
 
+def stepped(size: int, batch: int = 8) -> float:
+    """A batch of 8's forward with the demo's step at the first draft position: plain 15 ms (the DeltaNet's recurrent
+    step), then 23.2 ms at width 2 and 3 ms per width more (its chunk form and per-position rollback states)."""
+    return 1e-3 * (15.0 if size == batch else 23.2 + 3.0 * (size // batch - 2))
+
+
+def test_smooth_cost_fits_drafting_forwards_only_and_keeps_plain_its_own():
+    """A plain forward takes another kernel path: the curve goes through drafting sizes only, and plain keeps its own
+    median. Through both, the convex fit flattened the step (its vertex inside the range, the running max lifting
+    plain toward width 2), pricing the first draft position at about half its cost."""
+    rng, t = random.Random(0), ForwardCost(smooth=True)
+    for _ in range(300):
+        w = rng.randint(1, 6)
+        t.observe(8 * w, stepped(8 * w) * rng.uniform(0.95, 1.05), plain=w == 1)
+    curve = t.table(64)
+    assert all(x <= y for x, y in zip(curve, curve[1:]))
+    assert curve[7] == pytest.approx(15e-3, rel=0.05)  # plain: its own median
+    for w in range(2, 7):  # the drafting widths: the line through them
+        assert curve[8 * w - 1] == pytest.approx(stepped(8 * w), rel=0.05)
+    assert (curve[15] - curve[7]) / (curve[23] - curve[15]) > 2  # the first draft position: dearer than the next
+
+
+def test_smooth_cost_stays_increasing_when_a_narrow_width_was_slow_and_plain_was_cold():
+    """A width run rarely (2, probes only) measured 30% slow, and the batch's few plain forwards include its first
+    decode step, cold (2x): the curve still rises by each width's cost (a convex fit alone put its vertex inside the
+    range, and the running max made widths 2-5 look free), and plain is priced no dearer than width 2."""
+    t = ForwardCost(smooth=True)
+    t.observe(8, 2 * stepped(8), plain=True)  # the first decode step
+    for _ in range(2):
+        t.observe(16, 1.3 * stepped(16))
+    for _ in range(10):
+        for w in range(3, 7):
+            t.observe(8 * w, stepped(8 * w))
+    curve = t.table(64)
+    assert curve[7] <= curve[15]
+    for w in range(3, 6):  # each width dearer than the last by about its 3 ms
+        assert (curve[8 * w + 7] - curve[8 * w - 1]) == pytest.approx(3e-3, rel=0.3)
+
+
 def test_smooth_cost_keeps_a_noisy_batch_at_its_best_widths():
     """8 sequences at 0.8 acceptance, a forward whose every sample is 0.9-1.3x its cost: widths 3 and 4 give the best
     rates (0.746 and 0.741 tokens/ms, the next 0.711). With T read per size the width wandered (17-23% of steps
