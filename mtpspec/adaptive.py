@@ -68,7 +68,7 @@ class ForwardCost:
 
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None, smooth: bool = False) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
-        self.smooth = smooth  # read T off one convex quadratic through every size seen (see _quadratic)
+        self.smooth = smooth  # read T off one rising curve through every drafting size seen (see _build, _quadratic)
         self.window = 15 if smooth else 5  # forwards per size whose median is its T (smooth: the curve follows changes)
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
         self.speed = 1.0  # the machine's current slowness: seconds = stored value x speed

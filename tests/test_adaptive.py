@@ -123,7 +123,8 @@ def test_forward_cost_is_learned_monotone_and_extended():
 
 
 def convex(size: int) -> float:
-    """A batch of 8's forward as measured on the demo model (13 ms plain, ~2.5 ms per grid column, a little convex)."""
+    """A batch of 8's forward as measured on the demo model with plain and drafting sizes read as one curve (13 ms
+    plain, ~2.5 ms per grid column, a little convex); apart, the demo's drafting widths measured straight or bent down."""
     return 1e-3 * (13 + 0.3 * size + 0.002 * size * size)
 
 
