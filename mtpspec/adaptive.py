@@ -118,6 +118,9 @@ class ForwardCost:
 
     def _build(self, upto: int) -> None:
         knots = sorted(set(range(1, len(self.prior) + 1)) | set(self.mean))
+        # at least through every size seen: the curve's narrowest drafting size may lie past `upto` (a batch class whose
+        # warm-up drafted at several widths, its sequences near their budgets, before any step asked for a wide table)
+        upto = self._upto = max(upto, knots[-1])
         blocks: list[list[float]] = []  # [value, weight, knots]: pool adjacent violators -> non-decreasing
         for n in knots:
             w0, w = (1.0 if n <= len(self.prior) else 0.0), min(self.count.get(n, 0), 10)  # the prior: one step

@@ -181,6 +181,18 @@ def test_smooth_cost_stays_increasing_when_a_narrow_width_was_slow_and_plain_was
         assert (curve[8 * w + 7] - curve[8 * w - 1]) == pytest.approx(3e-3, rel=0.3)
 
 
+def test_smooth_cost_answers_below_its_narrowest_drafting_size():
+    """A batch class first run by 16 sequences near their budgets: its warm-up drafted at widths 2-4 (each as deep as
+    its room allowed), and the first table asked for is T(16), a plain step's, below every drafting size. The table
+    is built through every size seen (it was built to 16 and indexed to 31: IndexError)."""
+    t = ForwardCost(smooth=True)
+    t.observe(16, stepped(16, 16), plain=True)
+    for w in (4, 3, 2, 4, 3):
+        t.observe(16 * w, stepped(16 * w, 16))
+    assert t.at(16) == pytest.approx(15e-3)
+    assert t.at(32) < t.at(48) < t.at(64)
+
+
 def test_smooth_cost_keeps_a_noisy_batch_at_its_best_widths():
     """8 sequences at 0.8 acceptance, a forward whose every sample is 0.9-1.3x its cost: widths 3 and 4 give the best
     rates (0.746 and 0.741 tokens/ms, the next 0.711). With T read per size the width wandered (17-23% of steps
