@@ -13,11 +13,14 @@ a forward at grid width W (plain: its own cost), drafting seconds per level, bot
 VM; the policy's own Python time is counted, as in the engine. The machine's noise is dialled in: spread per step,
 spikes, and drift of its speed along one path over simulated time, the same for every method and seed. It prints
 tokens/s for plain, each fixed D and the policy, each over the best fixed D. Costs being known, a policy's loss here
-is its decisions' alone; with the noise dialled to the bench's it shows the losses the bench shows.
+is its decisions' alone; with the noise dialled to the bench's it shows the losses the bench shows. Not modelled:
+the drafter's catch-up after plain steps (the MTP head runs over the tokens it missed), and any bend of the forward's
+cost across widths; so a change that leans on those (the cost margin) can win here and lose on the machine.
 
     .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # ~35 s (demo, 16 prompts)
     .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 2,4,8,16 \
-        [--seeds 12] [--spread 0.15] [--drift 0.08] [--spike 0.05] [--option cost_margin=0.0 ...]   # ~10 s per B
+        [--seeds 12] [--spread 0.15] [--drift 0.03] [--spike 0.05] [--option cost_margin=0.0 ...] \
+        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...]   # ~10 s per B
 """
 
 from __future__ import annotations
