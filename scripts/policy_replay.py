@@ -106,8 +106,9 @@ def cost_at(b: int, costs: dict) -> tuple[float, ...]:
 
 
 def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: int = 0, budget: int = 128,
-           spread: float = 0.15, drift: float = 0.0, spike: float = 0.0, costs: dict = DEMO_COST) -> float:
-    """Tokens/s of `policy` over `rounds` passes of the bench --batch loop (the median round)."""
+           spread: float = 0.15, drift: float = 0.0, spike: float = 0.0, costs: dict = DEMO_COST, k: int = 8) -> float:
+    """Tokens/s of `policy` over `rounds` passes of the bench --batch loop (the median round); `k`: the chain length
+    the table was recorded with, the deepest draft it can answer for."""
     rng, path_rng, path = random.Random(seed), random.Random(seed + 7919), [1.0]
     clock, rates, sid = 0.0, [], 0
 
@@ -126,7 +127,7 @@ def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: in
                 sid += 1
             while pos:
                 seqs = list(pos)
-                caps = [max(min(8, budget - pos[s] - 1), 0) for s in seqs]
+                caps = [max(min(k, budget - pos[s] - 1), 0) for s in seqs]
                 t0 = time.perf_counter()
                 ds = [min(d, c) for d, c in zip(policy.next_depths(seqs, caps), caps)]
                 policy_s = time.perf_counter() - t0
@@ -196,7 +197,8 @@ def main() -> None:
     from mtpspec.bench.harness import K_MAX_AUTO
 
     with open(args.table) as f:
-        table = json.load(f)["L"]
+        recorded = json.load(f)
+    table, k = recorded["L"], recorded["k"]
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     costs = dict(DEMO_COST)
     for c in args.cost:
@@ -204,9 +206,10 @@ def main() -> None:
         costs[int(b)] = tuple(float(x) for x in values.split(","))
         if len(costs[int(b)]) != 5:
             raise SystemExit(f"--cost {c}: give five numbers (plain, width 2, per width, draft, per level)")
-    policies = {"mtp@auto": lambda: ByBatchSize(k_max=K_MAX_AUTO, **options)}
+    policies = {"mtp@auto": lambda: ByBatchSize(k_max=min(K_MAX_AUTO, k), **options)}
     for b in (int(x) for x in args.batch.split(",")):
-        rates = compare(table, b, policies, args.seeds, spread=args.spread, drift=args.drift, spike=args.spike, costs=costs)
+        rates = compare(table, b, policies, args.seeds, spread=args.spread, drift=args.drift, spike=args.spike, costs=costs,
+                        k=k)
         best = max(v for name, v in rates.items() if name not in policies)
         print(f"B={b:2d} " + "  ".join(f"{name} {v:.0f} ({v / best:.3f})" for name, v in rates.items()), flush=True)
 

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import mtpspec
 from mtpspec.adaptive import ByBatchSize
+from mtpspec.bench.harness import prepare_ids
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine
+from mtpspec.prompts import load_prompts
 from mtpspec.sampling import Sampler, SamplingParams
 
 spec = importlib.util.spec_from_file_location("policy_replay", Path(__file__).parents[1] / "scripts" / "policy_replay.py")
@@ -36,9 +38,6 @@ def test_recorded_agreement_predicts_every_step_of_a_real_run():
     """Generated with depths 0-5 in turn, each drafting step of the demo accepts min(d, L(p)) at its position p."""
     table = replay_mod.record("demo", "humaneval", 2, 40, 8)
     model = mtpspec.load("demo", threads=1)
-    from mtpspec.bench.harness import prepare_ids
-    from mtpspec.prompts import load_prompts
-
     for ids, row in zip(prepare_ids(model, load_prompts("humaneval", 2), 40), table):
         policy = Depths([3, 0, 5, 1, 2, 0, 4])
         engine = Engine(model.module, depth=policy)
