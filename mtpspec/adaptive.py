@@ -158,9 +158,13 @@ class ForwardCost:
                 # plain forwards are few (its first decode step, cold, among them), and one slow one pooled with the
                 # drafting sizes lifted T flat across widths 1-6 for 100 steps (demo, 2 sequences: drafted 5-6 deep)
                 self._table[n - 1] = min(self._table[n - 1], first)
-            top = self._table[n0 - 2] if n0 > 1 else 0.0
+            top, last = self._table[n0 - 2] if n0 > 1 else 0.0, max(n for n in drafting if n in self.mean)
+            tangent = q[1] + 2 * q[2] * last  # past the widest drafting size: a line, the curve's slope there. Its
+            # bend is no evidence there: a bend through the narrow sizes, run on, grew T(B w) by 8, 14, 19 ms a width
+            # past them (demo, 8 sequences: 25, 39, 59 ms at widths 4-6, measured 19-22), and the batch drafted 1 deep
             for n in range(n0, upto + 1):
-                top = max(top, q[0] + q[1] * n + q[2] * n * n)
+                m = min(n, last)
+                top = max(top, q[0] + q[1] * m + q[2] * m * m + tangent * (n - m))
                 self._table[n - 1] = top
 
     def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
@@ -175,11 +179,14 @@ class ForwardCost:
         pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
         if len(pts) < 3:
             return None
+        # a bend is judged on 4 sizes or more: through 3 it fits exactly, so it always "halved the residual" (demo, 8
+        # sequences: two cold forwards at width 4 bent the curve through widths 2-4, and the batch stayed 1 deep)
+        shapes = ((0, 1, 2), (0, 2), (0, 1), (0,)) if len(pts) >= 4 else ((0, 1), (0,))
         n0, top = pts[0][0], max(n for n, _, _ in pts)
         data = [((n - n0) / (top - n0), v, w) for n, v, w in pts]  # u: 0 at n0, 1 at the largest size
         y, w = [v for _, v, _ in data], [x for _, _, x in data]
         best = None  # (residual, [a, b, c] in u): the feasible fit of least residual over the active sets (b, c >= 0)
-        for free in ((0, 1, 2), (0, 2), (0, 1), (0,)):
+        for free in shapes:
             coef = _least_squares([[u**j for j in free] for u, _, _ in data], y, w)
             if coef is None:
                 continue
@@ -496,7 +503,10 @@ class AdaptiveDepth:
     def observe(self, step: BatchStep) -> None:
         """After each engine step: learn T, c, o and each sequence's acceptance."""
         self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds, step.width == 1)
-        self.o = step.overhead_seconds if self._steps == 0 else 0.8 * self.o + 0.2 * step.overhead_seconds
+        # a pause (a full garbage collection: 0.2-0.3 s, once a minute) clipped at 4x: unclipped, one such step priced
+        # every step of the next ten at 10-50 ms more, where the demo's forward at 8 sequences is ~25 ms
+        o = step.overhead_seconds
+        self.o = o if self._steps == 0 else 0.8 * self.o + 0.2 * min(o, 4 * self.o + 1e-5)
         self._width_seen = max(self._width_seen, step.width)
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)

@@ -193,6 +193,27 @@ def test_smooth_cost_answers_below_its_narrowest_drafting_size():
     assert t.at(32) < t.at(48) < t.at(64)
 
 
+def test_smooth_cost_bends_on_four_sizes_and_runs_on_as_a_line():
+    """A real B = 8 trace: the warm-up's two forwards at width 4 ran cold (30.8 ms; later ones ~20), widths 2-3 ran
+    18.7 and 19.5 ms. A quadratic through those 3 sizes fits them exactly, so its bend "paid", and run on past width 4
+    it priced widths 5 and 6 at 40 and 57 ms: the batch drafted 1 deep for 40 steps where D = 2-3 were best. On 3
+    sizes the curve is a line; past the widest size seen it continues with its slope there, whatever its bend."""
+    t = ForwardCost(smooth=True)
+    t.observe(8, 14e-3, plain=True)
+    for size, ms in ((32, 30.8), (32, 30.8), (16, 18.7), (16, 18.7), (24, 19.5)):
+        t.observe(size, ms * 1e-3)
+    line = [t.at(8 * w) for w in range(2, 7)]
+    steps = [b - a for a, b in zip(line, line[1:])]
+    assert max(steps) == pytest.approx(min(steps), rel=1e-6)  # one slope: no bend on three sizes
+    for _ in range(10):  # a fourth size, and a real bend through all four: past the widest, a line at its slope
+        for w in range(2, 6):
+            t.observe(8 * w, convex(8 * w) + 2e-3 * (w - 2) ** 2)
+    bent = [t.at(8 * w) for w in range(2, 9)]
+    past = [b - a for a, b in zip(bent[3:], bent[4:])]  # widths 5-8
+    assert past[1] == pytest.approx(past[0], rel=1e-6) and past[2] == pytest.approx(past[0], rel=1e-6)
+    assert bent[2] - bent[1] < bent[3] - bent[2]  # inside: the bend is kept
+
+
 def test_smooth_cost_keeps_a_noisy_batch_at_its_best_widths():
     """8 sequences at 0.8 acceptance, a forward whose every sample is 0.9-1.3x its cost: widths 3 and 4 give the best
     rates (0.746 and 0.741 tokens/ms, the next 0.711). With T read per size the width wandered (17-23% of steps
@@ -275,6 +296,24 @@ def test_policy_has_no_clock():
     """The policy learns only through observe(): no timer of its own."""
     src = Path(mtpspec.adaptive.__file__).read_text()
     assert "perf_counter" not in src and "import time" not in src and "from time" not in src
+
+
+def test_one_paused_step_does_not_price_the_next_ones():
+    """A full garbage collection (~0.25 s) inside one step's overhead is clipped; a lasting rise is still learned."""
+    p = AdaptiveDepth(k_max=4)
+
+    def step(overhead: float) -> None:
+        ds = p.next_depths([0, 1], 4)
+        p.observe(BatchStep(rows=2 + sum(ds), width=max(ds) + 1, forward_seconds=20e-3, overhead_seconds=overhead,
+                            seqs=tuple(SeqStep(i, d, d, 1e-3 * d) for i, d in enumerate(ds))))
+
+    for _ in range(20):
+        step(0.2e-3)
+    step(0.25)
+    assert p.o < 1e-3
+    for _ in range(10):
+        step(2e-3)
+    assert p.o == pytest.approx(2e-3, rel=0.15)
 
 
 def test_a_draft_cost_learned_in_a_full_batch_scales_to_the_sequences_left():

@@ -19,7 +19,7 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from .costmodel import quantile
-from .harness import K_MAX_AUTO
+from .harness import K_MAX_AUTO, frozen_heap
 from .report import pyplot, save, section, target, targets_md
 
 
@@ -195,13 +195,15 @@ def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: li
     """Every method at every batch size, over every prompt (groups of B), `rounds` times, the methods interleaved step
     by step (run_round); each auto method keeps one policy throughout."""
     runs, policies = [], {}
-    for b_n in batches:
-        # untimed warm-up (one group, a few tokens)
-        run_round(model, methods, groups_of(ids, b_n)[0], min(max_new_tokens, 4), draft_models, temperature, seed, policies=policies)
-        for r in range(rounds):
-            runs += run_round(model, methods, ids, max_new_tokens, draft_models, temperature, seed, r, b_n, policies)
-            if tick is not None:
-                tick(f"B={b_n} round {r + 1}")
+    with frozen_heap():
+        for b_n in batches:
+            # untimed warm-up (one group, a few tokens)
+            run_round(model, methods, groups_of(ids, b_n)[0], min(max_new_tokens, 4), draft_models, temperature, seed,
+                      policies=policies)
+            for r in range(rounds):
+                runs += run_round(model, methods, ids, max_new_tokens, draft_models, temperature, seed, r, b_n, policies)
+                if tick is not None:
+                    tick(f"B={b_n} round {r + 1}")
     return runs
 
 
