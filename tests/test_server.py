@@ -465,6 +465,21 @@ def test_demo_verify_windows_up_to_max_draft():
     assert {st for s in r.json()["steps"] for st in check_tree_step(s)} == {"accepted", "rejected", "discarded"}
 
 
+def test_serve_sets_its_loaded_heap_aside_from_the_garbage_collector(assets, monkeypatch):
+    """A full collection walking the models' objects is a pause inside some request; serve freezes them first."""
+    import gc
+
+    import uvicorn
+
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: frozen.append(gc.get_freeze_count()))
+    try:
+        assert main(["serve", "--model", str(assets / "models" / "stories260K.bin"), "--port", "0"]) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000
+
+
 def test_mtpspec_serve_command_runs_a_real_server(assets):
     """`mtpspec serve` as a user runs it: a subprocess on 127.0.0.1, bad requests, then a good one; always stopped."""
     import socket
