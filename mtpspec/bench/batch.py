@@ -18,8 +18,9 @@ from pathlib import Path
 from time import perf_counter, process_time
 
 from ..errors import ConfigError
+from ..heap import frozen_heap
 from .costmodel import quantile
-from .harness import K_MAX_AUTO, frozen_heap
+from .harness import K_MAX_AUTO
 from .report import pyplot, save, section, target, targets_md
 
 

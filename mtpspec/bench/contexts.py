@@ -19,9 +19,9 @@ catch-up over the accepted pairs, where a sparse module's indexer chooses) and t
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import count
@@ -31,6 +31,7 @@ from time import perf_counter
 import torch
 
 from ..errors import ConfigError
+from ..heap import frozen_heap
 from ..metrics import Acceptance
 from .alternate import alternate
 from .batch import parse_counts
@@ -289,9 +290,8 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
                          "torch": torch.__version__},
               "summary": {}, "runs": []}
     out.mkdir(parents=True, exist_ok=True)
-    gc.collect()
-    gc.freeze()  # the loaded models are set aside: a full collection would land inside one timed run
-    try:
+    # the loaded models set aside: a full collection would land inside one timed run; the bar closed however it ends
+    with frozen_heap(), bar if bar is not None else nullcontext():
         for L in contexts:
             got = alternate(METHODS, prompts[L], run, 1, f"{seed}/{L}", together)  # got[method][prompt][round]
             per = {m: [got[j][i][0] for i in range(len(prompts[L]))] for j, m in enumerate(METHODS)}
@@ -306,9 +306,5 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
             images = plots(result, out, plot_prefix) if L == contexts[-1] else []
             (out / "contexts.md").write_text(markdown(result, [p.name for p in images]))
             (out / "contexts.json").write_text(json.dumps(result, indent=1))
-    finally:
-        gc.unfreeze()
-        if bar is not None:
-            bar.close()
     result["files"] = {"json": str(out / "contexts.json"), "markdown": str(out / "contexts.md"), **{p.stem: str(p) for p in images}}
     return result

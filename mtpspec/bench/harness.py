@@ -9,36 +9,21 @@ the lossless check (greedy output equal to it).
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count
 from time import process_time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from ..adaptive import AdaptiveDepth
 from ..errors import ConfigError
+from ..heap import frozen_heap
 from ..metrics import Acceptance
 from ..prompts import Prompt, fit_prompt
 from .alternate import alternate
 from .costmodel import CostModel
 from .lockstep import Lockstep, Turn
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Everything alive now (the models; transformers' modules double the objects) set aside from the garbage
-    collector for the block. A full collection that walks it takes 0.15-0.3 s and lands inside one timed step, most
-    often of the method that allocates most: in `bench --batch`, all 5 such pauses seen in 2 runs hit `--k auto`
-    (the depth policy's bookkeeping), each 7% of its round at B = 8; frozen, a full collection took 38 ms, not 196."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @dataclass(frozen=True)

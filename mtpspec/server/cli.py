@@ -7,12 +7,12 @@ bad file, or a drafter that fits no served model, is `mtpspec: error: ...`, exit
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import socket
 
 from ..cli import add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
 from ..errors import ConfigError
+from ..heap import frozen_heap
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -91,12 +91,9 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = ", ".join(f"{n}: {s.spec.drafter} k={s.spec.k}" for n, s in app.state.schedulers.items())
     print(f"mtpspec: serving {', '.join(served.models)} on http://{args.host}:{port}/  (OpenAI API under /v1, verify page at /; "
           f"{spec}; Ctrl-C to stop)", flush=True)
-    # what the server keeps for its life (models; torch's and transformers' modules: ~300k objects with the demo) set
-    # aside from the garbage collector: a full collection walking it took 150 ms, inside some request's token latency
-    gc.collect()
-    gc.freeze()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[sock])
+    with frozen_heap():  # what the server keeps for its life: a full collection walking it is a pause in some request
+        server.run(sockets=[sock])
     return 0
 
 
