@@ -37,6 +37,13 @@ from .types import BatchStep
 # narrow width flattened the low end (tests/test_adaptive.py: 1.5 let that bend through, 3 kept a real one out)
 CURVE_PENALTY = 2.0
 
+# forwards per size whose median, in seconds, is that size's usual cost: the yardstick of the machine's speed. Measured
+# against the size's median in the speed's own units (seconds / speed), the speed drifted: a shared machine's noise only
+# adds time, so a forward over that median averaged 1.03-1.08 of it, the speed rose by that each step and the median
+# fell to match. Over 600 forwards at one width it doubled, and a width not run since then was priced 2x (demo, 8
+# sequences: 63 ms at width 4, measured 34), so the batch stayed at the width it was running
+ANCHOR = 63
+
 
 def _least_squares(x: list[list[float]], y: list[float], w: list[float]) -> list[float] | None:
     """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations (at most 3 columns: plain Python, as the policy's
@@ -74,6 +81,7 @@ class ForwardCost:
         self.speed = 1.0  # the machine's current slowness: seconds = stored value x speed
         self.mean, self.count = {}, {}  # size -> the median of its last `window` forwards (stored units), and how many seen
         self.recent: dict[int, list[float]] = {}  # size -> its last `window` forwards (a spike of the machine is one of them)
+        self.raw: dict[int, list[float]] = {}  # size -> its last ANCHOR forwards in seconds: the speed's yardstick
         self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
         self.plain: set[int] = set()  # sizes seen as plain forwards: kept out of the curve (see _build)
         self.n = 0  # observations of any size
@@ -87,8 +95,10 @@ class ForwardCost:
         self._changes += 1
         if size not in self.count or self._changes >= 8:
             self._table, self._changes = [], 0
-        if self.count.get(size, 0) >= 3:  # the machine's speed, from a size well known
-            self.speed = 0.9 * self.speed + 0.1 * min(max(seconds / (self.speed * self.mean[size]), 0.5), 2.0) * self.speed
+        raw = self.raw.get(size, [])
+        if len(raw) >= 3:  # the machine's speed: this forward against its size's usual seconds (a size well known)
+            self.speed = 0.9 * self.speed + 0.1 * min(max(seconds / sorted(raw)[len(raw) // 2], 0.5), 2.0)
+        self.raw[size] = (raw + [seconds])[-ANCHOR:]
         x = seconds / self.speed
         last = (self.recent.get(size, []) + [x])[-self.window :]
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1

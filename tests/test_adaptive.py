@@ -193,6 +193,26 @@ def test_smooth_cost_answers_below_its_narrowest_drafting_size():
     assert t.at(32) < t.at(48) < t.at(64)
 
 
+def test_a_width_not_run_for_600_forwards_keeps_its_price():
+    """The machine's speed carries a slow spell to the widths not run during it. Judged against a median in its own
+    units, it drifted: a shared machine's noise only adds time, so a forward averaged ~1.08 of the median, each one
+    raised the speed and the running width's median fell to match (its product stayed right). Over 600 forwards at
+    one width the speed doubled, and a width last run before them was priced 2x (demo, 8 sequences: 63 ms at width 4,
+    measured 34), so the batch kept to the width it was running. Noise: 1 + an exponential of mean 0.08."""
+    rng, t = random.Random(0), ForwardCost(smooth=True)
+    noise = lambda: 1.0 + rng.expovariate(1 / 0.08)  # noqa: E731
+    for _ in range(10):
+        t.observe(8, 20e-3 * noise(), plain=True)
+    for _ in range(20):
+        for size, ms in ((16, 25), (24, 28), (32, 34)):
+            t.observe(size, ms * 1e-3 * noise())
+    before = t.at(32)
+    for _ in range(600):
+        t.observe(16, 25e-3 * noise())
+    assert t.at(32) == pytest.approx(before, rel=0.15)  # was 2.1x
+    assert t.at(16) == pytest.approx(25e-3 * 1.08, rel=0.1)
+
+
 def test_smooth_cost_bends_on_four_sizes_and_runs_on_as_a_line():
     """A real B = 8 trace: the warm-up's two forwards at width 4 ran cold (30.8 ms; later ones ~20), widths 2-3 ran
     18.7 and 19.5 ms. A quadratic through those 3 sizes fits them exactly, so its bend "paid", and run on past width 4
@@ -217,14 +237,18 @@ def test_smooth_cost_bends_on_four_sizes_and_runs_on_as_a_line():
 def test_smooth_cost_keeps_a_noisy_batch_at_its_best_widths():
     """8 sequences at 0.8 acceptance, a forward whose every sample is 0.9-1.3x its cost: widths 3 and 4 give the best
     rates (0.746 and 0.741 tokens/ms, the next 0.711). With T read per size the width wandered (17-23% of steps
-    elsewhere in 3 of 4 seeds, down to plain and up to 7); with one curve it stays."""
+    elsewhere in 3 of 4 seeds, down to plain and up to 7); with one curve it stays (12 seeds: 86-94% of steps at
+    widths 3-4, 92.5% on average; most of the rest are width probes, one each side every 16 steps)."""
+    shares = []
     for seed in range(4):
         noise = random.Random(seed + 1)
         cost = lambda size: convex(size) * noise.uniform(0.9, 1.3)  # noqa: E731
         chosen = drive_batch(AdaptiveDepth(k_max=8, smooth_cost=True), 600, [0.8] * 8, draft_cost=3e-4, cost=cost, seed=seed)
         widths = [max(ds) + 1 for ds in chosen[200:]]
-        assert sum(w in (3, 4) for w in widths) / len(widths) >= 0.9, (seed, sorted(set(widths)))
-        assert min(widths) >= 2
+        shares.append(sum(w in (3, 4) for w in widths) / len(widths))
+        assert shares[-1] >= 0.85, (seed, sorted(set(widths)))
+        assert widths.count(1) <= 1  # plain at most once: a width probe one below a step that drafted 1 deep
+    assert sum(shares) / len(shares) >= 0.9, shares
 
 
 # --- depth by batch (the forward padded to B x width, or ragged: sum of D_i + 1 rows) ----------
