@@ -101,6 +101,50 @@ def test_batched_mtp_drafts_like_one_sequence(demo):
     assert batched == alone
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_folded_batched_mtp_drafts_each_sequence_as_alone(demo, monkeypatch, temperature):
+    """A batch drafts through the folded module (fused_mtp.py: each product once over every sequence's rows, each
+    attention on the sequence's own cache): per sequence the same drafts, q and MTP cache as its own propose(), from
+    catch-ups of different lengths and to different depths. The module's own ops (the path it replaced) are not run."""
+    from mtpspec.drafters.mtp import MTPDrafter
+    from mtpspec.models import static
+
+    m = demo.module
+    texts = ("def add(a, b):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):")
+    contexts = [torch.tensor(demo.encode(t)) for t in texts]
+
+    def ready() -> list[MTPDrafter]:
+        ds = []
+        for i, c in enumerate(contexts):
+            d = make_drafter("mtp", m)
+            out = m.forward_tokens(c[:-1], m.new_cache())
+            d.prefill(c, out, Sampler(SamplingParams(temperature=temperature), i))
+            d._queue(out.hidden[-1 - i :], c[-1 - i :])  # catch-ups of 1, 2 and 3 pairs more
+            ds.append(d)
+        return ds
+
+    ks = [3, 1, 4]
+    alone = ready()
+    want = [d.propose(c, k) for d, c, k in zip(alone, contexts, ks)]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the batch ran the module's own ops")
+
+    monkeypatch.setattr(static, "draft_module_forward", refuse)
+    monkeypatch.setattr("mtpspec.drafters.mtp.draft_module_forward", refuse)
+    batch = ready()
+    got = MTPDrafter.propose_batch(batch, contexts, ks)
+    for a, b, x, y in zip(want, got, alone, batch):
+        assert b.tokens.tolist() == a.tokens.tolist()
+        assert (a.q is None) == (b.q is None) == (temperature == 0.0)
+        if a.q is not None:  # fp32 products over 1 row and over the batch's rows: rounding apart, the same q
+            assert (a.q - b.q).abs().max().item() < 1e-5
+        assert (y.cache.length, y.committed) == (x.cache.length, x.committed)
+        n = x.cache.length
+        assert (y.cache.k[:, :, :, :n] - x.cache.k[:, :, :, :n]).abs().max().item() < 1e-5
+
+
 # The default suite's distribution tests of ngram (a point mass) and the draft model (a q distribution) on real weights:
 # both draft with their own propose() per sequence, as in a batch of one (only mtp has a propose_batch), and verify()
 # is the one a batch of one runs; the single-sequence runs (test_sampling_exact.py, 50 s) are in make test-slow

@@ -227,6 +227,8 @@ class MTPDrafter:
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
+        if all(d.fused is drafters[0].fused is not None and d.compiled is None and d.cache.tree is None for d in drafters):
+            return cls._propose_folded(drafters, ks)
         b_n = len(drafters)
         lens = [d.cache.length for d in drafters]  # (B,) MTP entries each
         pend = [d.pending_h.shape[0] for d in drafters]
@@ -272,6 +274,38 @@ class MTPDrafter:
             d.pending_h = d.pending_t = None
             toks_i = torch.stack(tokens[i])  # (k_i,)
             drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
+        return drafts
+
+    @classmethod
+    def _propose_folded(cls, drafters: list["MTPDrafter"], ks: list[int]) -> list[Draft]:
+        """_propose_modules through the folded module (fused_mtp.py): each step's products run once over every
+        sequence's rows, each attention reads the sequence's own cache in place. A batch of 2 through the module's own
+        ops (draft_module_forward, over a per-round copy of every cache) cost 2.1x one sequence's folded drafting."""
+        fused, target = drafters[0].fused, drafters[0].target
+        pend = [d.pending_h.shape[0] for d in drafters]
+        toks = torch.cat([d.pending_t for d in drafters])  # (P,) every sequence's pending pairs, in order
+        out = fused.many(torch.cat([d.pending_h for d in drafters]), target.embed(toks), [d.cache for d in drafters], pend)
+        h = out[torch.tensor(pend).cumsum(0) - 1]  # (B, H) each sequence's last real pair
+        tokens: list[list[Tensor]] = [[] for _ in drafters]
+        qs: list[list[Tensor]] = [[] for _ in drafters]
+        going = list(range(len(drafters)))  # sequences drafting this step
+        for j in range(max(ks)):
+            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h)):
+                tokens[i].append(x)
+                if q is not None:
+                    qs[i].append(q)
+            keep = [n for n, i in enumerate(going) if j + 1 < ks[i]]  # rows of h whose sequence drafts another
+            if not keep:
+                break
+            going = [going[n] for n in keep]
+            last = torch.stack([tokens[i][-1] for i in going])  # (N,)
+            h = fused.many(h[keep], target.embed(last), [drafters[i].cache for i in going], [1] * len(going),
+                           (j + 1) % drafters[0].n_layers)
+        drafts = []
+        for i, d in enumerate(drafters):
+            d.committed = d.cache.length - (ks[i] - 1)  # MTP entries built from real target hiddens
+            d.pending_h = d.pending_t = None
+            drafts.append(Draft(tokens=torch.stack(tokens[i]), q=torch.stack(qs[i]) if qs[i] else None))
         return drafts
 
     def _propose_depths(self, context: Tensor, k: int) -> Draft:

@@ -145,6 +145,25 @@ class FusedAttentionBlock:
         g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
         return x + self.down(F.silu(g) * u)
 
+    def many(self, x: Tensor, kvs: list[KVCache], starts: list[int], counts: list[int]) -> Tensor:
+        """Several sequences' rows at once: x (N, H), counts[i] rows of sequence i (in order) at positions starts[i]..
+        of its own cache kvs[i] -> (N, H). The products run once over all N rows; only attention is per sequence
+        (each reads its own cache). Chains only: no token trees, no sparse attention."""
+        n, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
+        qk, gate, v = self.qkgv(_unit(x, self.c_in)).split(self.split, -1)
+        qk = _unit(qk.view(n, nh + nkv, hd), self.c_qk) * self.qk_w  # (N, nh + nkv, hd) normed q and k
+        pos = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])  # (N,) each row's position
+        qk = qk * self.cos[pos] + (qk @ self.p) * self.sin[pos]
+        v = v.view(n, nkv, hd)
+        ys, r = [], 0
+        for kv, s, c in zip(kvs, starts, counts):
+            k_all, v_all = kv.write(self.kv_index, s, qk[r : r + c, nh:].transpose(0, 1)[None], v[r : r + c].transpose(0, 1)[None])
+            ys.append(self._attend(qk[r : r + c, :nh], k_all[0], v_all[0], s))  # (c, nh hd)
+            r += c
+        x = x + self.o(torch.cat(ys) * torch.sigmoid(gate))
+        g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
+        return x + self.down(F.silu(g) * u)
+
 
 class FusedMTP:
     """forward(hidden, emb, cache, start, layer) -> (T, H), as MTPModule.forward / EagleModule.forward."""
@@ -171,6 +190,19 @@ class FusedMTP:
             x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
         x = self.fc(x, self.fc_bias)
         x = self.layers[layer](x, cache, start)
+        return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
+
+    def many(self, hidden: Tensor, emb: Tensor, caches: list[KVCache], counts: list[int], layer: int = 0) -> Tensor:
+        """__call__ for several sequences' rows (N, H) each (counts[i] rows of sequence i, at its cache's length, in
+        order) -> (N, H); advances each cache by its rows. The products run once for all of them."""
+        t, h = hidden.shape
+        x = torch.cat([emb, hidden], -1)  # (N, 2H)
+        if not self.eagle:
+            x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
+        x = self.fc(x, self.fc_bias)
+        x = self.layers[layer].many(x, caches, [c.length for c in caches], counts)
+        for c, n in zip(caches, counts):
+            c.advance(n)
         return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
 
 
