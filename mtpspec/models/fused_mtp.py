@@ -128,41 +128,45 @@ class FusedAttentionBlock:
         queries = None if reusing else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
         return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0)
 
-    def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
-        """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
+    def _qkv(self, x: Tensor, where) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """x (T, H) at positions `where` (a slice or (T,) index) -> q and k normed and rotated (T, nh + nkv, hd), the
+        gate (T, nh hd), v (T, nkv, hd) and the indexer's rows (a sparse layer; else empty)."""
         t, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
         qk, gate, v, *index = self.qkgv(_unit(x, self.c_in)).split(self.split, -1)
         qk = _unit(qk.view(t, nh + nkv, hd), self.c_qk) * self.qk_w  # (T, nh + nkv, hd) normed q and k
+        return qk * self.cos[where] + (qk @ self.p) * self.sin[where], gate, v.view(t, nkv, hd), index
+
+    def _out(self, x: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+        """The gated attention output y (T, nh hd) onto x (T, H), then the SwiGLU -> (T, H)."""
+        x = x + self.o(y * torch.sigmoid(gate))
+        g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
+        return x + self.down(F.silu(g) * u)
+
+    def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
+        """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
+        t, nh = x.shape[0], self.nh
         tree = kv.tree  # a drafter's token tree: rows at their own positions, each seeing its own path
-        where = slice(start, start + t) if tree is None else tree.positions(start)
-        qk = qk * self.cos[where] + (qk @ self.p) * self.sin[where]
-        k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.view(t, nkv, hd).transpose(0, 1)[None])
+        qk, gate, v, index = self._qkv(x, slice(start, start + t) if tree is None else tree.positions(start))
+        k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.transpose(0, 1)[None])
         if self.sparse is not None:
             y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index)
         else:
             y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
-        x = x + self.o(y * torch.sigmoid(gate))
-        g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
-        return x + self.down(F.silu(g) * u)
+        return self._out(x, y, gate)
 
     def many(self, x: Tensor, kvs: list[KVCache], starts: list[int], counts: list[int]) -> Tensor:
         """Several sequences' rows at once: x (N, H), counts[i] rows of sequence i (in order) at positions starts[i]..
         of its own cache kvs[i] -> (N, H). The products run once over all N rows; only attention is per sequence
         (each reads its own cache). Chains only: no token trees, no sparse attention."""
-        n, nh, nkv, hd = x.shape[0], self.nh, self.nkv, self.hd
-        qk, gate, v = self.qkgv(_unit(x, self.c_in)).split(self.split, -1)
-        qk = _unit(qk.view(n, nh + nkv, hd), self.c_qk) * self.qk_w  # (N, nh + nkv, hd) normed q and k
+        nh = self.nh
         pos = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])  # (N,) each row's position
-        qk = qk * self.cos[pos] + (qk @ self.p) * self.sin[pos]
-        v = v.view(n, nkv, hd)
+        qk, gate, v, _ = self._qkv(x, pos)
         ys, r = [], 0
         for kv, s, c in zip(kvs, starts, counts):
             k_all, v_all = kv.write(self.kv_index, s, qk[r : r + c, nh:].transpose(0, 1)[None], v[r : r + c].transpose(0, 1)[None])
             ys.append(self._attend(qk[r : r + c, :nh], k_all[0], v_all[0], s))  # (c, nh hd)
             r += c
-        x = x + self.o(torch.cat(ys) * torch.sigmoid(gate))
-        g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
-        return x + self.down(F.silu(g) * u)
+        return self._out(x, torch.cat(ys), gate)
 
 
 class FusedMTP:
@@ -183,27 +187,27 @@ class FusedMTP:
             self.c_norm = _c(module.norm, h, fc.dtype)
         self.layers = [FusedAttentionBlock(b) for b in module.layers]
 
-    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
+    def _in(self, hidden: Tensor, emb: Tensor) -> Tensor:
+        """hidden, emb (T, H) -> the fusion projection's output (T, H)."""
         t, h = hidden.shape
         x = torch.cat([emb, hidden], -1)  # (T, 2H)
         if not self.eagle:  # the two pre-fc norms at once (their scales are folded into fc)
             x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
-        x = self.fc(x, self.fc_bias)
-        x = self.layers[layer](x, cache, start)
+        return self.fc(x, self.fc_bias)
+
+    def _out(self, x: Tensor) -> Tensor:
         return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
+
+    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
+        return self._out(self.layers[layer](self._in(hidden, emb), cache, start))
 
     def many(self, hidden: Tensor, emb: Tensor, caches: list[KVCache], counts: list[int], layer: int = 0) -> Tensor:
         """__call__ for several sequences' rows (N, H) each (counts[i] rows of sequence i, at its cache's length, in
         order) -> (N, H); advances each cache by its rows. The products run once for all of them."""
-        t, h = hidden.shape
-        x = torch.cat([emb, hidden], -1)  # (N, 2H)
-        if not self.eagle:
-            x = _unit(x.view(t, 2, h), self.c_pre).view(t, 2 * h)
-        x = self.fc(x, self.fc_bias)
-        x = self.layers[layer].many(x, caches, [c.length for c in caches], counts)
+        x = self.layers[layer].many(self._in(hidden, emb), caches, [c.length for c in caches], counts)
         for c, n in zip(caches, counts):
             c.advance(n)
-        return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
+        return self._out(x)
 
 
 def _foldable(module: nn.Module) -> bool:
