@@ -180,8 +180,9 @@ def tiny_hybrid(dtype) -> HybridLM:
 
 @torch.inference_mode()
 def test_per_sequence_rollback_property_fp64():
-    """Random batched forwards (widths 1..6 per sequence), each sequence keeping a random prefix of its rows: every
-    kept row's logits and each sequence's final state equal those of one sequence fed its kept tokens alone."""
+    """Random batched forwards (widths 1..6 per sequence; every third one a plain step, width 1 for all: the one-position
+    form), each sequence keeping a random prefix of its rows: every kept row's logits and each sequence's final state
+    equal those of one sequence fed its kept tokens alone."""
     m = tiny_hybrid(torch.float64)
     rng = random.Random(0)
     b_n = 3
@@ -191,8 +192,9 @@ def test_per_sequence_rollback_property_fp64():
     rows: list[list[torch.Tensor]] = [[] for _ in range(b_n)]
     for b, c in enumerate(caches):
         storage.bind(kv_of(c), b)
-    for _ in range(12):
-        tokens = [torch.tensor([kept[b][-1]] + [rng.randrange(64) for _ in range(rng.randrange(6))]) for b in range(b_n)]
+    for step in range(12):
+        tokens = [torch.tensor([kept[b][-1]] + [rng.randrange(64) for _ in range(rng.randrange(6) if step % 3 else 0)])
+                  for b in range(b_n)]
         starts = [c.length for c in caches]
         outs = forward_batch(m, storage, caches, tokens)
         for b in range(b_n):

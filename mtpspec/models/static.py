@@ -162,6 +162,9 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout, chun
     -> out (N, H), the widened conv window (B, C, K-1+W) and what rebuilds the state after each position:
 
     - position by position (the recurrent form, unrolled in a compiled graph): the states (W, B, nv, dk, dv);
+    - chunk=True and W = 1 (the eager batched forward's plain step): the same step with the state read by two
+      matmuls and the delta rule's rank-1 write one baddbmm (demo, plain: 5% faster a step at 8 sequences, 13% at 16);
+      the elementwise form, its products written out whole and summed, passed over the state ~12 times;
     - chunk=True and 1 < W <= 64 (the eager batched forward): the window as one exact chunk
       (gated_deltanet.window_delta_rule), a tuple (gc, k, u) (B, nv, W), (B, nv, W, dk), (B, nv, W, dv), a
       fixed number of operations whatever W (the recurrent form's grow with W, for every sequence of the grid)."""
@@ -184,6 +187,13 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout, chun
         o = lay.real(o.transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
         y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)
         return dn.out_proj(y), hist, (gc, k, u)
+    if chunk and t == 1:  # one position (a batch's plain step): the state passed over 4 times, not ~12
+        s = s0 * g.exp()[..., None]  # (B, nv, dk, dv) decayed
+        delta = (v - k @ s) * beta[..., None]  # (B, nv, 1, dv) the correction
+        s = torch.baddbmm(s.view(-1, dn.dk, dn.dv), k.reshape(-1, dn.dk, 1), delta.view(-1, 1, dn.dv)).view_as(s0)
+        o = lay.real((q @ s).transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
+        y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)
+        return dn.out_proj(y), hist, s[None]  # (1, B, nv, dk, dv): the state after the position
     decay = g.exp()
     outs, states, s = [], [], s0
     for i in range(t):  # unrolled: T is fixed per compiled graph
