@@ -33,8 +33,12 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     assert res["summary"]["mismatches"] == []
     assert res["summary"]["agreement_across_batch"] == {"1": "2/2", "2": "2/2"}
     assert res["summary"]["plain_scaling"]["1"] == pytest.approx(1.0)
+    beside = res["summary"]["plain_scaling_beside"]  # plain at B = 2 over one sequence stepped beside it, per round
+    assert beside["1"] == 1.0 and beside["2"] > 0 and set(res["summary"]["cpu"]["plain_scaling_beside"]) == {"1", "2"}
+    ones = [r for r in res["runs"] if r["method"] == "plain@B=1 beside"]
+    assert [(r["batch"], r["round"]) for r in ones] == [(2, 0), (2, 1)] and all(r["decode_tokens"] > 0 for r in ones)
     assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain"}
-    assert len(res["runs"]) == 2 * 2 * 3  # batch sizes x rounds x methods
+    assert len(res["runs"]) == 2 * 2 * 3 + 2  # batch sizes x rounds x methods, and the one beside plain at B = 2
     assert all(r["decode_tokens"] > 0 for r in res["runs"])
     assert any("0.97x" in t["target"] for t in res["targets"])
     md = (out / "batch.md").read_text()
@@ -102,3 +106,4 @@ def test_summary_reports_a_mismatch_with_plain():
     assert s["table"]["ngram@2"]["2"]["identical"] == "1/2" and s["table"]["plain"]["2"]["identical"] == "2/2"
     assert s["mismatches"] == [{"method": "ngram@2", "batch": 2, "round": 0, "sequence": 1, "first_difference": 1}]
     assert s["table"]["ngram@2"]["2"]["speedup"] == pytest.approx(1.0) and s["plain_scaling"] == {}  # no B = 1 measured
+    assert s["plain_scaling_beside"] == {}  # nor a sequence beside plain
