@@ -71,6 +71,25 @@ def test_an_auto_method_keeps_one_policy_across_groups_and_rounds(assets):
     assert policies["ngram@auto"] is policy and policy.policy(1).T.n > seen > 0
 
 
+def test_the_sequence_beside_plain_stops_with_it(assets):
+    """The one-sequence plain run stepped beside plain at B = 2 is returned last, labelled BESIDE; it stops when plain
+    does, which can be midway through a prompt (plain's groups end at their own stops): its result counts the steps it
+    ran and the sequences it finished."""
+    from mtpspec.api import load
+    from mtpspec.bench.batch import BESIDE, BatchMethod, _Run, run_round
+
+    m = load(assets / "models" / "stories260K.bin", tokenizer=assets / "models" / "tok512.bin")
+    ids = [m.encode(t) for t in ("Once upon a time", "The cat sat", "A little girl", "Tom")]
+    runs = run_round(m, [BatchMethod("none", 1), BatchMethod("ngram", 2)], ids, 6, {}, batch=2, beside=True)
+    assert [r.method for r in runs] == ["plain", "ngram@2", BESIDE] and runs[-1].batch == 2 and runs[-1].tokens_per_second > 0
+    assert run_round(m, [BatchMethod("none", 1)], ids, 6, {}, batch=1, beside=True)[-1].method == "plain"  # none at B = 1
+    one = _Run(m, BatchMethod("none", 1), [[x] for x in ids], 6, {}, 0.0, 0)
+    for _ in range(4):  # the first prompt's prefill and 3 of its 5 decode steps
+        one.step()
+    r = one.result(0)
+    assert r.decode_tokens == 3 and r.steps == 3 and r.tokens == []
+
+
 @pytest.mark.parametrize("value, message", [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("x", "got 'x'"),
                                             ("1,,y", "got 'y'"), (",", "needs batch sizes")])
 def test_parse_batches_errors(value, message):

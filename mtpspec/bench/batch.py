@@ -162,7 +162,7 @@ class _Run:
             p50_token_latency=quantile(self.lat, 0.5), p99_token_latency=quantile(self.lat, 0.99),
             mean_depth=self.drafted / self.seq_steps if self.seq_steps else 0.0, steps=self.steps,
             tokens_per_forward=sum(self.n_tok) / self.seq_steps if self.seq_steps else 0.0,
-            tokens=[self.engine.finished[s].result().tokens for s in self.sids],
+            tokens=[self.engine.finished[s].result().tokens for s in self.sids if s in self.engine.finished],  # BESIDE: stopped midway
         )
 
 
