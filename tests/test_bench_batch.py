@@ -37,7 +37,7 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     assert beside["1"] == 1.0 and beside["2"] > 0 and set(res["summary"]["cpu"]["plain_scaling_beside"]) == {"1", "2"}
     ones = [r for r in res["runs"] if r["method"] == "plain@B=1 beside"]
     assert [(r["batch"], r["round"]) for r in ones] == [(2, 0), (2, 1)] and all(r["decode_tokens"] > 0 for r in ones)
-    assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain"}
+    assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain", "ratio_of_medians"}
     assert len(res["runs"]) == 2 * 2 * 3 + 2  # batch sizes x rounds x methods, and the one beside plain at B = 2
     assert all(r["decode_tokens"] > 0 for r in res["runs"])
     assert any("0.97x" in t["target"] for t in res["targets"])
@@ -88,6 +88,27 @@ def test_the_sequence_beside_plain_stops_with_it(assets):
         one.step()
     r = one.result(0)
     assert r.decode_tokens == 3 and r.steps == 3 and r.tokens == []
+
+
+def test_ratios_pair_the_methods_round_by_round():
+    """auto against its rival is the median over rounds of the ratio within a round (they ran side by side), not the
+    ratio of their medians, which here pairs auto's round 1 with the rival's round 2."""
+    from mtpspec.bench.batch import BESIDE, BatchMethod, BatchRun, summarize
+
+    def run(method, rnd, tps, batch=2):
+        return BatchRun(method=method, batch=batch, round=rnd, decode_tokens=int(tps), decode_seconds=1.0, decode_cpu_seconds=1.0,
+                        prefill_seconds=0.0, seconds_per_token=1.0, p50_token_latency=None, p99_token_latency=None,
+                        mean_depth=1.0, tokens_per_forward=1.0, steps=1, tokens=[])
+
+    speed = [100, 120, 80]  # the machine's speed in each round: every method alike
+    runs = [run("plain", r, 2 * v) for r, v in enumerate(speed)] + [run("ngram@2", r, 3 * v) for r, v in enumerate(speed)]
+    runs += [run("ngram@auto", r, v) for r, v in enumerate([290, 360, 245])] + [run(BESIDE, r, v / 2) for r, v in enumerate(speed)]
+    methods = [BatchMethod("none", 1), BatchMethod("ngram", 2), BatchMethod("ngram", "auto")]
+    s = summarize(runs, methods, [2], greedy=False)
+    auto = s["auto"]["ngram@auto"]["2"]
+    assert auto["best"] == "ngram@2" and auto["ratio_of_medians"] == pytest.approx(290 / 300)
+    assert auto["ratio_to_best"] == pytest.approx(1.0)  # per round: 290/300, 360/360, 245/240
+    assert auto["ratio_to_plain"] == pytest.approx(1.5) and s["plain_scaling_beside"] == {"2": pytest.approx(4.0)}
 
 
 @pytest.mark.parametrize("value, message", [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("x", "got 'x'"),
