@@ -185,15 +185,13 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout, chun
     if chunk and 1 < t <= CHUNK:
         o, gc, u = window_delta_rule(q, k, v, g, beta, s0)  # (B, nv, W, dv)
         o = lay.real(o.transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
-        y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)
-        return dn.out_proj(y), hist, (gc, k, u)
+        return _gated_out(dn, o, z), hist, (gc, k, u)
     if chunk and t == 1:  # one position (a batch's plain step): the state passed over 4 times, not ~12
         s = s0 * g.exp()[..., None]  # (B, nv, dk, dv) decayed
         delta = (v - k @ s) * beta[..., None]  # (B, nv, 1, dv) the correction
         s = torch.baddbmm(s.view(-1, dn.dk, dn.dv), k.reshape(-1, dn.dk, 1), delta.view(-1, 1, dn.dv)).view_as(s0)
         o = lay.real((q @ s).transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
-        y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)
-        return dn.out_proj(y), hist, s[None]  # (1, B, nv, dk, dv): the state after the position
+        return _gated_out(dn, o, z), hist, s[None]  # (1, B, nv, dk, dv): the state after the position
     decay = g.exp()
     outs, states, s = [], [], s0
     for i in range(t):  # unrolled: T is fixed per compiled graph
@@ -203,8 +201,12 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, lay: Layout, chun
         outs.append((q[:, :, i, :, None] * s).sum(-2))  # (B, nv, dv)
         states.append(s)
     o = lay.real(torch.stack(outs, dim=1).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
-    y = dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim)  # (N, nv dv)
-    return dn.out_proj(y), hist, torch.stack(states)
+    return _gated_out(dn, o, z), hist, torch.stack(states)
+
+
+def _gated_out(dn, o: Tensor, z: Tensor) -> Tensor:
+    """The DeltaNet's read-out o (N, nv, dv) through its gated norm (gate z (N, nv dv)) and output projection -> (N, H)."""
+    return dn.out_proj(dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim))
 
 
 def _mlp(mlp, x: Tensor) -> Tensor:
