@@ -16,8 +16,7 @@ curve through every drafting size's median instead, rising from the narrowest, p
 beside the chosen one that has not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
-(AcceptancePool), whose average is also a new sequence's prior; a new sequence's first `start_steps` drafting steps
-run warmup_depth deep (beside older sequences: as deep as they draft), its first tokens being the hardest. Plain wins ties: each drafting sequence must
+(AcceptancePool), whose average is also a new sequence's prior. Plain wins ties: each drafting sequence must
 promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for costs unseen here (a draft
 model's catch-up); a drafter that could not pay with every draft accepted is never tried. A plain
 sequence's estimates fade (`forget`) toward its long-run acceptance; after a run of plain steps it is
@@ -259,7 +258,6 @@ class SeqAcceptance:
         self.long_passed, self.long_reached = 0.0, 0.0  # acceptance over ~200 drafting steps
         # plain steps in a row that could have drafted, plain steps between probes, probing now, last D chosen
         self.plain_run, self.probe_wait, self.probing, self.asked = 0, 0, False, 0
-        self.drafts = 0  # its drafting steps so far
         self.drafted_last = False  # it drafted in its last step (so its drafter has no tokens to catch up on)
         self._gains: list[float] | None = None  # until the estimates (or the pool's shape: _version) change
         self._version = 0
@@ -355,7 +353,6 @@ class AdaptiveDepth:
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
-        start_steps: int = 6,  # a new sequence's first drafting steps: warmup_depth deep (beside older ones: as they draft)
         pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
         smooth_cost: bool = False,  # T off one rising curve through every drafting size seen (ByBatchSize: for B >= 2)
     ) -> None:
@@ -384,7 +381,7 @@ class AdaptiveDepth:
         self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
         self.batch_probe, self._all_plain, self._probe_left = batch_probe, 0, 0  # all-plain batch steps in a row; probe steps left
         self.width_probe = width_probe
-        self.warmup_depth, self.start_steps = warmup_depth, start_steps
+        self.warmup_depth = warmup_depth
 
     def _c(self) -> float:
         """Drafter cost per drafted token, in plain forwards at the current batch size: observed, else the prior
@@ -459,20 +456,6 @@ class AdaptiveDepth:
         margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
-        new = [st.drafts < self.start_steps and len(gs) > 0 for st, gs in zip(states, gains)]
-        if any(new) and allocate([[1.0] * len(gs) for gs in gains], B, c, phi, o, margin, T)[2] > rate * 1.0001:
-            # a new sequence's first `start_steps` drafting steps: warmup_depth deep where all are new, else as deep as
-            # the batch's others draft (at least warmup_depth if they draft that deep: never widening their grid).
-            # Its estimates are a prior and a check or two, and its first tokens are the hardest to draft (demo,
-            # HumanEval, D = 3: 2.08 tokens a step in a sequence's first 4 steps, 3.0 after 16). Estimated, a group
-            # of 4 new sequences drafted 5-7 deep on its first step, fell to plain or 1-2 deep after the first misses,
-            # and ran 0.92 of D = 3's tokens/s over its first 8 steps (docs/benchmarks.md, "Batches"). Not where
-            # drafting could not pay even if every draft were accepted
-            top = max([d for d, n in zip(ds, new) if not n], default=self.warmup_depth)
-            for i, gs in enumerate(gains):
-                if new[i]:
-                    d = min(max(ds[i], min(self.warmup_depth, top)), top, len(gs))
-                    tokens, ds[i] = tokens + sum(gs[ds[i] : d]), d
         rows, width, drafted = B + sum(ds), max(ds) + 1, sum(ds)
 
         def step(d: int) -> float:  # the step's seconds if one more sequence drafts d (as probes move rows, width)
@@ -572,7 +555,6 @@ class AdaptiveDepth:
         for s in step.seqs:
             st = self.seqs.get(s.seq) or self._new(s.seq)
             st.drafted_last = s.drafted > 0
-            st.drafts += s.drafted > 0
             if s.drafted > 0:
                 self.pool.learn(s.drafted, s.accepted, st.pool_passed / st.pool_reached)
                 st.learn(s.drafted, s.accepted, self.decay)

@@ -107,8 +107,7 @@ def test_same_size_draft_model_stays_plain_small_one_goes_deep():
     costly = AdaptiveDepth(k_max=8, verify_cost=RATIO, draft_cost=0.9e-3, target_cost=1e-3)
     assert set(drive(costly, 100, accept_rate=1.0, draft_cost=0.9e-3)) == {0}
     cheap = AdaptiveDepth(k_max=8, verify_cost=RATIO, draft_cost=0.1e-3, target_cost=1e-3)
-    # warm-up (a plain step, two drafting ones), then the sequence's first drafting steps at warmup_depth (start_steps)
-    assert min(drive(cheap, 100, accept_rate=1.0, draft_cost=0.1e-3)[1 + cheap.start_steps :]) >= 4
+    assert min(drive(cheap, 100, accept_rate=1.0, draft_cost=0.1e-3)[5:]) >= 4
 
 
 # --- the forward's cost ----------------------------------------------------------------------
@@ -411,36 +410,6 @@ def test_a_new_sequence_starts_from_the_acceptance_of_those_before_it():
     mixed = AdaptiveDepth(k_max=8, verify_cost=STEEP, draft_cost=2e-5, target_cost=1e-3)
     drive_batch(mixed, 300, [0.9, 0.3])  # deep positions are reached mostly by the good sequence
     assert all(0.85 < x < 1.15 for x in mixed.pool.shape()[:4]), mixed.pool.shape()
-
-
-def test_a_new_sequence_starts_at_the_warmup_depth_however_its_first_drafts_go():
-    """A new sequence's first start_steps drafting steps are warmup_depth deep, or beside established sequences
-    as deep as they draft, whatever its prior says (a pool at 0.95 asks for 8) and however its first checks go
-    (a start's drafts are the hardest: estimated, one or two misses sent a new group plain)."""
-    p = AdaptiveDepth(k_max=8, draft_cost=2e-5, target_cost=1e-3, width_probe=0)  # (a probe adds a width, once)
-    flat = lambda n: 1e-3 * (1.0 + 0.01 * n)  # rows nearly free: depth is worth its drafts
-    drive_batch(p, 150, [0.95] * 4, cost=flat)  # the pool learns 0.95: a new sequence's prior
-    deep = p.next_depths([0, 1, 2, 3], 8)
-    assert min(deep) >= 5
-    # a new group of 4 whose drafts all fail at first: warmup_depth for start_steps steps, not 8, not plain
-    first = []
-    for _ in range(p.start_steps):
-        ds = p.next_depths([10, 11, 12, 13], 8)
-        first.append(ds)
-        p.observe(BatchStep(rows=sum(ds) + 4, width=max(ds) + 1, forward_seconds=flat(4 * (max(ds) + 1)),
-                            overhead_seconds=0.0, seqs=tuple(SeqStep(10 + i, d, 0, 2e-5 * d) for i, d in enumerate(ds))))
-    assert first == [[p.warmup_depth] * 4] * p.start_steps
-    assert max(p.next_depths([10, 11, 12, 13], 8)) < p.warmup_depth  # then its own estimates: shallower
-    # one new sequence among established ones drafts as deep as they do (the grid is that wide anyway), and never
-    # deeper: one sequence's start must not widen a batch's grid
-    for i in range(3):
-        p.drop(i)
-    mixed = p.next_depths([3, 20], 8)
-    assert mixed[1] == mixed[0] >= p.warmup_depth
-    shallow = batch_policy(True)  # rows dear past 8: 4 sequences draft 1 deep
-    drive_batch(shallow, 150, [0.95] * 4)
-    ds = shallow.next_depths([0, 1, 2, 30], 8)
-    assert max(ds[:3]) < shallow.warmup_depth and ds[3] <= max(ds[:3])
 
 
 def test_by_batch_size_reads_a_smooth_cost_for_batches_only():
