@@ -86,6 +86,7 @@ class ForwardCost:
         self.plain: set[int] = set()  # sizes seen as plain forwards: kept out of the curve (see _build)
         self.n = 0  # observations of any size
         self._table: list[float] = []  # T(n) for n = 1..len, stored units; refitted at a new size or every 8 steps
+        self._fitted: dict[int, float] = {}  # plain size -> its median when the table was last fitted
         self._upto, self._changes = 16, 0
 
     def observe(self, size: int, seconds: float, plain: bool = False) -> None:
@@ -103,7 +104,7 @@ class ForwardCost:
         last = (self.recent.get(size, []) + [x])[-self.window :]
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
         self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
-        if plain and size <= len(self._table) and abs(self.mean[size] - self._table[size - 1]) > 0.1 * self.mean[size]:
+        if plain and size in self._fitted and abs(self.mean[size] - self._fitted[size]) > 0.1 * self.mean[size]:
             # a plain forward's T is its own median: refitted now, not up to 8 steps later (demo, 4 sequences: T(4) read
             # 14.1 ms from forwards seen before, its plain steps ran 19-23 ms, and the batch stayed plain for 8 steps
             # where D = 3 paid)
@@ -132,6 +133,7 @@ class ForwardCost:
         return self._table[size - 1] * self.speed
 
     def _build(self, upto: int) -> None:
+        self._fitted = {n: self.mean[n] for n in self.plain if n in self.mean}
         knots = sorted(set(range(1, len(self.prior) + 1)) | set(self.mean))
         # at least through every size seen: the curve's narrowest drafting size may lie past `upto` (a batch class whose
         # warm-up drafted at several widths, its sequences near their budgets, before any step asked for a wide table)
