@@ -20,7 +20,7 @@ cost across widths; so a change that leans on those (the cost margin) can win he
     .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # ~35 s (demo, 16 prompts)
     .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 2,4,8,16 \
         [--seeds 12] [--spread 0.15] [--drift 0.03] [--spike 0.05] [--option cost_margin=0.0 ...] \
-        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...]   # ~10 s per B
+        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48]   # ~10 s per B
 """
 
 from __future__ import annotations
@@ -106,9 +106,12 @@ def cost_at(b: int, costs: dict) -> tuple[float, ...]:
 
 
 def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: int = 0, budget: int = 128,
-           spread: float = 0.15, drift: float = 0.0, spike: float = 0.0, costs: dict = DEMO_COST, k: int = 8) -> float:
+           spread: float = 0.15, drift: float = 0.0, spike: float = 0.0, costs: dict = DEMO_COST, k: int = 8,
+           queue: int = 0) -> float:
     """Tokens/s of `policy` over `rounds` passes of the bench --batch loop (the median round); `k`: the chain length
-    the table was recorded with, the deepest draft it can answer for."""
+    the table was recorded with, the deepest draft it can answer for. `queue` > 0: in place of groups, `queue`
+    prompts (the table cycled) join one by one as sequences leave, so the batch stays full until the queue is
+    empty (continuous batching: one tail per round, not one per group)."""
     rng, path_rng, path = random.Random(seed), random.Random(seed + 7919), [1.0]
     clock, rates, sid = 0.0, [], 0
 
@@ -119,42 +122,42 @@ def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: in
 
     for _ in range(rounds):
         tokens = seconds = 0.0
-        for g in range(0, len(table), batch):
-            pos = {}  # sequence id -> tokens emitted
-            rows = {}
-            for row in table[g : g + batch]:
-                pos[sid], rows[sid] = 0, row
-                sid += 1
-            while pos:
-                seqs = list(pos)
-                caps = [max(min(k, budget - pos[s] - 1), 0) for s in seqs]
-                t0 = time.perf_counter()
-                ds = [min(d, c) for d, c in zip(policy.next_depths(seqs, caps), caps)]
-                policy_s = time.perf_counter() - t0
-                plain, w2, per_width, draft0, per_level = cost_at(len(seqs), costs)
-                width, now = max(ds) + 1, speed(clock)
-                jolt = 1.0 + (rng.uniform(0.3, 1.0) if rng.random() < spike else 0.0)  # a spike slows the forward
-                forward = (plain if width == 1 else w2 + per_width * (width - 2)) * 1e-3 * now * jolt
-                forward *= rng.uniform(1 - spread / 5, 1 + spread)
-                draft = (draft0 + per_level * (width - 1)) * 1e-3 * now if width > 1 else 0.0
-                draft *= rng.uniform(1 - spread / 5, 1 + spread)
-                overhead, drafting = 3e-5 * len(seqs), sum(1 for d in ds if d)
-                parts = []
-                for s, d in zip(seqs, ds):
-                    accepted = min(d, rows[s][pos[s]]) if pos[s] < len(rows[s]) else 0
-                    pos[s] += accepted + 1
-                    parts.append(SeqStep(s, d, accepted, draft / drafting if d else 0.0, True))
-                t0 = time.perf_counter()
-                policy.observe(BatchStep(rows=len(seqs) + sum(ds), width=width, forward_seconds=forward,
-                                         overhead_seconds=overhead, seqs=tuple(parts)))
-                policy_s += time.perf_counter() - t0
-                tokens += len(seqs) + sum(p.accepted for p in parts)
-                seconds += forward + draft + overhead + policy_s
-                clock += forward + draft + overhead
-                for s in seqs:
-                    if pos[s] >= budget:
-                        policy.drop(s)
-                        del pos[s]
+        waiting = [table[i % len(table)] for i in range(queue or len(table))]
+        pos, rows = {}, {}  # sequence id -> tokens emitted, its row of L
+        while waiting or pos:
+            if not pos or queue:  # groups: the next B once the last group has left; a queue: every free slot
+                while waiting and len(pos) < batch:
+                    pos[sid], rows[sid] = 0, waiting.pop(0)
+                    sid += 1
+            seqs = list(pos)
+            caps = [max(min(k, budget - pos[s] - 1), 0) for s in seqs]
+            t0 = time.perf_counter()
+            ds = [min(d, c) for d, c in zip(policy.next_depths(seqs, caps), caps)]
+            policy_s = time.perf_counter() - t0
+            plain, w2, per_width, draft0, per_level = cost_at(len(seqs), costs)
+            width, now = max(ds) + 1, speed(clock)
+            jolt = 1.0 + (rng.uniform(0.3, 1.0) if rng.random() < spike else 0.0)  # a spike slows the forward
+            forward = (plain if width == 1 else w2 + per_width * (width - 2)) * 1e-3 * now * jolt
+            forward *= rng.uniform(1 - spread / 5, 1 + spread)
+            draft = (draft0 + per_level * (width - 1)) * 1e-3 * now if width > 1 else 0.0
+            draft *= rng.uniform(1 - spread / 5, 1 + spread)
+            overhead, drafting = 3e-5 * len(seqs), sum(1 for d in ds if d)
+            parts = []
+            for s, d in zip(seqs, ds):
+                accepted = min(d, rows[s][pos[s]]) if pos[s] < len(rows[s]) else 0
+                pos[s] += accepted + 1
+                parts.append(SeqStep(s, d, accepted, draft / drafting if d else 0.0, True))
+            t0 = time.perf_counter()
+            policy.observe(BatchStep(rows=len(seqs) + sum(ds), width=width, forward_seconds=forward,
+                                     overhead_seconds=overhead, seqs=tuple(parts)))
+            policy_s += time.perf_counter() - t0
+            tokens += len(seqs) + sum(p.accepted for p in parts)
+            seconds += forward + draft + overhead + policy_s
+            clock += forward + draft + overhead
+            for s in seqs:
+                if pos[s] >= budget:
+                    policy.drop(s)
+                    del pos[s]
         rates.append(tokens / seconds)
     return statistics.median(rates)
 
@@ -183,6 +186,8 @@ def main() -> None:
     run.add_argument("--spread", type=float, default=0.15, help="per-step spread of a cost (its fraction above the base)")
     run.add_argument("--drift", type=float, default=0.0, help="step of the machine speed's random walk per 50 ms")
     run.add_argument("--spike", type=float, default=0.0, help="share of forwards 1.3-2x slow")
+    run.add_argument("--queue", type=int, default=0, help="N > 0: N prompts per round fed from a queue (a sequence "
+                     "joins as one leaves), in place of the bench's groups of B")
     run.add_argument("--option", action="append", default=[], help="name=value for the auto policy (repeatable)")
     run.add_argument("--cost", action="append", default=[], help="B=plain,width2,per_width,draft,per_level in ms: replaces "
                      "one batch size's costs (repeatable)")
@@ -209,7 +214,7 @@ def main() -> None:
     policies = {"mtp@auto": lambda: ByBatchSize(k_max=min(K_MAX_AUTO, k), **options)}
     for b in (int(x) for x in args.batch.split(",")):
         rates = compare(table, b, policies, args.seeds, spread=args.spread, drift=args.drift, spike=args.spike, costs=costs,
-                        k=k)
+                        k=k, queue=args.queue)
         best = max(v for name, v in rates.items() if name not in policies)
         print(f"B={b:2d} " + "  ".join(f"{name} {v:.0f} ({v / best:.3f})" for name, v in rates.items()), flush=True)
 

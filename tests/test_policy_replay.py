@@ -67,3 +67,23 @@ def test_replay_counts_steps_as_the_loop_does_and_runs_the_auto_policy():
     ragged = [row[: 16 + 4 * i] for i, row in enumerate(table)]  # past its row, a sequence accepts nothing
     rate = replay_mod.replay(ByBatchSize(k_max=8), ragged, batch=7, rounds=2, budget=40, drift=0.05, spike=0.1)
     assert rate > 0
+
+
+def test_a_queue_keeps_the_batch_full_where_groups_leave_a_tail():
+    """A accepts 8 everywhere (D = 3: 8 steps for 32 tokens), B nothing (32 steps). Groups of 2 over [A, B, A]: A and B
+    together for 8 steps, B alone for 24, then the last A alone for 8. A queue of the same three: the second A takes
+    the first one's slot, so the batch stays at 2 for 16 steps, and only B's last 16 run alone."""
+    a, b = [8] * 40, [0] * 40
+
+    def sizes(**kw) -> list[int]:
+        seen = []
+
+        class Counting(replay_mod.Fixed):
+            def observe(self, step) -> None:
+                seen.append(len(step.seqs))
+
+        replay_mod.replay(Counting(3), kw.pop("table"), batch=2, rounds=1, budget=32, **kw)
+        return seen
+
+    assert sizes(table=[a, b, a]) == [2] * 8 + [1] * 24 + [1] * 8
+    assert sizes(table=[a, b], queue=3) == [2] * 16 + [1] * 16
