@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mtpspec
-from mtpspec.batching import SlotKV, forward_batch, kv_of
+from mtpspec.batching import SlotKV, forward_batch, kv_of, stack_rows
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, Session, generate_tokens
 from mtpspec.errors import ConfigError
@@ -180,9 +180,10 @@ def tiny_hybrid(dtype) -> HybridLM:
 
 @torch.inference_mode()
 def test_per_sequence_rollback_property_fp64():
-    """Random batched forwards (widths 1..6 per sequence; every third one a plain step, width 1 for all: the one-position
-    form), each sequence keeping a random prefix of its rows: every kept row's logits and each sequence's final state
-    equal those of one sequence fed its kept tokens alone."""
+    """Random batched forwards (widths 1..6 per sequence; two of every four plain steps, width 1 for all: the
+    one-position form, the second reading the first one's batched states in place, stack_rows), each sequence keeping a
+    random prefix of its rows: every kept row's logits and each sequence's final state equal those of one sequence fed
+    its kept tokens alone."""
     m = tiny_hybrid(torch.float64)
     rng = random.Random(0)
     b_n = 3
@@ -193,7 +194,7 @@ def test_per_sequence_rollback_property_fp64():
     for b, c in enumerate(caches):
         storage.bind(kv_of(c), b)
     for step in range(12):
-        tokens = [torch.tensor([kept[b][-1]] + [rng.randrange(64) for _ in range(rng.randrange(6) if step % 3 else 0)])
+        tokens = [torch.tensor([kept[b][-1]] + [rng.randrange(64) for _ in range(rng.randrange(6) if step % 4 < 2 else 0)])
                   for b in range(b_n)]
         starts = [c.length for c in caches]
         outs = forward_batch(m, storage, caches, tokens)
@@ -212,6 +213,19 @@ def test_per_sequence_rollback_property_fp64():
         for i in range(caches[b].n_linear):
             s_ref, s_got = ref_cache.state(i), caches[b].state(i)
             assert (s_ref - s_got).abs().max() <= 1e-10 * s_ref.abs().max(), (b, i)
+
+
+def test_stack_rows_is_a_view_only_of_rows_already_in_order():
+    """Rows 0..n-1 of one tensor, in order: a view of it (no copy). Any other rows: a copy, equal to torch.cat."""
+    whole = torch.arange(5 * 3 * 4, dtype=torch.float32).view(5, 3, 4)
+    in_order = [whole[b : b + 1, :, 1:3] for b in range(4)]
+    got = stack_rows(in_order)
+    assert got.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert torch.equal(got, torch.cat(in_order))
+    for rows in ([whole[b : b + 1] for b in (0, 2, 1)], [whole[b : b + 1] for b in (1, 2, 4)], [whole[:1], whole[1:2].clone()]):
+        got = stack_rows(rows)  # out of order, a gap, another tensor
+        assert got.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+        assert torch.equal(got, torch.cat(rows))
 
 
 def _probs_run(module, prompt, drafter: str, k: int, others: list[tuple[list[int], str, int]], n: int = 20):
