@@ -16,9 +16,11 @@ curve through every drafting size's median instead, rising from the narrowest, p
 beside the chosen one that has not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
-(AcceptancePool), whose average is also a new sequence's prior. Plain wins ties: each drafting sequence must
-promise `margin` (3%, plus 10% of c / T(1)) of its share of the rate, for costs unseen here (a draft
-model's catch-up); a drafter that could not pay with every draft accepted is never tried. A plain
+(AcceptancePool), whose average is also a new sequence's prior; a new sequence's first `start_steps` drafting steps
+run warmup_depth deep (beside older sequences: as deep as they draft), its first tokens being the hardest. Plain wins
+ties: each drafting sequence must promise `margin` (3%, plus 10% of c / T(1) for the part of c paid per sequence, 1 -
+phi) of its share of the rate, for costs unseen here (a draft model's catch-up); a drafter that could not pay with
+every draft accepted is never tried. A plain
 sequence's estimates fade (`forget`) toward its long-run acceptance; after a run of plain steps it is
 probed at its best D >= 1, so that probes cost about `explore` (2%) of the time (a failure doubles the wait).
 """
@@ -261,6 +263,7 @@ class SeqAcceptance:
         # plain steps in a row that could have drafted, plain steps between probes, probing now, last D chosen
         self.plain_run, self.probe_wait, self.probing, self.asked = 0, 0, False, 0
         self.drafted_last = False  # it drafted in its last step (so its drafter has no tokens to catch up on)
+        self.drafts = 0  # its drafting steps so far
         self._gains: list[float] | None = None  # until the estimates (or the pool's shape: _version) change
         self._version = 0
 
@@ -355,6 +358,7 @@ class AdaptiveDepth:
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
+        start_steps: int = 6,  # a new sequence's first drafting steps: warmup_depth deep (beside older ones: no deeper)
         pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
         smooth_cost: bool = False,  # T off one rising curve through every drafting size seen (ByBatchSize: for B >= 2)
     ) -> None:
@@ -383,7 +387,7 @@ class AdaptiveDepth:
         self._width_seen = 1  # the widest forward observed (1 + its deepest draft)
         self.batch_probe, self._all_plain, self._probe_left = batch_probe, 0, 0  # all-plain batch steps in a row; probe steps left
         self.width_probe = width_probe
-        self.warmup_depth = warmup_depth
+        self.warmup_depth, self.start_steps = warmup_depth, start_steps
 
     def _c(self) -> float:
         """Drafter cost per drafted token, in plain forwards at the current batch size: observed, else the prior
@@ -420,10 +424,24 @@ class AdaptiveDepth:
             ds = [max(min(d, k), 0) for k in caps]
         else:  # never more than one draft position deeper than any step so far: T is known only where it was seen
             ds = [min(d, self._width_seen) for d in self._choose(states, caps)]
-            ds = self._probe_batch(ds, caps)
+            ds = self._probe_batch(self._start(ds, states, caps), caps)
         for st, d in zip(states, ds):
             st.asked = d
         return ds
+
+    def _start(self, ds: list[int], states: list[SeqAcceptance], caps: list[int]) -> list[int]:
+        """A new sequence's first `start_steps` drafting steps, whatever its estimates say: warmup_depth deep where the
+        whole batch is new, else as deep as the batch's others draft, never deeper (one start must not widen a batch's
+        grid). Its estimates are a prior and a check or two, and a sequence's first tokens are the hardest to draft
+        (demo, HumanEval, D = 3: 2.08 tokens a step over a group's first 4 steps, 3.0 after 16). Estimated, a new group
+        of 4 drafted 5-7 deep on its first step, fell to plain or 1-2 deep after the first misses, and ran 0.92 of
+        D = 3's tokens/s over its first 8 steps; with the rule, side by side on the VM, B = 4 went from 0.96 to 0.98 of
+        the best fixed D (docs/benchmarks.md, "Batches"). Not in a step the policy left plain, nor in a batch probe."""
+        new = [st.drafts < self.start_steps for st in states]
+        if not any(ds) or not any(new):
+            return ds
+        top = max([d for d, n in zip(ds, new) if not n], default=self.warmup_depth)
+        return [min(max(d, min(self.warmup_depth, top)), top, cap) if n else d for d, n, cap in zip(ds, new, caps)]
 
     def _probe_batch(self, ds: list[int], caps: list[int]) -> list[int]:
         """A batch that has stepped plain `batch_probe` times in a row drafts one token everywhere for one step: the
@@ -451,11 +469,13 @@ class AdaptiveDepth:
                  zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
-        # per drafting sequence. In a batch's size class T(1) is not seen but extrapolated (T(B) / B), so a batched
-        # drafter's c / T(1) reaches the cap and the margin is 13% (demo, B = 8). Weighing c against T(B) instead (4%)
-        # was measured worse at B = 2-16 (0.92-0.95 of the best fixed D against 0.96-0.98): the margin damps the depth's
-        # wandering between widths whose learned T differ by noise (docs/benchmarks.md, "Batches")
-        margin = (self.margin + self.cost_margin * min(c / T[0], 1.0)) / B
+        # per drafting sequence. The cost part is for a drafter that pays per sequence (a draft model: its catch-up is
+        # unseen here), not for the share a batched drafter (MTP, EAGLE) pays once per draft position for the batch:
+        # in a batch's size class T(1) is extrapolated (T(B) / B), so a batched drafter's c / T(1) reached the cap and
+        # the margin was 13%, as much as drafting gains at 16 sequences, and the batch stayed plain where D = 2 paid
+        # (demo, side by side on the VM, with the start rule: B = 16 0.94 of the best fixed D with it, 0.99 without;
+        # B = 1-8 within the noise either way, docs/benchmarks.md, "Batches")
+        margin = (self.margin + self.cost_margin * (1.0 - phi) * min(c / T[0], 1.0)) / B
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
         rows, width, drafted = B + sum(ds), max(ds) + 1, sum(ds)
@@ -557,6 +577,7 @@ class AdaptiveDepth:
         for s in step.seqs:
             st = self.seqs.get(s.seq) or self._new(s.seq)
             st.drafted_last = s.drafted > 0
+            st.drafts += s.drafted > 0
             if s.drafted > 0:
                 self.pool.learn(s.drafted, s.accepted, st.pool_passed / st.pool_reached)
                 st.learn(s.drafted, s.accepted, self.decay)
