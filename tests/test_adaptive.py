@@ -33,9 +33,10 @@ def steep(rows: int) -> float:
 
 
 def drive_batch(policy: AdaptiveDepth, steps: int, accept: list[float], draft_cost: float = 2e-5,
-                cost=steep, k_max: int | list[int] = 8, seed: int = 0) -> list[list[int]]:
+                cost=steep, k_max: int | list[int] = 8, seed: int = 0, batched: bool = False) -> list[list[int]]:
     """len(accept) sequences; sequence i accepts each draft position with probability accept[i]; the
-    forward costs cost(its positions): B x width when the policy expects padding, else sum of D_i + 1."""
+    forward costs cost(its positions): B x width when the policy expects padding, else sum of D_i + 1;
+    `batched`: the drafting sequences drafted together (SeqStep.batched, as the MTP head does)."""
     rng, chosen = random.Random(seed), []
     for _ in range(steps):
         ds = policy.next_depths(list(range(len(accept))), k_max)
@@ -44,7 +45,7 @@ def drive_batch(policy: AdaptiveDepth, steps: int, accept: list[float], draft_co
             n = 0
             while n < d and rng.random() < a:
                 n += 1
-            seqs.append(SeqStep(i, d, n, draft_cost * d))
+            seqs.append(SeqStep(i, d, n, draft_cost * d, batched and d > 0))
         rows, width = sum(d + 1 for d in ds), max(ds) + 1
         size = len(ds) * width if policy.padded else rows  # the forward's positions, padding included
         policy.observe(BatchStep(rows=rows, width=width, forward_seconds=cost(size), overhead_seconds=0.0,
@@ -452,18 +453,7 @@ def test_a_batched_drafters_cost_is_not_held_against_a_sequences_forward(batched
     for the whole batch, 16x one sequence's share, so the margin reached its cap (13%) and the batch stayed plain.
     Paid per sequence, the same seconds are a sixteenth a token: a small margin either way, and the batch drafts."""
     p = AdaptiveDepth(k_max=8, smooth_cost=True)
-    rng, chosen = random.Random(0), []
-    for _ in range(300):
-        ds = p.next_depths(list(range(16)), 8)
-        width = max(ds) + 1
-        forward = 22e-3 if width == 1 else 24e-3 + 2e-3 * (width - 2)
-        seqs = []
-        for i, d in enumerate(ds):
-            n = 0
-            while n < d and rng.random() < 0.25:
-                n += 1
-            seqs.append(SeqStep(i, d, n, 1.5e-3 * max(ds) / 16 if d else 0.0, batched and d > 0))
-        p.observe(BatchStep(rows=16 + sum(ds), width=width, forward_seconds=forward, overhead_seconds=0.0, seqs=tuple(seqs)))
-        chosen.append(max(ds))
-    late = chosen[100:]
+    grid = lambda n: 22e-3 if n == 16 else 24e-3 + 2e-3 * (n // 16 - 2)  # plain 22 ms, width 2 24 ms, +2 ms a width
+    chosen = [max(ds) for ds in drive_batch(p, 300, [0.25] * 16, 1.5e-3 / 16, grid, batched=batched)]
+    late = chosen[100:]  # (1.5 ms a draft position for the batch, shared out by drafted tokens)
     assert sum(d == 1 for d in late) > 0.8 * len(late), chosen
