@@ -7,8 +7,9 @@ from position p then accepts exactly min(d, L(p)), alone or in a batch (checked 
 drafting matched L on all 1,246 drafting steps of 4-sequence runs; fixed D = 2-4 replayed the bench's step counts
 within 2%).
 
-`run` replays the loop of `mtpspec bench --batch` (the prompts in groups of B, each sequence leaving at its token
-budget, the policy asked next_depths and told observe / drop) against that table and a cost model per batch size:
+`run` replays the loop of `mtpspec bench --batch` (the prompts queued, B decoding at a time, each sequence leaving
+at its token budget and the next prompt taking its slot; `--groups`: in groups of B, as the bench ran until
+2026-12-04; the policy asked next_depths and told observe / drop) against that table and a cost model per batch size:
 a forward at grid width W (plain: its own cost), drafting seconds per level, both the demo's medians on the 2-core
 VM; the policy's own Python time is counted, as in the engine. The machine's noise is dialled in: spread per step,
 spikes, and drift of its speed along one path over simulated time, the same for every method and seed. It prints
@@ -20,7 +21,7 @@ cost across widths; so a change that leans on those (the cost margin) can win he
     .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # ~35 s (demo, 16 prompts)
     .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 2,4,8,16 \
         [--seeds 12] [--spread 0.15] [--drift 0.03] [--spike 0.05] [--option cost_margin=0.0 ...] \
-        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48]   # ~10 s per B
+        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48 | --groups]   # ~10 s per B
 """
 
 from __future__ import annotations
@@ -186,8 +187,10 @@ def main() -> None:
     run.add_argument("--spread", type=float, default=0.15, help="per-step spread of a cost (its fraction above the base)")
     run.add_argument("--drift", type=float, default=0.0, help="step of the machine speed's random walk per 50 ms")
     run.add_argument("--spike", type=float, default=0.0, help="share of forwards 1.3-2x slow")
-    run.add_argument("--queue", type=int, default=0, help="N > 0: N prompts per round fed from a queue (a sequence "
-                     "joins as one leaves), in place of the bench's groups of B")
+    run.add_argument("--queue", type=int, default=0, help="N prompts per round fed from the queue (a sequence joins as "
+                     "one leaves; default: the table's prompts, as the bench)")
+    run.add_argument("--groups", action="store_true", help="the prompts in groups of B, each after the last has left "
+                     "(the bench until 2026-12-04)")
     run.add_argument("--option", action="append", default=[], help="name=value for the auto policy (repeatable)")
     run.add_argument("--cost", action="append", default=[], help="B=plain,width2,per_width,draft,per_level in ms: replaces "
                      "one batch size's costs (repeatable)")
@@ -214,7 +217,7 @@ def main() -> None:
     policies = {"mtp@auto": lambda: ByBatchSize(k_max=min(K_MAX_AUTO, k), **options)}
     for b in (int(x) for x in args.batch.split(",")):
         rates = compare(table, b, policies, args.seeds, spread=args.spread, drift=args.drift, spike=args.spike, costs=costs,
-                        k=k, queue=args.queue)
+                        k=k, queue=0 if args.groups else args.queue or len(table))
         best = max(v for name, v in rates.items() if name not in policies)
         print(f"B={b:2d} " + "  ".join(f"{name} {v:.0f} ({v / best:.3f})" for name, v in rates.items()), flush=True)
 

@@ -46,16 +46,39 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     assert (out / "bench_batch.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_groups_cover_the_prompt_set_at_every_batch_size():
-    from mtpspec.bench.batch import groups_of
+def test_the_prompt_set_is_cycled_up_to_the_batch_size():
+    from mtpspec.bench.batch import cycled
 
     ids = [[1], [2], [3], [4], [5]]
-    assert groups_of(ids, 1) == [[x] for x in ids]
-    assert groups_of(ids, 2) == [[[1], [2]], [[3], [4]], [[5], [1]]]  # the last group filled by cycling
-    assert groups_of(ids, 8) == [[[1], [2], [3], [4], [5], [1], [2], [3]]]
+    assert cycled(ids, 1) == cycled(ids, 5) == ids
+    assert cycled(ids, 8) == [[1], [2], [3], [4], [5], [1], [2], [3]]
 
 
-def test_an_auto_method_keeps_one_policy_across_groups_and_rounds(assets):
+def test_a_run_keeps_b_sequences_decoding_while_prompts_wait(assets):
+    """Continuous batching: 5 prompts queued in one engine of 2 slots; while any prompt waits, every step decodes 2
+    sequences (a freed slot is taken in the next step, which also prefills and is not timed), and every prompt
+    finishes with the tokens it gets alone."""
+    from mtpspec.api import load
+    from mtpspec.bench.batch import BatchMethod, _Run
+
+    m = load(assets / "models" / "stories260K.bin", tokenizer=assets / "models" / "tok512.bin")
+    ids = [m.encode(t) for t in ("Once upon a time", "The cat sat", "A little girl", "Tom", "The sun")]
+    run, sizes = _Run(m, BatchMethod("ngram", 2), ids, 2, 6, {}, 0.0, 0), []
+    step = run.engine.step
+    run.engine.step = lambda: sizes.append((len(run.engine.waiting), len(run.engine.running), step())) or sizes[-1][2]
+    while run.active:
+        run.step()
+    waited = [(len(rec.seqs), min(2, queued + running)) for queued, running, rec in sizes if queued]
+    assert len(waited) >= 3 and all(n == full for n, full in waited)  # (both slots taken while 2 or more were there)
+    alone = [_Run(m, BatchMethod("none", 1), [x], 1, 6, {}, 0.0, 0) for x in ids]
+    for a in alone:
+        while a.active:
+            a.step()
+    r = run.result(0)
+    assert r.tokens == [a.result(0).tokens[0] for a in alone] and r.decode_tokens > 0 and None not in run.start
+
+
+def test_an_auto_method_keeps_one_policy_across_prompts_and_rounds(assets):
     """A round over 3 prompts one at a time: one engine per method, its auto policy the caller's, learning throughout."""
     from mtpspec.api import load
     from mtpspec.bench.batch import BatchMethod, run_round
@@ -73,8 +96,7 @@ def test_an_auto_method_keeps_one_policy_across_groups_and_rounds(assets):
 
 def test_the_sequence_beside_plain_stops_with_it(assets):
     """The one-sequence plain run stepped beside plain at B = 2 is returned last, labelled BESIDE; it stops when plain
-    does, which can be midway through a prompt (plain's groups end at their own stops): its result counts the steps it
-    ran and the sequences it finished."""
+    does, which can be midway through a prompt: its result counts the steps it ran and the sequences it finished."""
     from mtpspec.api import load
     from mtpspec.bench.batch import BESIDE, BatchMethod, _Run, run_round
 
@@ -83,7 +105,7 @@ def test_the_sequence_beside_plain_stops_with_it(assets):
     runs = run_round(m, [BatchMethod("none", 1), BatchMethod("ngram", 2)], ids, 6, {}, batch=2, beside=True)
     assert [r.method for r in runs] == ["plain", "ngram@2", BESIDE] and runs[-1].batch == 2 and runs[-1].tokens_per_second > 0
     assert run_round(m, [BatchMethod("none", 1)], ids, 6, {}, batch=1, beside=True)[-1].method == "plain"  # none at B = 1
-    one = _Run(m, BatchMethod("none", 1), [[x] for x in ids], 6, {}, 0.0, 0)
+    one = _Run(m, BatchMethod("none", 1), ids, 1, 6, {}, 0.0, 0)
     for _ in range(4):  # the first prompt's prefill and 3 of its 5 decode steps
         one.step()
     r = one.result(0)

@@ -1,11 +1,12 @@
 """`mtpspec bench --batch 1,2,4,8`: throughput and per-sequence latency of B sequences decoding together.
 
-Every batch size decodes the same prompts: the whole set (cycled up to B when it has fewer), in groups of B that
-start together in one Engine(max_batch=B), a group after the one before it has finished; once per method: plain,
+Every batch size decodes the same prompts: the whole set (cycled up to B when it has fewer), all queued at once in one
+Engine(max_batch=B), which keeps B of them decoding (one joins as another leaves: continuous batching, as a server
+runs); once per method: plain,
 each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy per auto method for the whole bench,
 as a server keeps one: what it learns at B=1 on one prompt it still knows at the next). Within a round every
 method's engine runs at once, stepped in turn (one step each, the order rotating by round); each method's clock is
-the sum of its own steps' durations, decode only (the steps that prefilled a group's prompts are not counted).
+the sum of its own steps' durations, decode only (the steps that prefilled a prompt are not counted).
 Each figure is the median over the rounds, and each ratio of two methods the median over rounds of the ratio within
 a round (they ran side by side); what each one means: docs/benchmarks.md, "Batches".
 
@@ -94,56 +95,52 @@ class BatchRun:
 
 
 class _Run:
-    """One method's engine in a round, over its groups of prompts one after another, and its own clock: the sum of
-    its steps' durations (decode steps only)."""
+    """One method's engine in a round: every prompt queued at once in one Engine(max_batch=B), which keeps B of them
+    decoding (one joins as another leaves: continuous batching) until the queue runs dry; its own clock is the sum of
+    its decode steps' durations."""
 
-    def __init__(self, model, method: BatchMethod, groups: list[list[list[int]]], max_new_tokens: int, draft_models: dict,
+    def __init__(self, model, method: BatchMethod, prompts: list[list[int]], b: int, max_new_tokens: int, draft_models: dict,
                  temperature: float, seed: int, policy=None) -> None:
-        from ..engine import Engine
-        from ..sampling import SamplingParams
-
-        self.model, self.method, self.groups, self.b = model, method, groups, len(groups[0])
-        self.max_new_tokens, self.draft_models, self.params, self.seed = max_new_tokens, draft_models, SamplingParams(temperature=temperature), seed
-        self.k = K_MAX_AUTO if method.k == "auto" else (1 if method.drafter == "none" else method.k)
-        self.engine = Engine(model.module, max_batch=self.b, depth=policy if method.k == "auto" else None)
-        n = sum(map(len, groups))
-        self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
-        self.sids: list[int] = []
-        self.clock = self.cpu = self.prefill = 0.0
-        self.start, self.last, self.n_tok, self.lat = [0.0] * n, [0.0] * n, [0] * n, []
-        self.drafted = self.seq_steps = self.steps = 0
-        self.next_group = 0
-        self._add_group()
-
-    def _add_group(self) -> None:
         from ..drafters import make_drafter
-        from ..sampling import Sampler
+        from ..engine import Engine
+        from ..sampling import Sampler, SamplingParams
 
-        for ids in self.groups[self.next_group]:
-            i = len(self.sids)
-            drafter = make_drafter(self.method.drafter, self.model.module, draft_model=self.draft_models.get(self.method.drafter),
-                                   tree=self.method.tree, tree_beam=self.method.beam)
-            self.sids.append(self.engine.add(ids, drafter, Sampler(self.params, self.seed + i), self.k, self.max_new_tokens,
-                                             self.model.tokenizer.stop_ids,
+        self.method, self.b = method, b
+        k = K_MAX_AUTO if method.k == "auto" else (1 if method.drafter == "none" else method.k)
+        self.engine = Engine(model.module, max_batch=b, depth=policy if method.k == "auto" else None)
+        n = len(prompts)
+        self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
+        self.clock = self.cpu = self.prefill = 0.0
+        self.start: list[float | None] = [None] * n  # the clock when it joined the batch
+        self.last, self.n_tok, self.lat = [0.0] * n, [0] * n, []
+        self.drafted = self.seq_steps = self.steps = 0
+        self.sids = []
+        for i, ids in enumerate(prompts):
+            drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter),
+                                   tree=method.tree, tree_beam=method.beam)
+            self.sids.append(self.engine.add(ids, drafter, Sampler(SamplingParams(temperature=temperature), seed + i), k,
+                                             max_new_tokens, model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
-            self.start[i] = self.last[i] = self.clock
-        self.next_group += 1
+        self.index = {sid: i for i, sid in enumerate(self.sids)}
 
     @property
     def active(self) -> bool:
-        return self.engine.active or self.next_group < len(self.groups)
+        return self.engine.active
 
     def step(self) -> None:
-        """One engine step, timed; a step that prefills (some of) a group's prompts is prefill time, its tokens not counted."""
-        if not self.engine.active:
-            self._add_group()
-        decoding = not self.engine.waiting
+        """One engine step, timed; a step that prefills (some of) a prompt is prefill time, its tokens not counted."""
+        e = self.engine
+        decoding = not (e.waiting and len(e.running) < e.max_batch)
         t0, c0 = perf_counter(), process_time()
-        rec = self.engine.step()
+        rec = e.step()
         dt, dc = perf_counter() - t0, process_time() - c0
         if not decoding:
             self.prefill += dt
             self.got.clear()
+            for s in e.running:  # joined in this step: its clock starts now
+                i = self.index[s.id]
+                if self.start[i] is None:
+                    self.start[i] = self.last[i] = self.clock
             return
         self.clock, self.cpu = self.clock + dt, self.cpu + dc
         if rec is not None:
@@ -170,32 +167,33 @@ class _Run:
 BESIDE = "plain@B=1 beside"  # the label of the one-sequence plain run stepped beside plain at each B > 1
 
 
-def groups_of(ids: list[list[int]], b: int) -> list[list[list[int]]]:
-    """The prompt set in groups of b (cycled: every group full, at least one group)."""
-    n = -(-max(len(ids), b) // b) * b
-    return [[ids[i % len(ids)] for i in range(g, g + b)] for g in range(0, n, b)]
+def cycled(ids: list[list[int]], b: int) -> list[list[int]]:
+    """The prompt set, cycled up to b prompts when it has fewer (B sequences decode together from the start)."""
+    return [ids[i % len(ids)] for i in range(max(len(ids), b))]
 
 
 def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
               temperature: float = 0.0, seed: int = 0, round_: int = 0, batch: int | None = None,
               policies: dict | None = None, beside: bool = False) -> list[BatchRun]:
-    """Every method's engine over the same `prompts` (in groups of `batch`, default all at once), stepped in turn (one
-    step each, order rotating by round), so the machine's drift falls on every method alike, step by step; each method
-    is timed by its own steps only. `policies`: the depth policy of each auto method (label -> policy), kept by the caller.
-    `beside` (methods include plain, batch > 1): one sequence at a time decodes plain, one step after each of plain's
-    steps, over the same prompts; its run is returned last, labelled BESIDE, with this round's batch size."""
+    """Every method's engine over the same `prompts` (`batch` of them decoding at a time, default all; cycled up to
+    `batch`), stepped in turn (one step each, order rotating by round), so the machine's drift falls on every method
+    alike, step by step; each method is timed by its own steps only. `policies`: the depth policy of each auto method
+    (label -> policy), kept by the caller. `beside` (methods include plain, batch > 1): one sequence at a time decodes
+    plain, one step after each of plain's steps, over the same prompts; its run is returned last, labelled BESIDE, with
+    this round's batch size."""
     from ..adaptive import ByBatchSize
 
-    groups = groups_of(prompts, batch or len(prompts))
+    b = batch or len(prompts)
+    prompts = cycled(prompts, b)
     policies = {} if policies is None else policies
     for m in methods:
         if m.k == "auto" and m.label not in policies:
             policies[m.label] = ByBatchSize(k_max=K_MAX_AUTO)
-    runs = [_Run(model, m, groups, max_new_tokens, draft_models, temperature, seed, policies.get(m.label)) for m in methods]
+    runs = [_Run(model, m, prompts, b, max_new_tokens, draft_models, temperature, seed, policies.get(m.label)) for m in methods]
     plain = next((x for x in runs if x.method.drafter == "none"), None)
     one = None
-    if beside and plain is not None and len(groups[0]) > 1:
-        one = _Run(model, plain.method, groups_of(prompts, 1), max_new_tokens, draft_models, temperature, seed)
+    if beside and plain is not None and b > 1:
+        one = _Run(model, plain.method, prompts, 1, max_new_tokens, draft_models, temperature, seed)
     r = round_ % len(runs)
     runs = runs[r:] + runs[:r]
     while any(x.active for x in runs):
@@ -205,18 +203,18 @@ def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_n
                 if x is plain and one is not None and one.active:
                     one.step()
     done = [x.result(round_) for x in sorted(runs, key=lambda x: methods.index(x.method))]
-    return done + ([replace(one.result(round_), method=BESIDE, batch=len(groups[0]))] if one is not None else [])
+    return done + ([replace(one.result(round_), method=BESIDE, batch=b)] if one is not None else [])
 
 
 def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: list[int], max_new_tokens: int,
             draft_models: dict, rounds: int = 3, temperature: float = 0.0, seed: int = 0, tick=None) -> list[BatchRun]:
-    """Every method at every batch size, over every prompt (groups of B), `rounds` times, the methods interleaved step
+    """Every method at every batch size, over every prompt (B at a time), `rounds` times, the methods interleaved step
     by step (run_round); each auto method keeps one policy throughout."""
     runs, policies = [], {}
     with frozen_heap():
         for b_n in batches:
-            # untimed warm-up (one group, a few tokens)
-            run_round(model, methods, groups_of(ids, b_n)[0], min(max_new_tokens, 4), draft_models, temperature, seed,
+            # untimed warm-up (B prompts, a few tokens)
+            run_round(model, methods, cycled(ids, b_n)[:b_n], min(max_new_tokens, 4), draft_models, temperature, seed,
                       policies=policies)
             for r in range(rounds):
                 runs += run_round(model, methods, ids, max_new_tokens, draft_models, temperature, seed, r, b_n, policies, beside=True)
@@ -337,9 +335,9 @@ def markdown(result: dict, image: str | None) -> str:
 
     lines = [
         f"# Batch benchmark: {c['model_name']}", "",
-        f"{c['num_prompts']} prompts from {c['prompts_name']} at every B, in groups of B (cycled when B exceeds them), "
+        f"{c['num_prompts']} prompts from {c['prompts_name']} at every B, B decoding at a time (one joins as another leaves; cycled when B exceeds them), "
         f"{c['max_new_tokens']} new tokens per sequence, temperature {c['temperature']}, {c['threads']} thread(s), median of {c['rounds']} rounds (methods alternate "
-        "within a round; one `--k auto` policy per method for the whole run). Decode only: the steps that prefilled a group are not timed.",
+        "within a round; one `--k auto` policy per method for the whole run). Decode only: the steps that prefilled a prompt are not timed.",
         *table("## Throughput (tokens/s, all sequences)", lambda x: f"{x['tokens_per_second']:.1f}"),
         *table("## Throughput by CPU time (tokens per CPU second of this process: with one thread, little moved by other jobs)",
                lambda x: f"{x['cpu_tokens_per_second']:.1f}"),
