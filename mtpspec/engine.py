@@ -359,12 +359,17 @@ class Engine:
     def active(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def admitting(self) -> bool:
+        """A waiting prompt has a free slot: the next step prefills (some of) it."""
+        return bool(self.waiting) and len(self.running) < self.max_batch
+
     @torch.inference_mode()
     def step(self) -> BatchStep | None:
         """Up to `prefill_chunk` prompt positions of the waiting sequences, in arrival order, while slots are free
         (several short prompts join in one step, a long one takes several), then one decode step."""
         budget = self.prefill_chunk
-        while self.waiting and len(self.running) < self.max_batch and budget > 0:
+        while self.admitting and budget > 0:
             seq = self.waiting[0]
             before = seq.prefilled
             seq.prefill(self.target, budget, self.exact)

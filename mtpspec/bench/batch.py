@@ -114,11 +114,11 @@ class _Run:
         self.start: list[float | None] = [None] * n  # the clock when it joined the batch
         self.last, self.n_tok, self.lat = [0.0] * n, [0] * n, []
         self.drafted = self.seq_steps = self.steps = 0
-        self.sids = []
+        self.sids, params = [], SamplingParams(temperature=temperature)
         for i, ids in enumerate(prompts):
             drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter),
                                    tree=method.tree, tree_beam=method.beam)
-            self.sids.append(self.engine.add(ids, drafter, Sampler(SamplingParams(temperature=temperature), seed + i), k,
+            self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k,
                                              max_new_tokens, model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
         self.index = {sid: i for i, sid in enumerate(self.sids)}
@@ -130,7 +130,7 @@ class _Run:
     def step(self) -> None:
         """One engine step, timed; a step that prefills (some of) a prompt is prefill time, its tokens not counted."""
         e = self.engine
-        decoding = not (e.waiting and len(e.running) < e.max_batch)
+        decoding = not e.admitting
         t0, c0 = perf_counter(), process_time()
         rec = e.step()
         dt, dc = perf_counter() - t0, process_time() - c0
