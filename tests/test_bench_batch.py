@@ -28,7 +28,7 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
         for b in ("1", "2"):
             cell = table[lab][b]
             assert cell["tokens_per_second"] > 0 and cell["cpu_tokens_per_second"] > 0 and cell["seconds_per_token"] > 0, (lab, b)
-            assert cell["p50_token_latency"] <= cell["p99_token_latency"]
+            assert cell["p50_token_latency"] <= cell["p99_token_latency"] and cell["full_tokens_per_second"] > 0
             assert cell["identical"] == "2/2", (lab, b)  # every B decodes both prompts; greedy: every method's tokens are plain's
     assert res["summary"]["mismatches"] == []
     assert res["summary"]["agreement_across_batch"] == {"1": "2/2", "2": "2/2"}
@@ -38,11 +38,12 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     ones = [r for r in res["runs"] if r["method"] == "plain@B=1 beside"]
     assert [(r["batch"], r["round"]) for r in ones] == [(2, 0), (2, 1)] and all(r["decode_tokens"] > 0 for r in ones)
     assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain", "ratio_of_medians"}
+    assert res["summary"]["full"]["ngram@auto"]["2"]["ratio_to_best"] > 0  # every slot busy: beside, not a target
     assert len(res["runs"]) == 2 * 2 * 3 + 2  # batch sizes x rounds x methods, and the one beside plain at B = 2
     assert all(r["decode_tokens"] > 0 for r in res["runs"])
     assert any("0.97x" in t["target"] for t in res["targets"])
     md = (out / "batch.md").read_text()
-    assert "| plain |" in md and "| ngram@auto |" in md and "Targets:" in md
+    assert "| plain |" in md and "| ngram@auto |" in md and "Targets:" in md and "every slot busy" in md
     assert (out / "bench_batch.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -76,6 +77,9 @@ def test_a_run_keeps_b_sequences_decoding_while_prompts_wait(assets):
             a.step()
     r = run.result(0)
     assert r.tokens == [a.result(0).tokens[0] for a in alone] and r.decode_tokens > 0 and None not in run.start
+    # every slot busy: all but the queue's end, where the fifth prompt decodes alone; alone, every step
+    assert 0 < r.full_tokens < r.decode_tokens and 0 < r.full_seconds < r.decode_seconds
+    assert all(x.full_tokens == x.decode_tokens and x.full_seconds == x.decode_seconds for x in (a.result(0) for a in alone))
 
 
 def test_an_auto_method_keeps_one_policy_across_prompts_and_rounds(assets):

@@ -6,7 +6,8 @@ runs); once per method: plain,
 each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy per auto method for the whole bench,
 as a server keeps one: what it learns at B=1 on one prompt it still knows at the next). Within a round every
 method's engine runs at once, stepped in turn (one step each, the order rotating by round); each method's clock is
-the sum of its own steps' durations, decode only (the steps that prefilled a prompt are not counted).
+the sum of its own steps' durations, decode only (the steps that prefilled a prompt are not counted); beside it, the
+throughput over the steps that decoded B sequences (every slot busy: the queue's end, as the batch drains, left out).
 Each figure is the median over the rounds, and each ratio of two methods the median over rounds of the ratio within
 a round (they ran side by side); what each one means: docs/benchmarks.md, "Batches".
 
@@ -84,6 +85,8 @@ class BatchRun:
     tokens_per_forward: float  # emitted tokens per sequence per decode step (the mean accepted length)
     steps: int  # decode steps
     tokens: list[list[int]] = field(repr=False)  # every sequence's whole generation (for the identity check)
+    full_tokens: int = 0  # of decode_tokens, those of the steps that decoded B sequences (every slot busy)
+    full_seconds: float = 0.0  # those steps' seconds (the rest: the queue's end, as the batch drains)
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,6 +95,11 @@ class BatchRun:
     @property
     def cpu_tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_cpu_seconds if self.decode_cpu_seconds > 0 else 0.0
+
+    @property
+    def full_tokens_per_second(self) -> float:
+        """Throughput at B itself: over the steps that decoded B sequences (a server's steady state at B)."""
+        return self.full_tokens / self.full_seconds if self.full_seconds > 0 else 0.0
 
 
 class _Run:
@@ -110,7 +118,8 @@ class _Run:
         self.engine = Engine(model.module, max_batch=b, depth=policy if method.k == "auto" else None)
         n = len(prompts)
         self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
-        self.clock = self.cpu = self.prefill = 0.0
+        self.clock = self.cpu = self.prefill = self.full_clock = 0.0
+        self.full_tok = 0  # tokens of the steps that decoded b sequences, and their seconds (full_clock)
         self.start: list[float | None] = [None] * n  # the clock when it joined the batch
         self.last, self.n_tok, self.lat = [0.0] * n, [0] * n, []
         self.drafted = self.seq_steps = self.steps = 0
@@ -130,7 +139,7 @@ class _Run:
     def step(self) -> None:
         """One engine step, timed; a step that prefills (some of) a prompt is prefill time, its tokens not counted."""
         e = self.engine
-        decoding = not e.admitting
+        decoding, full = not e.admitting, len(e.running) == self.b
         t0, c0 = perf_counter(), process_time()
         rec = e.step()
         dt, dc = perf_counter() - t0, process_time() - c0
@@ -143,6 +152,8 @@ class _Run:
                     self.start[i] = self.last[i] = self.clock
             return
         self.clock, self.cpu = self.clock + dt, self.cpu + dc
+        if full:
+            self.full_clock, self.full_tok = self.full_clock + dt, self.full_tok + sum(self.got.values())
         if rec is not None:
             self.steps, self.seq_steps = self.steps + 1, self.seq_steps + len(rec.seqs)
             self.drafted += sum(s.drafted for s in rec.seqs)
@@ -161,6 +172,7 @@ class _Run:
             mean_depth=self.drafted / self.seq_steps if self.seq_steps else 0.0, steps=self.steps,
             tokens_per_forward=sum(self.n_tok) / self.seq_steps if self.seq_steps else 0.0,
             tokens=[self.engine.finished[s].result().tokens for s in self.sids if s in self.engine.finished],  # BESIDE: stopped midway
+            full_tokens=self.full_tok, full_seconds=self.full_clock,
         )
 
 
@@ -223,7 +235,7 @@ def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: li
     return runs
 
 
-METRICS = ("tokens_per_second", "cpu_tokens_per_second", "seconds_per_token", "p50_token_latency", "p99_token_latency",
+METRICS = ("tokens_per_second", "cpu_tokens_per_second", "full_tokens_per_second", "seconds_per_token", "p50_token_latency", "p99_token_latency",
            "mean_depth", "tokens_per_forward", "decode_tokens")
 
 
@@ -262,7 +274,8 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
         across[str(b_n)] = f"{sum(t == first.setdefault(i, t) for i, t in enumerate(toks))}/{len(toks)}"
     wall, cpu = (_ratios(table, runs, methods, batches, key) | {"plain_scaling_beside": _beside(runs, batches, key)}
                  for key in ("tokens_per_second", "cpu_tokens_per_second"))
-    return {"table": table, **wall, "mismatches": mismatches, "agreement_across_batch": across, "cpu": cpu}
+    full = _ratios(table, runs, methods, batches, "full_tokens_per_second")["auto"]  # B slots busy: the drain left out
+    return {"table": table, **wall, "mismatches": mismatches, "agreement_across_batch": across, "cpu": cpu, "full": full}
 
 
 def _beside(runs: list[BatchRun], batches: list[int], key: str) -> dict:
@@ -339,6 +352,8 @@ def markdown(result: dict, image: str | None) -> str:
         f"{c['max_new_tokens']} new tokens per sequence, temperature {c['temperature']}, {c['threads']} thread(s), median of {c['rounds']} rounds (methods alternate "
         "within a round; one `--k auto` policy per method for the whole run). Decode only: the steps that prefilled a prompt are not timed.",
         *table("## Throughput (tokens/s, all sequences)", lambda x: f"{x['tokens_per_second']:.1f}"),
+        *table("## Throughput with every slot busy (tokens/s over the steps that decoded B sequences: the queue's end, as "
+               "the batch drains, left out)", lambda x: f"{x['full_tokens_per_second']:.1f}"),
         *table("## Throughput by CPU time (tokens per CPU second of this process: with one thread, little moved by other jobs)",
                lambda x: f"{x['cpu_tokens_per_second']:.1f}"),
         *table("## Speedup over plain at the same B", lambda x: f"{x['speedup']:.2f}" if x["speedup"] else "-"),
@@ -358,6 +373,9 @@ def markdown(result: dict, image: str | None) -> str:
             f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']}; ratio of medians {v['ratio_of_medians']:.2f})"
             for b, v in per_b.items() if v["ratio_to_best"] is not None and v["ratio_of_medians"] is not None) + "\n"
             for lab, per_b in r["auto"].items()]
+    lines += [f"{lab} over the best of plain and fixed D with every slot busy (not a target: the drain left out): " + ", ".join(
+        f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']})" for b, v in per_b.items() if v["ratio_to_best"] is not None) + "\n"
+        for lab, per_b in s.get("full", {}).items()]
     if s["agreement_across_batch"]:
         lines.append("Plain at B against plain at the smallest B with the same prompt (default mode): "
                      + ", ".join(f"B={b}: {v}" for b, v in s["agreement_across_batch"].items()))
@@ -406,7 +424,7 @@ def run_batch_bench(setup, drafters: list[str], ks: list[int | str], batches: li
                                   "temperature": temperature, "seed": seed, "rounds": rounds, "elapsed_seconds": perf_counter() - t_start,
                                   "timing": "decode only: the engine steps that prefilled a group's prompts are not timed"},
         "summary": summary,
-        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {k: getattr(r, k) for k in METRICS[:2]} for r in runs],
+        "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {k: getattr(r, k) for k in METRICS[:3]} for r in runs],
         "targets": check_targets(summary, setup.config["model_name"]),
     }
     out = Path(out)
