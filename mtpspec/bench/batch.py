@@ -74,10 +74,10 @@ class BatchRun:
     method: str
     batch: int
     round: int
-    decode_tokens: int  # tokens emitted in decode steps (not in a step that prefilled a group's prompts)
+    decode_tokens: int  # tokens emitted in decode steps (not in a step that prefilled a prompt)
     decode_seconds: float  # the decode steps' seconds
     decode_cpu_seconds: float  # the process's CPU time over the same span (with one thread: little moved by other jobs)
-    prefill_seconds: float  # the other steps (each prefilled prompts and decoded those of the group already in)
+    prefill_seconds: float  # the other steps (each prefilled a prompt and decoded the sequences already in)
     seconds_per_token: float  # mean over sequences of its decode seconds / its decode tokens
     p50_token_latency: float | None
     p99_token_latency: float | None
@@ -375,7 +375,7 @@ def markdown(result: dict, image: str | None) -> str:
             for lab, per_b in r["auto"].items()]
     lines += [f"{lab} over the best of plain and fixed D with every slot busy (not a target: the drain left out): " + ", ".join(
         f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']})" for b, v in per_b.items() if v["ratio_to_best"] is not None) + "\n"
-        for lab, per_b in s.get("full", {}).items()]
+        for lab, per_b in s["full"].items()]
     if s["agreement_across_batch"]:
         lines.append("Plain at B against plain at the smallest B with the same prompt (default mode): "
                      + ", ".join(f"B={b}: {v}" for b, v in s["agreement_across_batch"].items()))
@@ -422,7 +422,7 @@ def run_batch_bench(setup, drafters: list[str], ks: list[int | str], batches: li
     result = {
         "config": setup.config | {"batches": batches, "methods": [m.label for m in methods], "k_max_auto": K_MAX_AUTO,
                                   "temperature": temperature, "seed": seed, "rounds": rounds, "elapsed_seconds": perf_counter() - t_start,
-                                  "timing": "decode only: the engine steps that prefilled a group's prompts are not timed"},
+                                  "timing": "decode only: the engine steps that prefilled a prompt are not timed"},
         "summary": summary,
         "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} | {k: getattr(r, k) for k in METRICS[:3]} for r in runs],
         "targets": check_targets(summary, setup.config["model_name"]),
