@@ -16,8 +16,9 @@ curve through every drafting size's median instead, rising from the narrowest, p
 beside the chosen one that has not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
 each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
 estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
-(AcceptancePool), whose average is also a new sequence's prior; a new sequence's first `start_steps` drafting steps
-run warmup_depth deep (beside older sequences: as deep as they draft), its first tokens being the hardest. Plain wins
+(AcceptancePool), whose average is also a new sequence's prior; in a batch, a new sequence's first `start_steps`
+drafting steps run warmup_depth deep (beside older sequences: no deeper than they draft), its first tokens being the
+hardest (a lone sequence: its estimates decide). Plain wins
 ties: each drafting sequence must promise `margin` (3%, plus 10% of c / T(1) for the part of c paid per sequence, 1 -
 phi) of its share of the rate, for costs unseen here (a draft model's catch-up); a drafter that could not pay with
 every draft accepted is never tried. A plain
@@ -358,7 +359,7 @@ class AdaptiveDepth:
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
-        start_steps: int = 6,  # a new sequence's first drafting steps: warmup_depth deep (beside older ones: no deeper)
+        start_steps: int = 6,  # a new sequence's first drafting steps in a batch: warmup_depth deep (beside older ones: no deeper)
         pool: AcceptancePool | None = None,  # acceptance over every sequence served (shared by ByBatchSize's classes)
         smooth_cost: bool = False,  # T off one rising curve through every drafting size seen (ByBatchSize: for B >= 2)
     ) -> None:
@@ -430,15 +431,17 @@ class AdaptiveDepth:
         return ds
 
     def _start(self, ds: list[int], states: list[SeqAcceptance], caps: list[int]) -> list[int]:
-        """A new sequence's first `start_steps` drafting steps, whatever its estimates say: warmup_depth deep where the
-        whole batch is new, else as deep as the batch's others draft, never deeper (one start must not widen a batch's
-        grid). Its estimates are a prior and a check or two, and a sequence's first tokens are the hardest to draft
-        (demo, HumanEval, D = 3: 2.08 tokens a step over a group's first 4 steps, 3.0 after 16). Estimated, a new group
-        of 4 drafted 5-7 deep on its first step, fell to plain or 1-2 deep after the first misses, and ran 0.92 of
+        """A new sequence's first `start_steps` drafting steps in a batch, whatever its estimates say: warmup_depth deep
+        where the whole batch is new, else as deep as the batch's others draft, never deeper (one start must not widen a
+        batch's grid). Its estimates are a prior and a check or two, and a sequence's first tokens are the hardest to
+        draft (demo, HumanEval, D = 3: 2.08 tokens a step over a group's first 4 steps, 3.0 after 16). Estimated, a new
+        group of 4 drafted 5-7 deep on its first step, fell to plain or 1-2 deep after the first misses, and ran 0.92 of
         D = 3's tokens/s over its first 8 steps; with the rule, side by side on the VM, B = 4 went from 0.96 to 0.98 of
-        the best fixed D (docs/benchmarks.md, "Batches"). Not in a step the policy left plain, nor in a batch probe."""
+        the best fixed D (docs/benchmarks.md, "Batches"). Not in a step the policy left plain, nor in a batch probe, nor
+        for a lone sequence: it widens no one's grid, and held 3 deep where D = 5 is best, B = 1 ran 0.958 of D = 5, its
+        estimates deciding 0.977 (in-process A/B on the VM, docs/benchmarks.md, "A start beside no one")."""
         new = [st.drafts < self.start_steps for st in states]
-        if not any(ds) or not any(new):
+        if not any(ds) or not any(new) or len(states) == 1:
             return ds
         top = max([d for d, n in zip(ds, new) if not n], default=self.warmup_depth)
         return [min(max(d, min(self.warmup_depth, top)), top, cap) if n else d for d, n, cap in zip(ds, new, caps)]

@@ -19,9 +19,9 @@ the drafter's catch-up after plain steps (the MTP head runs over the tokens it m
 cost across widths; so a change that leans on those (the cost margin) can win here and lose on the machine.
 
     .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # ~35 s (demo, 16 prompts)
-    .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 2,4,8,16 \
+    .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 1,2,4,8,16 \
         [--seeds 12] [--spread 0.15] [--drift 0.03] [--spike 0.05] [--option cost_margin=0.0 ...] \
-        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48 | --groups]   # ~10 s per B
+        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48 | --groups] [--fresh]   # ~10 s per B
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ import time
 from mtpspec.types import BatchStep, Draft, SeqStep
 
 # batch size -> (plain forward, forward at width 2, per width beyond, drafting per step, per draft level) in ms: the
-# demo's medians over 3 runs of 5 methods (one thread, humaneval, 128 tokens); sizes between are interpolated
-DEMO_COST = {1: (8.5, 8.7, 0.5, 0.4, 0.5), 2: (8.9, 10.0, 0.9, 0.5, 1.45), 4: (9.6, 11.4, 1.0, 1.1, 1.05),
-             8: (15.7, 19.7, 2.6, 1.3, 2.3), 16: (22.8, 34.8, 6.5, 2.6, 3.9)}
+# demo's medians by width over plain and fixed D = 1-6, one round at each B (one thread, humaneval, 128 tokens; the
+# 2-core Intel Xeon VM, 2026-12-04 18:00 UTC); sizes between are interpolated. The first set (2026-12-03, an AMD EPYC
+# VM: 8.5, 8.7, 0.5, 0.4, 0.5 at B = 1) priced drafting at 60% of this one's, and its best fixed D at B = 16 was 2
+DEMO_COST = {1: (10.27, 11.05, 0.46, 0.57, 0.67), 2: (11.13, 14.11, 0.96, 0.76, 0.98), 4: (12.93, 17.22, 1.78, 0.99, 1.29),
+             8: (15.95, 22.48, 3.44, 1.24, 1.89), 16: (22.92, 34.51, 5.31, 2.04, 3.04)}
 
 
 class Peek:
@@ -163,11 +165,19 @@ def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: in
     return statistics.median(rates)
 
 
-def compare(table: list[list[int]], batch: int, policies: dict, seeds: int, **noise) -> dict[str, float]:
-    """Mean tokens/s over `seeds` of plain, fixed D = 1..5 and each policy (name -> factory)."""
+def compare(table: list[list[int]], batch: int, policies: dict, seeds: int, before: tuple[int, ...] = (),
+            **noise) -> dict[str, float]:
+    """Mean tokens/s over `seeds` of plain, fixed D = 1..5 and each policy (name -> factory); `before`: batch sizes
+    each policy first serves for one round (as `bench --batch` keeps one policy from B = 1 up)."""
     makers = {"plain": lambda: Fixed(0), **{f"mtp@{d}": (lambda d=d: Fixed(d)) for d in range(1, 6)}, **policies}
-    return {name: statistics.mean(replay(make(), table, batch, seed=s, **noise) for s in range(seeds))
-            for name, make in makers.items()}
+
+    def run(make, s: int) -> float:
+        policy = make()
+        for b in before:
+            replay(policy, table, b, rounds=1, seed=1000 + s, **noise)
+        return replay(policy, table, batch, seed=s, **noise)
+
+    return {name: statistics.mean(run(make, s) for s in range(seeds)) for name, make in makers.items()}
 
 
 def main() -> None:
@@ -191,6 +201,8 @@ def main() -> None:
                      "one leaves; default: the table's prompts, as the bench)")
     run.add_argument("--groups", action="store_true", help="the prompts in groups of B, each after the last has left "
                      "(the bench until 2026-12-04)")
+    run.add_argument("--fresh", action="store_true", help="a new policy at each B (default: it first serves each "
+                     "smaller B of --batch for a round, as the bench's one policy does)")
     run.add_argument("--option", action="append", default=[], help="name=value for the auto policy (repeatable)")
     run.add_argument("--cost", action="append", default=[], help="B=plain,width2,per_width,draft,per_level in ms: replaces "
                      "one batch size's costs (repeatable)")
@@ -215,9 +227,11 @@ def main() -> None:
         if len(costs[int(b)]) != 5:
             raise SystemExit(f"--cost {c}: give five numbers (plain, width 2, per width, draft, per level)")
     policies = {"mtp@auto": lambda: ByBatchSize(k_max=min(K_MAX_AUTO, k), **options)}
-    for b in (int(x) for x in args.batch.split(",")):
-        rates = compare(table, b, policies, args.seeds, spread=args.spread, drift=args.drift, spike=args.spike, costs=costs,
-                        k=k, queue=0 if args.groups else args.queue or len(table))
+    batches = sorted(int(x) for x in args.batch.split(","))
+    for b in batches:
+        before = () if args.fresh else tuple(x for x in batches if x < b)
+        rates = compare(table, b, policies, args.seeds, before, spread=args.spread, drift=args.drift, spike=args.spike,
+                        costs=costs, k=k, queue=0 if args.groups else args.queue or len(table))
         best = max(v for name, v in rates.items() if name not in policies)
         print(f"B={b:2d} " + "  ".join(f"{name} {v:.0f} ({v / best:.3f})" for name, v in rates.items()), flush=True)
 

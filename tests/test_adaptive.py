@@ -331,7 +331,7 @@ def test_drop_forgets_a_sequence():
     p.drop(0)
     assert 0 not in p.seqs
     fresh = p.next_depths([0], 8)[0]  # seq id 0 again: a new sequence, back to the prior
-    assert p.seqs[0].gains(8, p.shrink)[0] > low[0] and fresh == p.warmup_depth  # new: its start (start_steps)
+    assert p.seqs[0].gains(8, p.shrink)[0] > low[0] and fresh > 0  # new: drafting on the prior (the old one was plain)
 
 
 def test_policy_has_no_clock():
@@ -444,6 +444,17 @@ def test_a_new_sequence_starts_at_the_warmup_depth_however_its_first_drafts_go()
     drive_batch(shallow, 150, [0.95] * 4)
     ds = shallow.next_depths([0, 1, 2, 30], 8)
     assert 0 < max(ds[:3]) < shallow.warmup_depth and ds[3] == max(ds[:3])
+
+
+def test_a_lone_new_sequence_drafts_as_its_estimates_say():
+    """Alone, a new sequence widens no one's grid: no start rule, its prior decides (a pool at 0.95: 5+ deep, where the
+    start rule held it at warmup_depth; demo B = 1, where D = 5 is best: 0.958 of D = 5 with the rule, 0.977 without)."""
+    p = AdaptiveDepth(k_max=8, draft_cost=2e-5, target_cost=1e-3, width_probe=0)
+    flat = lambda n: 1e-3 * (1.0 + 0.01 * n)  # rows nearly free: depth is worth its drafts
+    drive_batch(p, 150, [0.95] * 4, cost=flat)  # the pool learns 0.95: a new sequence's prior
+    for i in range(4):
+        p.drop(i)
+    assert p.next_depths([10], 8)[0] >= 5 > p.warmup_depth
 
 
 @pytest.mark.parametrize("batched", [True, False])
