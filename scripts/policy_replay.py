@@ -168,12 +168,13 @@ def replay(policy, table: list[list[int]], batch: int, rounds: int = 3, seed: in
 def compare(table: list[list[int]], batch: int, policies: dict, seeds: int, before: tuple[int, ...] = (),
             **noise) -> dict[str, float]:
     """Mean tokens/s over `seeds` of plain, fixed D = 1..5 and each policy (name -> factory); `before`: batch sizes
-    each policy first serves for one round (as `bench --batch` keeps one policy from B = 1 up)."""
+    each policy first serves for one round (as `bench --batch` keeps one policy from B = 1 up; a fixed depth learns
+    nothing, so it does not)."""
     makers = {"plain": lambda: Fixed(0), **{f"mtp@{d}": (lambda d=d: Fixed(d)) for d in range(1, 6)}, **policies}
 
     def run(make, s: int) -> float:
         policy = make()
-        for b in before:
+        for b in before if not isinstance(policy, Fixed) else ():
             replay(policy, table, b, rounds=1, seed=1000 + s, **noise)
         return replay(policy, table, batch, seed=s, **noise)
 
