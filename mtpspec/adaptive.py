@@ -349,7 +349,13 @@ class AdaptiveDepth:
         target_cost: float | None = None,  # prior seconds of a one-position target forward T(1) (None: learn)
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,  # a new sequence's acceptance until the pool has seen drafts
-        shrink: float = 2.0,  # pseudo-observations pulling each a_j toward the pooled estimate
+        # pseudo-observations pulling each a_j toward the sequence's pooled acceptance times the pool's shape: one
+        # sequence's count at one position is a few dozen decayed checks, mostly noise. Scored on the demo's recorded
+        # drafts (Brier score of each check's estimate on fixed D = 3 and 5 paths), 2 predicted worst and 16-64 best on
+        # HumanEval and on Spec-Bench's mixed categories (where the sequence's own level matters: pool-wide estimates
+        # scored 6% worse); with 2, a lone sequence cut its depth on estimates that regressed to the mean (replay,
+        # B = 1: 0.974 of D = 5 with 2, 0.983 with 32; docs/benchmarks.md, "Estimates that trust a sequence's level")
+        shrink: float = 32.0,
         forget: float = 0.98,  # per plain step, acceptance evidence fades toward its long-run level
         explore: float = 0.02,  # share of time that probing may cost
         probe_min: int = 4,  # fewest plain steps between probes

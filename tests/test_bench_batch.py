@@ -37,7 +37,8 @@ def test_batch_bench_writes_json_markdown_png(tmp_path, assets):
     assert beside["1"] == 1.0 and beside["2"] > 0 and set(res["summary"]["cpu"]["plain_scaling_beside"]) == {"1", "2"}
     ones = [r for r in res["runs"] if r["method"] == "plain@B=1 beside"]
     assert [(r["batch"], r["round"]) for r in ones] == [(2, 0), (2, 1)] and all(r["decode_tokens"] > 0 for r in ones)
-    assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain", "ratio_of_medians"}
+    assert set(res["summary"]["auto"]["ngram@auto"]["2"]) == {"best", "ratio_to_best", "ratio_to_plain", "ratio_of_medians",
+                                                              "ratio_to_held_out"}
     assert res["summary"]["full"]["ngram@auto"]["2"]["ratio_to_best"] > 0  # every slot busy: beside, not a target
     assert len(res["runs"]) == 2 * 2 * 3 + 2  # batch sizes x rounds x methods, and the one beside plain at B = 2
     assert all(r["decode_tokens"] > 0 for r in res["runs"])
@@ -135,6 +136,30 @@ def test_ratios_pair_the_methods_round_by_round():
     assert auto["best"] == "ngram@2" and auto["ratio_of_medians"] == pytest.approx(290 / 300)
     assert auto["ratio_to_best"] == pytest.approx(1.0)  # per round: 290/300, 360/360, 245/240
     assert auto["ratio_to_plain"] == pytest.approx(1.5) and s["plain_scaling_beside"] == {"2": pytest.approx(4.0)}
+
+
+def test_the_held_out_rival_is_picked_on_the_other_rounds():
+    """Two rivals that tie, each lucky in one round: the best by median is the one lucky where auto is judged against
+    it, so auto ties both and reads 0.99 of it; picked on the other rounds, each round's rival is judged on its own
+    luck (1.00)."""
+    from mtpspec.bench.batch import BatchMethod, BatchRun, summarize
+
+    def run(method, rnd, tps):
+        return BatchRun(method=method, batch=2, round=rnd, decode_tokens=int(tps), decode_seconds=1.0, decode_cpu_seconds=1.0,
+                        prefill_seconds=0.0, seconds_per_token=1.0, p50_token_latency=None, p99_token_latency=None,
+                        mean_depth=1.0, tokens_per_forward=1.0, steps=1, tokens=[])
+
+    rows = {"plain": [50, 50, 50], "ngram@2": [106, 100, 101], "ngram@3": [100, 106, 100], "ngram@auto": [100, 100, 100]}
+    runs = [run(lab, r, v) for lab, vs in rows.items() for r, v in enumerate(vs)]
+    methods = [BatchMethod("none", 1), BatchMethod("ngram", 2), BatchMethod("ngram", 3), BatchMethod("ngram", "auto")]
+    auto = summarize(runs, methods, [2], greedy=False)["auto"]["ngram@auto"]["2"]
+    # in-sample: ngram@2 (median 101); per round 100/106, 100/100, 100/101
+    assert auto["best"] == "ngram@2" and auto["ratio_to_best"] == pytest.approx(100 / 101)
+    # held out: round 0 judged against ngram@3 (103 in rounds 1-2), round 1 against ngram@2 (103.5), round 2 a tie
+    # (103 each: the first listed, ngram@2): 100/100, 100/100, 100/101
+    assert auto["ratio_to_held_out"] == pytest.approx(1.0)
+    one = summarize([x for x in runs if x.round == 0], methods, [2], greedy=False)["auto"]["ngram@auto"]["2"]
+    assert one["ratio_to_held_out"] is None  # one round: no other round to pick on
 
 
 @pytest.mark.parametrize("value, message", [("0", "must be >= 1, got 0"), ("-1", "must be >= 1, got -1"), ("x", "got 'x'"),

@@ -293,7 +293,11 @@ def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batch
     """By throughput `key`: each auto method over plain and over the best of plain and its drafter's fixed depths
     at each B; plain at each B over plain at B = 1 (across phases). The best is the one of highest median; each ratio
     is the median over rounds of that round's ratio (the methods ran side by side within a round, not across rounds: a
-    ratio of medians can pair one round's auto with another's rival), with the ratio of the medians beside it."""
+    ratio of medians can pair one round's auto with another's rival), with the ratio of the medians beside it.
+    `ratio_to_held_out`: each round's auto over the rival best in the other rounds. Picked and judged on the same
+    rounds, the best of several rivals within the noise of each other is the luckiest of them (demo, B = 16: D = 1-4
+    within 2%, the best by 1-3% in a round), so auto's ratio to it reads low even where auto ties each; picked on
+    other rounds, the rival's luck in the judged round is its own. Not the target: beside it."""
     auto = {}
     for m in [m for m in methods if m.k == "auto"]:
         rivals = ["plain"] + [x.label for x in methods if x.drafter == m.drafter and x.k != "auto"]
@@ -302,9 +306,24 @@ def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batch
             best = max(rivals, key=lambda lab: table[lab][str(b)][key])
             auto[m.label][str(b)] = {"best": best, "ratio_to_best": _paired(runs, m.label, best, b, key),
                                      "ratio_to_plain": _paired(runs, m.label, "plain", b, key),
-                                     "ratio_of_medians": _over(table[m.label][str(b)][key], table[best][str(b)][key])}
+                                     "ratio_of_medians": _over(table[m.label][str(b)][key], table[best][str(b)][key]),
+                                     "ratio_to_held_out": _held_out(runs, m.label, rivals, b, key)}
     p1 = table["plain"]["1"][key] if 1 in batches else None
     return {"auto": auto, "plain_scaling": {str(b): table["plain"][str(b)][key] / p1 for b in batches} if p1 else {}}
+
+
+def _held_out(runs: list[BatchRun], num: str, rivals: list[str], b: int, key: str) -> float | None:
+    """The median over rounds of `num`'s `key` over that of the rival with the highest median in the other rounds
+    (None under 2 rounds)."""
+    by = {(r.method, r.round): getattr(r, key) for r in runs if r.batch == b}
+    rounds = sorted({rnd for m, rnd in by if m == num})
+    ratios = []
+    for rnd in rounds:
+        others = {lab: _median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
+        others = {lab: v for lab, v in others.items() if v is not None and (lab, rnd) in by}
+        if others:
+            ratios.append(_over(by[num, rnd], by[max(others, key=others.get), rnd]))
+    return _median(ratios) if len(rounds) >= 2 else None
 
 
 def _over(a: float, b: float) -> float | None:
@@ -330,8 +349,10 @@ def check_targets(summary: dict, model_name: str) -> list[dict]:
         worst = min(per_b, key=lambda b: per_b[b]["ratio_to_best"] or 0.0)
         cpu_worst = min(x["ratio_to_best"] or 0.0 for x in cpu["auto"][lab].values())
         medians = min(x["ratio_of_medians"] or 0.0 for x in per_b.values())
+        held = [x["ratio_to_held_out"] for x in per_b.values() if x.get("ratio_to_held_out")]
+        held_out = f"; over the rival best in the other rounds, worst {min(held):.2f}" if len(held) == len(per_b) else ""
         out.append(target(f"{lab} >= 0.97x the best of plain and fixed D at every B, per round (worst: B={worst}, vs {per_b[worst]['best']})",
-                          per_b[worst]["ratio_to_best"] or 0.0, 0.97, f"ratio of medians, worst {medians:.2f}; by CPU time {cpu_worst:.2f}"))
+                          per_b[worst]["ratio_to_best"] or 0.0, 0.97, f"ratio of medians, worst {medians:.2f}{held_out}; by CPU time {cpu_worst:.2f}"))
         out += [target(f"{lab} >= 1.3x plain at B={b}" + ("" if model_name == "demo" else " (stated for the demo model)"),
                        per_b[b]["ratio_to_plain"] or 0.0, 1.3, f"by CPU time {cpu['auto'][lab][b]['ratio_to_plain'] or 0.0:.2f}")
                 for b in ("1", "2") if b in per_b]
@@ -370,7 +391,8 @@ def markdown(result: dict, image: str | None) -> str:
             lines.append(f"Plain throughput over one sequence stepped beside it{name}: "
                          + ", ".join(f"B={b}: {v:.2f}x" for b, v in r["plain_scaling_beside"].items()) + "\n")
         lines += [f"{lab} over the best of plain and fixed D{name}: " + ", ".join(
-            f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']}; ratio of medians {v['ratio_of_medians']:.2f})"
+            f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']}; ratio of medians {v['ratio_of_medians']:.2f}"
+            + (f"; over the rival best in the other rounds {v['ratio_to_held_out']:.2f}" if v["ratio_to_held_out"] else "") + ")"
             for b, v in per_b.items() if v["ratio_to_best"] is not None and v["ratio_of_medians"] is not None) + "\n"
             for lab, per_b in r["auto"].items()]
     lines += [f"{lab} over the best of plain and fixed D with every slot busy (not a target: the drain left out): " + ", ".join(
