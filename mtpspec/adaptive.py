@@ -351,7 +351,7 @@ class AdaptiveDepth:
         prior_acceptance: float = 0.6,  # a new sequence's acceptance until the pool has seen drafts
         # pseudo-observations pulling each a_j toward the sequence's pooled acceptance times the pool's shape: one
         # sequence's count at one position is a few dozen decayed checks, mostly noise. Scored on the demo's recorded
-        # drafts (Brier score of each check's estimate on fixed D = 3 and 5 paths), 2 predicted worst and 16-64 best on
+        # drafts (Brier score of each check's estimate on fixed D = 3 and 5 paths), 2 scored 3-4% worse than 16-64, the best on
         # HumanEval and on Spec-Bench's mixed categories (where the sequence's own level matters: pool-wide estimates
         # scored 6% worse); with 2, a lone sequence cut its depth on estimates that regressed to the mean (replay,
         # B = 1: 0.974 of D = 5 with 2, 0.983 with 32; docs/benchmarks.md, "Estimates that trust a sequence's level")

@@ -117,19 +117,23 @@ def test_the_sequence_beside_plain_stops_with_it(assets):
     assert r.decode_tokens == 3 and r.steps == 3 and r.tokens == []
 
 
+def _run(method, rnd, tps, batch=2):
+    """A BatchRun of `tps` tokens in one second."""
+    from mtpspec.bench.batch import BatchRun
+
+    return BatchRun(method=method, batch=batch, round=rnd, decode_tokens=int(tps), decode_seconds=1.0, decode_cpu_seconds=1.0,
+                    prefill_seconds=0.0, seconds_per_token=1.0, p50_token_latency=None, p99_token_latency=None,
+                    mean_depth=1.0, tokens_per_forward=1.0, steps=1, tokens=[])
+
+
 def test_ratios_pair_the_methods_round_by_round():
     """auto against its rival is the median over rounds of the ratio within a round (they ran side by side), not the
     ratio of their medians, which here pairs auto's round 1 with the rival's round 2."""
-    from mtpspec.bench.batch import BESIDE, BatchMethod, BatchRun, summarize
-
-    def run(method, rnd, tps, batch=2):
-        return BatchRun(method=method, batch=batch, round=rnd, decode_tokens=int(tps), decode_seconds=1.0, decode_cpu_seconds=1.0,
-                        prefill_seconds=0.0, seconds_per_token=1.0, p50_token_latency=None, p99_token_latency=None,
-                        mean_depth=1.0, tokens_per_forward=1.0, steps=1, tokens=[])
+    from mtpspec.bench.batch import BESIDE, BatchMethod, summarize
 
     speed = [100, 120, 80]  # the machine's speed in each round: every method alike
-    runs = [run("plain", r, 2 * v) for r, v in enumerate(speed)] + [run("ngram@2", r, 3 * v) for r, v in enumerate(speed)]
-    runs += [run("ngram@auto", r, v) for r, v in enumerate([290, 360, 245])] + [run(BESIDE, r, v / 2) for r, v in enumerate(speed)]
+    runs = [_run("plain", r, 2 * v) for r, v in enumerate(speed)] + [_run("ngram@2", r, 3 * v) for r, v in enumerate(speed)]
+    runs += [_run("ngram@auto", r, v) for r, v in enumerate([290, 360, 245])] + [_run(BESIDE, r, v / 2) for r, v in enumerate(speed)]
     methods = [BatchMethod("none", 1), BatchMethod("ngram", 2), BatchMethod("ngram", "auto")]
     s = summarize(runs, methods, [2], greedy=False)
     auto = s["auto"]["ngram@auto"]["2"]
@@ -142,15 +146,10 @@ def test_the_held_out_rival_is_picked_on_the_other_rounds():
     """Two rivals that tie, each lucky in one round: the best by median is the one lucky where auto is judged against
     it, so auto ties both and reads 0.99 of it; picked on the other rounds, each round's rival is judged on its own
     luck (1.00)."""
-    from mtpspec.bench.batch import BatchMethod, BatchRun, summarize
-
-    def run(method, rnd, tps):
-        return BatchRun(method=method, batch=2, round=rnd, decode_tokens=int(tps), decode_seconds=1.0, decode_cpu_seconds=1.0,
-                        prefill_seconds=0.0, seconds_per_token=1.0, p50_token_latency=None, p99_token_latency=None,
-                        mean_depth=1.0, tokens_per_forward=1.0, steps=1, tokens=[])
+    from mtpspec.bench.batch import BatchMethod, summarize
 
     rows = {"plain": [50, 50, 50], "ngram@2": [106, 100, 101], "ngram@3": [100, 106, 100], "ngram@auto": [100, 100, 100]}
-    runs = [run(lab, r, v) for lab, vs in rows.items() for r, v in enumerate(vs)]
+    runs = [_run(lab, r, v) for lab, vs in rows.items() for r, v in enumerate(vs)]
     methods = [BatchMethod("none", 1), BatchMethod("ngram", 2), BatchMethod("ngram", 3), BatchMethod("ngram", "auto")]
     auto = summarize(runs, methods, [2], greedy=False)["auto"]["ngram@auto"]["2"]
     # in-sample: ngram@2 (median 101); per round 100/106, 100/100, 100/101

@@ -315,15 +315,22 @@ def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batch
 def _held_out(runs: list[BatchRun], num: str, rivals: list[str], b: int, key: str) -> float | None:
     """The median over rounds of `num`'s `key` over that of the rival with the highest median in the other rounds
     (None under 2 rounds)."""
-    by = {(r.method, r.round): getattr(r, key) for r in runs if r.batch == b}
+    by = _by_round(runs, b, key)
     rounds = sorted({rnd for m, rnd in by if m == num})
+    if len(rounds) < 2:
+        return None
     ratios = []
     for rnd in rounds:
         others = {lab: _median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
         others = {lab: v for lab, v in others.items() if v is not None and (lab, rnd) in by}
         if others:
             ratios.append(_over(by[num, rnd], by[max(others, key=others.get), rnd]))
-    return _median(ratios) if len(rounds) >= 2 else None
+    return _median(ratios)
+
+
+def _by_round(runs: list[BatchRun], b: int, key: str) -> dict[tuple[str, int], float]:
+    """(method, round) -> its `key` at batch size b."""
+    return {(r.method, r.round): getattr(r, key) for r in runs if r.batch == b}
 
 
 def _over(a: float, b: float) -> float | None:
@@ -332,7 +339,7 @@ def _over(a: float, b: float) -> float | None:
 
 def _paired(runs: list[BatchRun], num: str, den: str, b: int, key: str) -> float | None:
     """The median over rounds of method `num`'s `key` over method `den`'s in the same round, at batch size b."""
-    by = {(r.method, r.round): getattr(r, key) for r in runs if r.batch == b}
+    by = _by_round(runs, b, key)
     return _median(_over(by[num, rnd], by[den, rnd]) for m, rnd in by if m == num and (den, rnd) in by)
 
 
@@ -349,7 +356,7 @@ def check_targets(summary: dict, model_name: str) -> list[dict]:
         worst = min(per_b, key=lambda b: per_b[b]["ratio_to_best"] or 0.0)
         cpu_worst = min(x["ratio_to_best"] or 0.0 for x in cpu["auto"][lab].values())
         medians = min(x["ratio_of_medians"] or 0.0 for x in per_b.values())
-        held = [x["ratio_to_held_out"] for x in per_b.values() if x.get("ratio_to_held_out")]
+        held = [x["ratio_to_held_out"] for x in per_b.values() if x["ratio_to_held_out"] is not None]
         held_out = f"; over the rival best in the other rounds, worst {min(held):.2f}" if len(held) == len(per_b) else ""
         out.append(target(f"{lab} >= 0.97x the best of plain and fixed D at every B, per round (worst: B={worst}, vs {per_b[worst]['best']})",
                           per_b[worst]["ratio_to_best"] or 0.0, 0.97, f"ratio of medians, worst {medians:.2f}{held_out}; by CPU time {cpu_worst:.2f}"))
@@ -392,7 +399,7 @@ def markdown(result: dict, image: str | None) -> str:
                          + ", ".join(f"B={b}: {v:.2f}x" for b, v in r["plain_scaling_beside"].items()) + "\n")
         lines += [f"{lab} over the best of plain and fixed D{name}: " + ", ".join(
             f"B={b}: {v['ratio_to_best']:.2f} (best {v['best']}; ratio of medians {v['ratio_of_medians']:.2f}"
-            + (f"; over the rival best in the other rounds {v['ratio_to_held_out']:.2f}" if v["ratio_to_held_out"] else "") + ")"
+            + (f"; over the rival best in the other rounds {v['ratio_to_held_out']:.2f}" if v["ratio_to_held_out"] is not None else "") + ")"
             for b, v in per_b.items() if v["ratio_to_best"] is not None and v["ratio_of_medians"] is not None) + "\n"
             for lab, per_b in r["auto"].items()]
     lines += [f"{lab} over the best of plain and fixed D with every slot busy (not a target: the drain left out): " + ", ".join(
