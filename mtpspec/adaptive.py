@@ -4,26 +4,13 @@ whole batch's cost, so that speculation steps aside, smoothly, as the batch fill
     tokens_i(D) = 1 + a_i1 + a_i1 a_i2 + ... + a_i1 ... a_iD   (a_ij = P(draft j ok | drafts before it ok))
     rate        = sum_i tokens_i(D_i) / (T(size) + c (phi max_i D_i + (1 - phi) sum_i D_i) + o)
 
-T(size): a target forward over B x max_i(D_i + 1) positions (`padded`: the batched forward computes attention and
-the DeltaNet on that grid, and on the demo model its cost follows the grid more than the real rows), else
-sum_i (D_i + 1); c: drafter seconds per draft token (its marginal part: what a drafting step pays whatever
-its depth, the drafter's catch-up on the tokens just kept, is paid when plain too), phi: the share of it a
-batched drafter (MTP, EAGLE) pays once for the batch; o: engine seconds per step. All are learned from
-observe() alone (no clock): c only from steps without a catch-up inside and at a batch size whose plain
-forward was seen; T per size seen (the median of its last 5), pulled toward a prior curve where given,
-non-decreasing, and optimistic where unseen so that it gets tried (for a batch, `smooth_cost`: one
-curve through every drafting size's median instead, rising from the narrowest, plain kept apart); a width
-beside the chosen one that has not run for a while runs again, so one slow spell does not keep it out. Ragged, the best n draft positions are the n largest marginal gains a_i1 ... a_ij; padded,
-each width is tried with every sequence drafting the positions below it that pay. a_ij is a decayed
-estimate, shrunk toward the sequence's pooled acceptance times position j's shape over every sequence served
-(AcceptancePool), whose average is also a new sequence's prior; in a batch, a new sequence's first `start_steps`
-drafting steps run warmup_depth deep (beside older sequences: no deeper than they draft), its first tokens being the
-hardest (a lone sequence: its estimates decide). Plain wins
-ties: each drafting sequence must promise `margin` (3%, plus 10% of c / T(1) for the part of c paid per sequence, 1 -
-phi) of its share of the rate, for costs unseen here (a draft model's catch-up); a drafter that could not pay with
-every draft accepted is never tried. A plain
-sequence's estimates fade (`forget`) toward its long-run acceptance; after a run of plain steps it is
-probed at its best D >= 1, so that probes cost about `explore` (2%) of the time (a failure doubles the wait).
+T(size): a target forward over B x max_i(D_i + 1) positions (`padded`: the batched forward's cost follows that
+grid), else over sum_i (D_i + 1); c: drafter seconds per draft token (its marginal part), phi: the share of it a
+batched drafter (MTP, EAGLE) pays once for the batch; o: engine seconds per step. All are learned from observe()
+alone (no clock). a_ij is a decayed per-sequence estimate, shrunk toward the sequence's pooled acceptance times
+position j's shape over every sequence served (AcceptancePool). Plain wins ties (`margin`); a plain sequence's
+estimates fade (`forget`) and it is probed at its best D >= 1 at about `explore` of the time. Never more than one
+draft position deeper than any forward seen. Each rule and the failure it prevents: docs/engine.md, "Depth by batch".
 """
 
 from __future__ import annotations
@@ -35,23 +22,20 @@ from .errors import ConfigError
 from .types import BatchStep
 
 
-# a forward's cost over a batch's drafting widths is a line unless a bend up halves the weighted residual: on the demo
-# it measured straight or bent down (2 sequences: 10.6 ms at width 2 to 18.5 ms at 9), and a bend fitted to one slow
-# narrow width flattened the low end (tests/test_adaptive.py: 1.5 let that bend through, 3 kept a real one out)
+# a forward's cost over a batch's drafting widths is a line unless a bend up halves the weighted residual: measured,
+# it runs straight or bends down, and a bend fitted to one slow narrow width flattened the low end
+# (docs/decisions.md#forward-cost-curve-penalty)
 CURVE_PENALTY = 2.0
 
-# forwards per size whose median, in seconds, is that size's usual cost: the yardstick of the machine's speed. Measured
-# against the size's median in the speed's own units (seconds / speed), the speed drifted: a shared machine's noise only
-# adds time, so a forward over that median averaged 1.03-1.08 of it, the speed rose by that each step and the median
-# fell to match. Over 600 forwards at one width it doubled, and a width not run since then was priced 2x (demo, 8
-# sequences: 63 ms at width 4, measured 34), so the batch stayed at the width it was running
+# forwards per size whose median, in seconds, is that size's usual cost: the yardstick of the machine's speed. In
+# seconds, not in the speed's own units: there a shared machine's noise (it only adds time) ratcheted the speed up
+# step by step and priced widths not run lately too high (docs/decisions.md#machine-speed-yardstick)
 ANCHOR = 63
 
 
 def _least_squares(x: list[list[float]], y: list[float], w: list[float]) -> list[float] | None:
-    """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations (at most 3 columns: plain Python, as the policy's
-    per-step arithmetic is; numpy's lstsq cost 50 us a call, a tenth of the policy's time at 16 sequences); None if
-    singular."""
+    """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations, None if singular. Plain Python (at most 3
+    columns), as the rest of the policy's per-step arithmetic: numpy's lstsq costs more per call than it saves."""
     m = len(x[0])
     a = [[sum(wi * xi[r] * xi[c] for xi, wi in zip(x, w)) for c in range(m)]
          + [sum(wi * xi[r] * yi for xi, yi, wi in zip(x, y, w))] for r in range(m)]
@@ -72,9 +56,8 @@ class ForwardCost:
 
     Kept in units of the machine's current speed: every forward of a size already seen 3 times updates a
     running factor (its seconds over that size's median), and each forward is stored divided by it. A slow spell
-    of a shared machine slows every size alike; stored in seconds, a width measured during one looked dearer than
-    one measured before it, and the policy jumped between widths (demo, 8 sequences: per-round speed drifted 10-25%,
-    and the widths chosen wandered from 2 to 6 where a fixed 4 was best)."""
+    of a shared machine slows every size alike; stored in seconds, the widths measured during one would look
+    dearer than the others and the chosen width would wander."""
 
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None, smooth: bool = False) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
@@ -108,9 +91,8 @@ class ForwardCost:
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
         self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
         if plain and size in self._fitted and abs(self.mean[size] - self._fitted[size]) > 0.1 * self.mean[size]:
-            # a plain forward's T is its own median: refitted now, not up to 8 steps later (demo, 4 sequences: T(4) read
-            # 14.1 ms from forwards seen before, its plain steps ran 19-23 ms, and the batch stayed plain for 8 steps
-            # where D = 3 paid)
+            # a plain forward's T is its own median: refitted now, not up to 8 steps later (a stale, low plain price
+            # makes drafting look dear and keeps the batch plain)
             self._table = []
         self.n += 1
         self.seen[size] = self.n
@@ -166,22 +148,19 @@ class ForwardCost:
             self._table.append(t)
         # the curve only through drafting forwards, from the smallest on: a plain forward (one row per sequence) takes
         # the DeltaNet's recurrent step, a drafting one its chunk form and per-position rollback states, so the first
-        # draft position costs a step (demo, 8 sequences: plain 15.0 ms, widths 2-4 23.2, 26.5, 29.5 ms). Through both,
-        # the convex fit flattened that step: below the vertex the running max lifted plain to the level of the widths
-        # above it (2-3 sequences: T(B w) / T(B) = 1.0 for w = 1-4), so those widths looked free and depth grew
+        # draft position costs a step. A fit through both flattened that step: the running max lifted plain to the
+        # level of the widths above it, so those widths looked free and depth grew
         drafting = [n for n in knots if n not in self.plain]
         q = self._quadratic(drafting) if self.smooth else None
         if q is not None:  # from the smallest drafting size on: the curve, made non-decreasing
             n0 = drafting[0]
             first = q[0] + q[1] * n0 + q[2] * n0 * n0
-            for n in range(1, n0):  # below it, a plain forward: no dearer than the narrowest drafting one. A batch's
-                # plain forwards are few (its first decode step, cold, among them), and one slow one pooled with the
-                # drafting sizes lifted T flat across widths 1-6 for 100 steps (demo, 2 sequences: drafted 5-6 deep)
+            for n in range(1, n0):  # below it, a plain forward: no dearer than the narrowest drafting one (a batch's
+                # plain forwards are few, its cold first decode step among them: one slow one must not lift the curve)
                 self._table[n - 1] = min(self._table[n - 1], first)
             top, last = self._table[n0 - 2] if n0 > 1 else 0.0, max(n for n in drafting if n in self.mean)
-            tangent = q[1] + 2 * q[2] * last  # past the widest drafting size: a line, the curve's slope there. Its
-            # bend is no evidence there: a bend through the narrow sizes, run on, grew T(B w) by 8, 14, 19 ms a width
-            # past them (demo, 8 sequences: 25, 39, 59 ms at widths 4-6, measured 19-22), and the batch drafted 1 deep
+            tangent = q[1] + 2 * q[2] * last  # past the widest drafting size: a line, the curve's slope there (a
+            # bend run on past the data is no evidence: it priced the wider widths far too high)
             for n in range(n0, upto + 1):
                 m = min(n, last)
                 top = max(top, q[0] + q[1] * m + q[2] * m * m + tangent * (n - m))
@@ -190,17 +169,13 @@ class ForwardCost:
     def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
         """T(n) = a + b n + c n^2, rising from the smallest knot n0 (T'(n0) >= 0, c >= 0; a line unless the bend pays,
         CURVE_PENALTY), by least squares through every size's median weighted by its forwards seen (up to 10); None
-        under 3 sizes. One curve through all sizes: each size's own median of 5 wandered by 5-20% between rounds on
-        this VM, as much as a draft position adds to a batch's forward, so the width with the best rate wandered with
-        it (demo, 8 sequences: widths 2-8 chosen where 3-4 were best). Rising from n0, not only convex: a convex fit
-        whose vertex fell inside the range (a rarely run narrow width measured slow) was flattened by the running max,
-        and widths 2-5 looked free (demo, 4 sequences: 16.3-17.1 ms where 15.3-19.0 ms were measured), so the batch
-        drafted 4-5 deep where 3 was best."""
+        under 3 sizes. One curve through all sizes: a size's own median wanders by as much as a draft position adds
+        to a batch's forward, and the chosen width with it. Rising from n0, not only convex: a convex fit whose vertex
+        fell inside the range was flattened by the running max, and the widths there looked free."""
         pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
         if len(pts) < 3:
             return None
-        # a bend is judged on 4 sizes or more: through 3 it fits exactly, so it always "halved the residual" (demo, 8
-        # sequences: two cold forwards at width 4 bent the curve through widths 2-4, and the batch stayed 1 deep)
+        # a bend is judged on 4 sizes or more: through 3 it fits exactly, so it would always "halve the residual"
         shapes = ((0, 1, 2), (0, 2), (0, 1), (0,)) if len(pts) >= 4 else ((0, 1), (0,))
         n0, top = pts[0][0], max(n for n, _, _ in pts)
         data = [((n - n0) / (top - n0), v, w) for n, v, w in pts]  # u: 0 at n0, 1 at the largest size
@@ -225,9 +200,8 @@ class ForwardCost:
 
 class AcceptancePool:
     """Acceptance by draft position over every sequence a policy has served (decayed: about 500 sequence steps of
-    memory): the prior of each new sequence, and how each position runs against a sequence's average. A fixed prior
-    (0.6) under-priced the demo's MTP head (0.8): in a server each request started plain at 16 sequences and stayed
-    so for up to 55 steps, until a probe."""
+    memory): the prior of each new sequence, and how each position runs against a sequence's average. A fixed
+    prior under-priced a good drafter, and in a server each new request started plain and stayed so until a probe."""
 
     def __init__(self, k: int, prior: float, decay: float = 0.998) -> None:
         self.passed, self.reached = [0.0] * k, [0.0] * k  # decayed counts per position
@@ -350,11 +324,7 @@ class AdaptiveDepth:
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,  # a new sequence's acceptance until the pool has seen drafts
         # pseudo-observations pulling each a_j toward the sequence's pooled acceptance times the pool's shape: one
-        # sequence's count at one position is a few dozen decayed checks, mostly noise. Scored on the demo's recorded
-        # drafts (Brier score of each check's estimate on fixed D = 3 and 5 paths), 2 scored 3-4% worse than 16-64, the best on
-        # HumanEval and on Spec-Bench's mixed categories (where the sequence's own level matters: pool-wide estimates
-        # scored 6% worse); with 2, a lone sequence cut its depth on estimates that regressed to the mean (replay,
-        # B = 1: 0.974 of D = 5 with 2, 0.983 with 32; docs/benchmarks.md, "Estimates that trust a sequence's level")
+        # sequence's count at one position is a few dozen decayed checks, mostly noise (docs/decisions.md#acceptance-shrink)
         shrink: float = 32.0,
         forget: float = 0.98,  # per plain step, acceptance evidence fades toward its long-run level
         explore: float = 0.02,  # share of time that probing may cost
@@ -378,9 +348,8 @@ class AdaptiveDepth:
         self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
         self.c_prior = draft_cost if self.c_ratio is None else None  # seconds per drafted token, given without a T(1)
         # drafter cost per drafted token as observed, in units of a plain step's forward at the batch size it was
-        # seen at: a batched drafter's step costs about what the target's does over the same rows (demo: 0.13 of
-        # a plain forward at 1 sequence and at 16), so a cost learned at 16 sequences holds, scaled, at 1 (in
-        # seconds it kept the 16-sequence cost and priced a lone sequence's drafts at 3x their cost)
+        # seen at: a batched drafter's step grows with the batch about as the target's forward does, so a cost
+        # learned at one batch size holds, scaled, at another (in seconds it would not)
         self.c: float | None = None
         self.slope: float | None = None  # its marginal part (see _marginal), from decayed sums of 1, u, u^2, y, u y
         self._line = [0.0] * 5
@@ -408,10 +377,8 @@ class AdaptiveDepth:
     def _marginal(self) -> float:
         """What one more draft position costs, in plain forwards: the slope of drafting seconds over drafting units
         once steps of different widths were seen, else their ratio. A drafting step also has a part that does not
-        grow with depth (the drafter's catch-up on the tokens just kept, demo at 16 sequences: 2 ms, beside 2 ms per
-        draft position), and that part is paid whatever the depth (going plain only defers it: the MTP head still
-        runs over every kept token): priced per position it made one position look 1.5-2x its cost, the batch
-        drafted shallower, measured the ratio there, and stayed shallow."""
+        grow with depth (the drafter's catch-up on the tokens just kept), paid whatever the depth (going plain only
+        defers it); priced per position it made a position look dearer than it is, and the batch stayed shallow."""
         c = self._c()
         return min(max(self.slope, 0.25 * c), c) if self.slope is not None and self.c is not None else c
 
@@ -440,12 +407,8 @@ class AdaptiveDepth:
         """A new sequence's first `start_steps` drafting steps in a batch, whatever its estimates say: warmup_depth deep
         where the whole batch is new, else as deep as the batch's others draft, never deeper (one start must not widen a
         batch's grid). Its estimates are a prior and a check or two, and a sequence's first tokens are the hardest to
-        draft (demo, HumanEval, D = 3: 2.08 tokens a step over a group's first 4 steps, 3.0 after 16). Estimated, a new
-        group of 4 drafted 5-7 deep on its first step, fell to plain or 1-2 deep after the first misses, and ran 0.92 of
-        D = 3's tokens/s over its first 8 steps; with the rule, side by side on the VM, B = 4 went from 0.96 to 0.98 of
-        the best fixed D (docs/benchmarks.md, "Batches"). Not in a step the policy left plain, nor in a batch probe, nor
-        for a lone sequence: it widens no one's grid, and held 3 deep where D = 5 is best, B = 1 ran 0.958 of D = 5, its
-        estimates deciding 0.977 (in-process A/B on the VM, docs/benchmarks.md, "A start beside no one")."""
+        draft. Not in a step the policy left plain, nor in a batch probe, nor for a lone sequence (it widens no one's
+        grid: its estimates decide). Measured: docs/decisions.md#start-rule."""
         new = [st.drafts < self.start_steps for st in states]
         if not any(ds) or not any(new) or len(states) == 1:
             return ds
@@ -478,12 +441,9 @@ class AdaptiveDepth:
                  zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
-        # per drafting sequence. The cost part is for a drafter that pays per sequence (a draft model: its catch-up is
-        # unseen here), not for the share a batched drafter (MTP, EAGLE) pays once per draft position for the batch:
-        # in a batch's size class T(1) is extrapolated (T(B) / B), so a batched drafter's c / T(1) reached the cap and
-        # the margin was 13%, as much as drafting gains at 16 sequences, and the batch stayed plain where D = 2 paid
-        # (demo, side by side on the VM, with the start rule: B = 16 0.94 of the best fixed D with it, 0.99 without;
-        # B = 1-8 within the noise either way, docs/benchmarks.md, "Batches")
+        # per drafting sequence. The cost part is only for the share paid per sequence (1 - phi: a draft model, whose
+        # catch-up is unseen here), not for what a batched drafter (MTP, EAGLE) pays once for the batch: against a
+        # batch's extrapolated T(1) = T(B) / B that share reached the cap and kept a large batch plain where drafting paid
         margin = (self.margin + self.cost_margin * (1.0 - phi) * min(c / T[0], 1.0)) / B
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
@@ -503,8 +463,8 @@ class AdaptiveDepth:
                 continue
             if not st.probing:  # drafts that could not pay even if all accepted: no fading, no probe
                 # ragged: the best allocation with it drafting `cap`, all accepted; padded: with every sequence so
-                # (one sequence alone never pays for a grid B rows wider, so asked alone no sequence of a plain
-                # batch of 8 faded or probed, and the batch stayed plain on stale estimates until a batch probe)
+                # (one sequence alone never pays for a grid B rows wider: asked alone, no sequence of a plain batch
+                # would fade or probe, and the batch would stay plain on stale estimates until a batch probe)
                 key = -1 if self.padded else caps[i]
                 if key not in pays:
                     perfect = [[1.0] * k for k in caps] if self.padded else gains[:i] + [[1.0] * caps[i]] + gains[i + 1 :]
@@ -549,8 +509,8 @@ class AdaptiveDepth:
     def observe(self, step: BatchStep) -> None:
         """After each engine step: learn T, c, o and each sequence's acceptance."""
         self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds, step.width == 1)
-        # a pause (a full garbage collection: 0.2-0.3 s, once a minute) clipped at 4x: unclipped, one such step priced
-        # every step of the next ten at 10-50 ms more, where the demo's forward at 8 sequences is ~25 ms
+        # a pause (a full garbage collection) clipped at 4x the running overhead: unclipped, one such step would price
+        # the next ten steps as slow as it
         o = step.overhead_seconds
         self.o = o if self._steps == 0 else 0.8 * self.o + 0.2 * min(o, 4 * self.o + 1e-5)
         self._width_seen = max(self._width_seen, step.width)
@@ -558,11 +518,10 @@ class AdaptiveDepth:
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
         t_plain = self.T.at(len(step.seqs))  # a plain step's forward at this batch size
         # drafting seconds = c (phi levels + (1 - phi) n), in plain forwards at this batch size: phi is the share a
-        # batched drafter pays once; learned only where a plain forward at this size was seen (as the batch drains, an
-        # unseen size's T is a guess, and a cost divided by it came out up to 3x too high and kept the batch plain)
-        # and only from steps whose drafting sequences all drafted in their last step too: after plain steps (or the
-        # prompt) a drafter first catches up on the tokens it did not see (the MTP head runs over them), in one call
-        # shared by the batch, which priced drafting at up to 3x its cost and kept the batch plain
+        # batched drafter pays once; learned only where a plain forward at this size was seen (an unseen size's T is
+        # a guess, and a cost divided by it comes out too high) and only from steps whose drafting sequences all
+        # drafted in their last step too: after plain steps (or the prompt) a drafter first catches up on the tokens
+        # it did not see, inside the same call, which would price drafting far above its cost
         clean = all(s.drafted == 0 or (s.seq in self.seqs and self.seqs[s.seq].drafted_last) for s in step.seqs)
         if n > 0 and clean and len(step.seqs) in self.T.count:
             y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0) / t_plain  # in plain forwards
@@ -612,10 +571,8 @@ class AdaptiveDepth:
 class ByBatchSize:
     """A DepthPolicy for a batch whose size wanders (a server): one AdaptiveDepth per batch-size class (1, 2-3,
     4-7, 8-15, 16-31, ...), each learning its own costs; a sequence's acceptance is learned by the class it runs in.
-    What a draft position and a forward cost moves with the batch size, in seconds and in plain forwards alike (demo,
-    an AMD EPYC VM: a draft position is 0.05 of a plain forward alone, 0.12 at 16 sequences); one policy that had
-    served 1 and then 4 sequences drafted 1.2-2.3 positions at 16 where D = 3 was best (0.92-0.96x D = 3 in
-    interleaved runs, against 0.97-1.00x for a fresh policy)."""
+    What a draft position and a forward cost moves with the batch size, in seconds and in plain forwards alike, so
+    one policy carried a small batch's costs into a large one (docs/decisions.md#one-depth-policy-per-batch-size-class)."""
 
     def __init__(self, **options) -> None:
         self.options, self.policies = options, {}

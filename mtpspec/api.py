@@ -19,7 +19,7 @@ from .config import GenerationConfig, draft_model_arg
 from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
 from .loading import load_checkpoint, parse_dtype
-from .compiled import check_compilable, compile_model
+from .models.compiled import check_compilable, compile_model
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
@@ -142,7 +142,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     quant: None, "int8" or "int4" (group_size 32 / 64 / 128): weight-only quantization of the linear layers
     (mtpspec.quant); the quantized model is the target that generation is lossless to.
     compile: run decode and verify windows (and the MTP module's steps) through torch.compile'd static-shape
-    graphs (mtpspec.compiled): built on first use of each width, kernels cached on disk across runs.
+    graphs (mtpspec.models.compiled): built on first use of each width, kernels cached on disk across runs.
     """
     check_threads(threads)
     if not isinstance(compile, bool):

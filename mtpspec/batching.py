@@ -1,19 +1,17 @@
 """B sequences in one target forward: slot storage for their KV caches and the batched pass.
 
-Every running sequence keeps its own cache object (a KVCache, or a HybridCache holding one), so
-its rollback is what a single sequence's is: the KV length is a pointer per sequence, and a Gated
-DeltaNet layer's state after each position of the last forward is a slot per sequence
-(hybrid_cache.py). What the batch shares is the memory: each sequence's KV tensors are views of
-one row (its slot) of a buffer shaped (L, slots, n_kv, max_len + 1, hd), so the batched forward
-reads the KV of B sequences as one tensor, without copying, when they hold slots 0..B-1. The
-engine keeps them there: when a sequence leaves, the one in the last slot moves into its place.
+Every running sequence keeps its own cache object (a KVCache, or a HybridCache holding one), so its rollback is a
+single sequence's: the KV length is a pointer per sequence, a Gated DeltaNet layer's state after each position of the
+last forward a slot per sequence (hybrid_cache.py). What the batch shares is memory: each sequence's KV tensors are
+views of one row (its slot) of a buffer (L, slots, n_kv, max_len + 1, hd), so the batched forward reads the KV of B
+sequences as one tensor, without copying, when they hold slots 0..B-1; the engine keeps them there (a leaving
+sequence's slot is taken by the one in the last slot).
 
-The batched pass runs the static forward (models/static.py) over a (B, W) grid, W = the widest
-sequence's 1 + D_i, a sequence with fewer rows padded after its real ones. Only attention and the
-Gated DeltaNet recurrence run on the grid; projections, MLPs and the LM head run on the real rows
-alone, so a forward costs about sum(D_i + 1) rows, not B x W. Padded rows touch nothing the
-sequence keeps (their keys go past its length, their states past its last slot), and position
-max_len, one past the context, takes those that would not fit.
+The batched pass runs the static forward (models/static.py) over a (B, W) grid, W = the widest sequence's 1 + D_i,
+shorter sequences padded after their real rows. Only attention and the Gated DeltaNet recurrence run on the grid;
+projections, MLPs and the LM head run on the real rows alone. Padded rows touch nothing a sequence keeps (their keys
+go past its length, their states past its last slot; position max_len, one past the context, takes those that would
+not fit).
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class SlotKV:
 def stack_rows(rows: list[Tensor]) -> Tensor:
     """torch.cat(rows) for rows (1, ...) each, without a copy when they are already rows 0..n-1 of one tensor in order:
     after a plain batched step every sequence's DeltaNet state and conv window is a view of that step's batched output,
-    and copying them back together took 4% of the next plain step (demo, 8-16 sequences)."""
+    and copying them back together is a measurable share of the next plain step."""
     first = rows[0]
     shape, stride, at = first.shape, first.stride(), first.storage_offset()
     base = first.untyped_storage().data_ptr()

@@ -1,4 +1,4 @@
-"""Command line: `mtpspec generate | demo` (bench, train, trace, serve join as they land).
+"""Command line: `mtpspec generate | demo`, and the subcommands their own modules register (bench, train, serve, ...).
 
 Bad input gives one line `mtpspec: error: ...` on stderr and exit status 2, never a traceback.
 """
@@ -76,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
-                   help="decode and verify through torch.compile'd graphs (mtpspec.compiled): faster steps; the first run "
+                   help="decode and verify through torch.compile'd graphs (mtpspec.models.compiled): faster steps; the first run "
                    "compiles each width used (minutes on 2 cores), later runs load the kernels from ~/.cache/mtpspec")
 
 

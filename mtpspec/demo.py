@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .alternate import alternate
 from .api import load
-from .bench.alternate import alternate
-from .compiled import cache_dir
 from .loading import assets_dir, shipped_demo_dir
 from .metrics import mean_accepted_length
+from .models.compiled import cache_dir
 from .prompts import tinystories_prompts
 
 FALLBACK_CODE_PROMPTS = [
@@ -61,7 +61,7 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
 
 
 def demo(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = None, compile: bool = False) -> None:
-    """threads: torch threads (None = mtpspec.threads' rule: 1 for these small models); compile: mtpspec.compiled."""
+    """threads: torch threads (None = mtpspec.threads' rule: 1 for these small models); compile: mtpspec.models.compiled."""
     if (shipped_demo_dir() / "mtpspec.json").exists():
         demo_code(max_new_tokens=min(max_new_tokens, 96), n_prompts=min(n_prompts, 3), threads=threads, compile=compile)
     else:
@@ -69,7 +69,7 @@ def demo(max_new_tokens: int = 200, n_prompts: int = 5, threads: int | None = No
 
 
 def demo_code(max_new_tokens: int = 96, n_prompts: int = 3, threads: int | None = None, compile: bool = False) -> None:
-    from .train.data import HELDOUT, code_prompts, stdlib_files
+    from .stdlib_text import HELDOUT, code_prompts, stdlib_files
 
     target = load(shipped_demo_dir(), threads=threads, compile=compile)
     prompts = code_prompts(stdlib_files()[1], n_prompts) or FALLBACK_CODE_PROMPTS[:n_prompts]

@@ -1,22 +1,17 @@
-"""The draft -> verify -> accept loop, for one sequence or many sharing each target forward.
+"""The draft -> verify -> accept loop, for one sequence or many sharing each target forward (docs/engine.md).
 
-The target's cache of a sequence always holds every token except the last one emitted (`last`);
-each step runs ONE target forward over [last, d1..dD] of every running sequence, which yields its
-D+1 next-token distributions p. Verification keeps the longest agreeing prefix plus one recovered or
-bonus token, and each cache is cropped back to what was kept (a pointer move for KV, a slot choice
-for recurrent state). Sequences draft to different depths (0 = a plain step), accept different
-lengths and roll back on their own.
+A sequence's target cache holds every token except the last one emitted (`last`); each step runs ONE target forward
+over [last, d1..dD] of every running sequence (D+1 distributions p each), keeps the longest agreeing prefix plus one
+recovered or bonus token, and crops each cache back to what was kept (a pointer move for KV, a slot choice for
+recurrent state). Sequences draft to different depths (0 = a plain step), accept and roll back on their own.
 
-`step` below is the only implementation of a step. `Engine` runs it over a changing batch
-(sequences join and leave between steps; a long prompt is prefilled in chunks between decode steps,
-so the running sequences keep decoding), `Session` is the one-sequence view of it (prefill, step,
-finish), and `generate_tokens` runs a Session to the end.
+`step` is the only implementation of a step: `Engine` runs it over a changing batch (prompts prefilled in chunks
+between decode steps), `Session` is its one-sequence view, `generate_tokens` runs a Session to the end.
 
-Exact mode (`exact=True`): every position is computed exactly as a one-token step computes it
-(row_invariant products, one-row attention, the recurrent Gated DeltaNet), so a sequence's tokens
-and logits are bitwise the same whatever shares its forward and however many drafts it carries.
-Each sequence then runs its own forward: GEMM kernels cannot give a row a result independent of
-the other rows (see models/common.row_invariant), so exact mode trades batching for identity.
+Exact mode (`exact=True`): every position is computed as a one-token step computes it (row_invariant products,
+one-row attention, the recurrent Gated DeltaNet), so a sequence's tokens and logits are bitwise the same whatever
+shares its forward; each sequence then runs its own forward, as GEMM kernels cannot make a row's result independent
+of the other rows (models/common.row_invariant).
 """
 
 from __future__ import annotations
@@ -140,8 +135,8 @@ class Sequence:
         end = min(self.prefilled + chunk, len(self.prompt) - 1)
         if end > self.prefilled:
             self.cache.prefill = True  # nothing is cropped inside a prefill: a hybrid keeps its final state only
-            # the LM head over the prompt's rows only for a drafter that reads them (Qwen3.5-0.8B, a 4k prompt: 4 GB of
-            # logits and 2 TFLOP that nothing used)
+            # the LM head over the prompt's rows only for a drafter that reads them (with a large vocabulary, a long
+            # prompt's logits are gigabytes and teraflops that nothing would use)
             self.prefill_outs.append(target.forward_tokens(self.context[self.prefilled : end], self.cache, exact,
                                                            logits=self.drafter.prefill_logits))
             self.prefilled = end

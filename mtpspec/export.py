@@ -34,6 +34,7 @@ import torch
 
 from .cli import add_model_args, command
 from .errors import ConfigError
+from .export_layout import fuse_qwen3_next, is_hybrid
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,11 @@ class ExportCheck:
     fp64_rel_diff: float | None = None  # max |ours - hf| / max |logits|, both in fp64 (None: not run)
 
 
-# fp64: our model and transformers' (its fp64 twin, see mtpspec.hf_reference) agree to
-# FP64_TOL of the logits' scale. Measured on an AMD EPYC: <= 1.6e-15 (a few fp64 ulps) for
-# stories260K, the demo, the tiny random hybrids at 5-130 tokens and rope-scaled (llama3, linear)
-# Llamas (7e-16; their scaled rotary tables in fp64 too: left in fp32 they gave 1.6e-9), <= 4e-14 for tiny random
-# Qwen3-Next (mixture of experts: the routing weights sum in another order); a real difference is far
-# larger (a norm eps of 1e-5 for 1e-6 moves the tiny hybrid's logits by 0.5 of their scale).
+# fp64: our model and transformers' (its fp64 twin, see mtpspec.hf_reference) agree to a few fp64 ulps of the
+# logits' scale (tens for a mixture of experts, whose routing weights sum in another order; rope-scaled Llamas
+# only with their scaled rotary tables in fp64 too). FP64_TOL sits far above that and far below a real difference
+# (a norm eps of 1e-5 for 1e-6 moves the tiny hybrid's logits by 0.5 of their scale); the measurements behind it:
+# docs/decisions.d/cycles.md.
 FP64_TOL = 1e-9
 
 # fp32: the tolerance at position t is FP32_FLOOR * eps32 * max|logits| + FP32_SENS * s_t, where
@@ -65,24 +65,16 @@ FP64_TOL = 1e-9
 # depend on either fp32 path, so a slip in ours (a bf16 cast) is not excused by its own error.
 # Conditioning varies a lot: a position where a DeltaNet head's output is near zero and its gated
 # RMSNorm magnifies rounding has s_t of hundreds of eps32 * max|logits|, elsewhere s_t is ~1-5.
-# Measured on an AMD EPYC (1 thread; random tiny hybrids with and without experts, 4 + 2 seeds, the
-# demo, stories260K; 5, 40 and 130 tokens): each fp32 run's own error <= 12.9 s_t, and
-# |hf - ours| <= 6.5 (s_t + eps32 * max|logits|) (stories260K: 0, the same order of operations).
-# FLOOR = SENS = 16 leaves a factor 2.5 over the worst; the weights rounded to bf16 exceed it
-# ~1000x (tests/test_export.py). The same constants as the fp32 parity tests (tests/test_hf_parity.py).
+# FLOOR = SENS = 16 leaves a margin of about 2.5 over the worst error measured (each fp32 run's own, and
+# |hf - ours|; docs/decisions.d/cycles.md); the weights rounded to bf16 exceed it ~1000x (tests/test_export.py).
+# The same constants as the fp32 parity tests (tests/test_hf_parity.py).
 FP32_FLOOR = 16.0
 FP32_SENS = 16.0
 
 
-def _is_hybrid(module) -> bool:
-    from .models.qwen35 import HybridLM
-
-    return isinstance(module, HybridLM)
-
-
 def hf_config(module, bos_id: int | None = 1, eos_id: int | list[int] | None = 2) -> dict:
     """config.json for transformers: Qwen3.5 text for a hybrid, else Llama."""
-    return _qwen35_config(module, bos_id, eos_id) if _is_hybrid(module) else _llama_config(module, bos_id, eos_id)
+    return _qwen35_config(module, bos_id, eos_id) if is_hybrid(module) else _llama_config(module, bos_id, eos_id)
 
 
 def _common(bos_id: int | None, eos_id: int | list[int] | None) -> dict:
@@ -145,19 +137,8 @@ def hf_state_dict(module, cfg: dict) -> dict[str, torch.Tensor]:
         for name in [k for k in sd if k.endswith("linear_attn.in_proj_qkv.weight")]:
             base = name.rsplit(".", 2)[0]
             qkv, z, b, a = (sd.pop(f"{base}.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a"))
-            sd[f"{base}.in_proj_qkvz.weight"], sd[f"{base}.in_proj_ba.weight"] = _fuse_qwen3_next(module.config, qkv, z, b, a)
+            sd[f"{base}.in_proj_qkvz.weight"], sd[f"{base}.in_proj_ba.weight"] = fuse_qwen3_next(module.config, qkv, z, b, a)
     return sd
-
-
-def _fuse_qwen3_next(c, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3.5's in_proj_qkv / z / b / a -> Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head."""
-    nk, dk, dv, h = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, qkv.shape[-1]
-    r = c.linear_num_value_heads // nk  # value heads per key head
-    q, k, v = qkv.split([nk * dk, nk * dk, nk * r * dv])  # (nk*dk, H), (nk*dk, H), (nv*dv, H)
-    parts = [q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, r * dv, h), z.reshape(nk, r * dv, h)]
-    qkvz = torch.cat(parts, dim=1).reshape(-1, h)  # (nk * (2dk + 2r dv), H)
-    ba = torch.cat([b.reshape(nk, r, h), a.reshape(nk, r, h)], dim=1).reshape(-1, h)  # (nk * 2r, H)
-    return qkvz.contiguous(), ba.contiguous()
 
 
 def _llama_config(module, bos_id: int | None, eos_id: int | list[int] | None) -> dict:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
+from .export_layout import fuse_qwen3_next, is_hybrid
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -168,15 +169,9 @@ def _add_kv(writer, key: str, value) -> None:
 # metadata
 
 
-def _is_hybrid(module) -> bool:
-    from .models.qwen35 import HybridLM
-
-    return isinstance(module, HybridLM)
-
-
 def gguf_arch(module) -> str:
     """llama.cpp's architecture for `module`: qwen35, qwen3next or llama (or a clear refusal)."""
-    if _is_hybrid(module):
+    if is_hybrid(module):
         return "qwen3next" if module.config.num_experts > 0 else "qwen35"
     from .models.dense import DenseLM
 
@@ -402,9 +397,7 @@ def _deltanet(c, sd: dict, p: str, b: int, arch: str) -> list[tuple[str, torch.T
     dt = sd[p + "dt_bias"]  # (nv,)
     out_proj = sd[p + "out_proj.weight"]  # (H, nv dv)
     if arch == "qwen3next":
-        from .export import _fuse_qwen3_next
-
-        _, ba = _fuse_qwen3_next(c, qkv, z, w_b, w_a)  # (nk * 2r, H): [b | a] per key head
+        _, ba = fuse_qwen3_next(c, qkv, z, w_b, w_a)  # (nk * 2r, H): [b | a] per key head
         proj = [(f"blk.{b}.ssm_ba.weight", ba)]
     else:
         if r > 1:  # value heads grouped by key head -> tiled

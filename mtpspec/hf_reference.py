@@ -1,28 +1,17 @@
 """transformers' models as a float64 reference: the one way mtpspec runs them in fp64.
 
-Why: transformers' modeling files cast to float32 in fixed places whatever the model's dtype, so a
-`.double()`d model still rounds to fp32 there: `x.to(torch.float32)` (RMSNorm, the gated RMSNorm,
-the causal conv and gated-delta-rule fallbacks), `dtype=torch.float` (rotary tables, the MoE router
-softmax, the rope-scaling functions of modeling_rope_utils), `softmax(..., dtype=torch.float32)`
-(eager attention) and `Tensor.float()` (zero-centred RMSNorm, A_log / softplus in the DeltaNet,
-the rotary positions). Parity "in fp64" would then measure their fp32 rounding, not the function.
+Why: transformers' modeling files cast to float32 in fixed places whatever the model's dtype (RMSNorms, the causal
+conv and gated-delta-rule fallbacks, rotary tables and rope scaling, the MoE router and eager attention softmax,
+A_log / softplus in the DeltaNet), so a `.double()`d model still rounds to fp32 there, and parity "in fp64" would
+measure that rounding, not the function.
 
-How: an fp64 twin of a modeling module is the module's own source, compiled again from its syntax
-tree with exactly three rewrites and executed as a separate module (`<name>_fp64`):
-
-- the attribute `torch.float32` or `torch.float` reads `torch.float64`;
-- a method call `<expr>.float(...)` reads `<expr>.double(...)`;
-- `from ...modeling_rope_utils import ...` imports the twin of modeling_rope_utils (same rewrites),
-  so scaled rotary frequencies (llama3, linear, dynamic, ...) are computed in fp64 too. The
-  rotary buffers a twin model ends up with are its rotary modules' own (their twinned __init__):
-  transformers' weight initialisation would overwrite them with fp32 ones (_rotary_in_fp64).
-
-Only the dtype of those casts changes: every operation, its order, every eps and constant is
-transformers' code as written. A source that names float32 in any other way (an alias, a string
-dtype) is refused (ModelLoadError) rather than twinned with an fp32 cast left in; the tests also
-watch every op of a twin's forward for a float32 result (float32_ops). Nothing is patched: transformers'
-own modules, `torch` and `torch.Tensor` are untouched, so fp32 models in the same process compute
-exactly as before.
+How: an fp64 twin of a modeling module is its own source, compiled again from its syntax tree with exactly three
+rewrites and executed as a separate module (`<name>_fp64`): `torch.float32` / `torch.float` read `torch.float64`;
+`<expr>.float(...)` reads `<expr>.double(...)`; `from ...modeling_rope_utils import ...` imports that module's twin
+(scaled rotary frequencies in fp64 too; the rotary buffers are the twinned modules' own, _rotary_in_fp64). Every
+operation, its order, every eps and constant stays transformers' code. A source that names float32 any other way
+(an alias, a string dtype) is refused (ModelLoadError), and the tests watch a twin's forward for any float32 result
+(float32_ops). Nothing is patched: transformers' own modules, `torch` and `torch.Tensor` are untouched.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """Weight-only int8 / int4 quantization of a model's linear layers, on torch's CPU kernels.
 
-A quantized model is another target: its function (int8 / int4 weights, bf16 activations into every
-linear layer) replaces the original, every drafter is verified against it, and speculation stays
-lossless with respect to it. How far it is from the unquantized model is measured separately
-(`greedy_agreement`).
+A quantized model is another target: every drafter is verified against it, and speculation is lossless with respect
+to it (its distance from the unquantized model: `greedy_agreement`).
 
 - int8: per output channel, symmetric: w[n, k] ~ q[n, k] * s[n], q in [-127, 127], s = max_k |w[n, k]| / 127
   (rounded up to bf16, so no weight is clipped): |w - q s| <= s / 2 for every element (see quantize_int8).
-  Kernel: torch._weight_int8pack_mm(x (M, K) bf16, q (N, K) int8, s (N,) bf16) -> (M, N) bf16.
+  Kernel: torch._weight_int8pack_mm(x (M, K) bf16, q (N, K) int8, s (N,) bf16) -> (M, N) bf16. It needs
+  K % 8 == 0 (else wrong rows from M = 3 on, or a crash): such a layer (stories260K's K = 172) keeps its fp weights.
 - int4: per group of `group_size` input columns, asymmetric: w ~ (q - 8) s + z, q in [0, 15], s = (max - min) / 15.
   Kernel: torch.ops.aten._weight_int4pack_mm_for_cpu(x (M, K), packed (N, K/2) uint8, group_size, sz (K/g, N, 2)),
   packed by _convert_weight_to_int4pack_for_cpu; it takes N % 16 == 0 and K % group_size == 0 only: other layers
   (the DeltaNet's 4-row gate projections) are quantized int8 instead.
-- The int8 kernel needs K % 8 == 0: with K = 100 or 172 it returns wrong rows for M = 3 and crashes for M >= 4
-  (measured, torch 2.13); such a layer (stories260K's down projection, K = 172) keeps its fp weights.
 
-Activations go into the kernels in bf16 for fp32 models too: torch 2.13's fp32-activation paths of both kernels
-are 2-7x slower than plain fp32 F.linear at these shapes (measured, docs/models.md), the bf16 paths faster. The
-kernels' rows are computed independently of M (measured bitwise: row 0 of an M-row product equals the 1-row
-product), unlike fp32 F.linear, so a verify over k+1 rows scores each row as plain decoding does.
-
-What is quantized: every nn.Linear of the model, its MTP module included, and lm_head (the largest matrix of a
-large-vocabulary model: 254 M of the Qwen3.5-0.8B shape's 0.85 B weights, and most of one MTP draft step). A tied
-embedding table stays in the model's dtype: a lookup reads one row per token, no arithmetic to save, so the tie
-becomes two copies (the table, and the head's int8 / int4 codes). Trained draft heads (`--draft-model` head folders)
-stay unquantized. fp64 models are refused: the kernels take fp32 / bf16 activations only, and fp64 is the
-rounding-free reference mode.
+Activations go into the kernels in bf16, for fp32 models too: the fp32-activation paths are much slower than fp32
+F.linear (docs/models.md#quantization). The kernels compute each row independently of M (bitwise, tested), so a
+verify over k+1 rows scores each row as plain decoding does. Quantized: every nn.Linear, the MTP module's and lm_head
+included; a tied embedding table stays in the model's dtype (a lookup has no arithmetic to save: the tie becomes two
+copies); trained draft heads stay unquantized. fp64 models are refused (the kernels take fp32 / bf16 activations, and
+fp64 is the rounding-free reference).
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """Token trees: several guesses per position, verified in one target forward, still lossless.
 
-A tree draft is `Draft(tokens (N,), parents (N,))`: node i guesses tokens[i] after the path to its
-parent (parents[i] = -1: right after the last emitted token). Nodes come parent first (parents[i] < i).
-The verify window has T = N + 1 rows: row 0 is the last emitted token (the root), row i + 1 is node i;
-row r sits at position start + depth(r) and attends to the committed context plus its own ancestors
-(`TreeLayout.attn_mask`). A chain is the tree whose node i has parent i - 1.
+A tree draft is `Draft(tokens (N,), parents (N,))`: node i guesses tokens[i] after the path to its parent
+(parents[i] = -1: right after the last emitted token; parents[i] < i). The verify window has T = N + 1 rows: row 0
+is the last emitted token (the root), row i + 1 is node i, at position start + depth(row) and attending to the
+committed context plus its own ancestors (`TreeLayout.attn_mask`). A chain is the tree whose node i has parent i - 1.
 
-Verification walks down from the root. Greedy: at each row the target's argmax is looked up among the
-row's children; a match is accepted and the walk continues there, otherwise the argmax is emitted
-(recovered) and the walk ends; a leaf reached emits the target's choice there (bonus). The emitted
-tokens are exactly plain greedy decoding's. Sampling (SpecInfer's multi-candidate rule): at a row
-with target distribution p, the children are tried in order; child x drawn from q (a point mass at x
-when the drafter gives none) is accepted with probability min(1, p(x) / q(x)), and a rejection
-replaces p by norm(max(p - q, 0)) before the next child is tried; when every child is rejected the
-token is drawn from what is left of p. Children with a q must have been drawn independently from
-that same q; children without one must be distinct tokens. Either way the emitted token has exactly
-the target's distribution at every row, so the stream is the target's.
-
-After the walk the verify window's accepted rows [0, r1, .., rn] are moved to the front of the
-window (`keep`: KV entries copied, a Gated DeltaNet's per-row records re-indexed) and the cache is
-cropped to them, as after a chain.
+Verification walks down from the root. Greedy: the target's argmax at a row is looked up among its children; a match
+is accepted and the walk goes on there, else the argmax is emitted (recovered) and the walk ends; a leaf reached emits
+the target's choice (bonus): exactly plain greedy decoding. Sampling (SpecInfer's multi-candidate rule): the children
+are tried in order, child x (drawn from q; a point mass at x where the drafter gives none) accepted with probability
+min(1, p(x) / q(x)), a rejection replacing p by norm(max(p - q, 0)); when all are rejected the token is drawn from what
+is left of p. Children with a q must be drawn independently from that q, children without one must be distinct: then
+every emitted token has the target's distribution. The accepted rows are moved to the front of the window (`keep`: KV
+entries copied, a Gated DeltaNet's per-row records re-indexed) and the cache cropped to them, as after a chain.
 """
 
 from __future__ import annotations
@@ -177,9 +170,9 @@ class GrowingTree:
 class RankAcceptance:
     """How often a drafter's r-th guess at a reached node is the one verification takes there, learned from its
     verdicts (decayed counts from a prior). A node's value is the product along its path of these rates, times a
-    little of the drafter's own q: a drafter's q is not its acceptance (a draft model that nearly equals the target
-    gives its top guess q ~ 0.5 and has it accepted ~95% of the time greedily), so ranking nodes by q alone
-    (EAGLE-2) cuts deep chains for shallow siblings that rarely pay."""
+    little of the drafter's own q: a drafter's q is not its acceptance (a draft model close to the target may give
+    its top guess q ~ 0.5 and have it accepted nearly always), so ranking nodes by q alone (EAGLE-2) cuts deep
+    chains for shallow siblings that rarely pay."""
 
     Q_WEIGHT = 0.1  # how much of log q breaks ties between nodes of equal rank paths
 
@@ -386,8 +379,7 @@ def verify_tree_greedy(draft: Draft, choices) -> Verdict:
 class _RowChoices:
     """The target's argmax at the rows of a tree's verify window, its LM head run where first needed: the best path's
     rows (0, 1, ..: best_first puts it first) in one product, any other row alone. A tree of N nodes reaches at most
-    its depth + 1 rows, and the head over a large vocabulary is a large part of a row's cost on a CPU (demo, the
-    chain's 6 rows against a 7-row tree: a row cost ~0.6 ms of a ~10 ms step)."""
+    its depth + 1 rows, and the head over a large vocabulary is a large part of a row's cost on a CPU."""
 
     def __init__(self, hidden: Tensor, head, parents: list[int]) -> None:
         m = 1  # rows 0..m-1 a chain: node i (row i + 1) the child of row i

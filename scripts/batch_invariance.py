@@ -2,7 +2,7 @@
 
 Each prompt is generated alone (plain decoding, batch 1) and then inside a batch of `--batch` requests whose
 drafters and depths differ (plain, MTP at k = 1..3, prompt lookup); the count of requests whose tokens are
-identical is printed per dtype and mode, with the throughput of each run. Run time: about 4 minutes.
+identical is printed per dtype and mode, with the throughput of each run.
 
     python scripts/batch_invariance.py --model demo --prompts humaneval --limit 16 --batch 8
 """

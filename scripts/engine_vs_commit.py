@@ -1,16 +1,13 @@
 """B = 1 decode speed of this tree's engine against an earlier commit's, measured side by side.
 
-A git worktree of `--commit` (default 7307cc0, the last commit before the batched engine) is made under
-build/; each round runs the same generations (demo model, greedy, one thread, N prompts x T tokens,
-plain and mtp@3) once in each tree, each tree in its own subprocess with this venv's python and
-PYTHONPATH=<tree> (the order of the trees alternates from round to round). A run's decode rate is
-new tokens / (wall - prefill) seconds over its prompts, from the engine's own GenerationStats; the
-script prints the median per (tree, method), the ratio new / old of the medians and the median of the
-rounds' own new / old ratios (the two trees of a round run back to back), the same ratio by process CPU
-time (whole generations, prefill included: with one thread it moves little when other jobs load the
-machine), and checks that both trees emit the same tokens.
+A git worktree of `--commit` (by default the last commit before the batched engine) is made under build/; each
+round runs the same generations (demo model, greedy, one thread, plain and mtp@3) once in each tree, each in its
+own subprocess with PYTHONPATH=<tree>, the trees' order alternating by round. Decode rate: new tokens /
+(wall - prefill) from the engine's GenerationStats. Printed: the median per (tree, method), new / old of the
+medians and the median of the rounds' own ratios, the same ratio by process CPU time (steadier under other
+jobs), and whether both trees emit the same tokens.
 
-    .venv/bin/python scripts/engine_vs_commit.py [--commit 7307cc0] [--prompts 4] [--tokens 128] [--rounds 3] \
+    .venv/bin/python scripts/engine_vs_commit.py [--commit REV] [--prompts 4] [--tokens 128] [--rounds 3] \
         [--python] [--compile none|new|old|both]
 """
 
@@ -48,7 +45,7 @@ def child(args: argparse.Namespace) -> None:
     ids = [model.encode(t) for t in texts]
     methods = [m.split("@") if "@" in m else (m, "1") for m in args.methods.split(",")]
     if args.compile_child:  # every graph the runs reach, built (or loaded from the disk cache) before any is timed
-        from mtpspec.compiled import prepare
+        from mtpspec.models.compiled import prepare
 
         k_top = max(int(k) for _, k in methods)
         prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + args.tokens + k_top,

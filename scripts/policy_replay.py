@@ -1,27 +1,21 @@
 """Replay `--k auto` on the demo's real acceptance, with the machine's noise under control.
 
 Greedy tokens do not depend on the depths chosen, and neither does the MTP head's chain of drafts from a position.
-`record` generates each prompt once (plain steps; at every position the head's chain of k drafts is computed, kept
-and thrown away) and stores L(p): how many of those drafts the target's own tokens agree with. A step that drafts d
-from position p then accepts exactly min(d, L(p)), alone or in a batch (checked on the demo: batched, ragged MTP
-drafting matched L on all 1,246 drafting steps of 4-sequence runs; fixed D = 2-4 replayed the bench's step counts
-within 2%).
+`record` generates each prompt once with plain steps, computing the head's chain of k drafts at every position, and
+stores L(p): how many of them the target's own tokens agree with. A step that drafts d from p then accepts exactly
+min(d, L(p)), alone or in a batch (checked: docs/benchmarks.md, "Replaying the policy").
 
-`run` replays the loop of `mtpspec bench --batch` (the prompts queued, B decoding at a time, each sequence leaving
-at its token budget and the next prompt taking its slot; `--groups`: in groups of B, as the bench ran until
-2026-12-04; the policy asked next_depths and told observe / drop) against that table and a cost model per batch size:
-a forward at grid width W (plain: its own cost), drafting seconds per level, both the demo's medians on the 2-core
-VM; the policy's own Python time is counted, as in the engine. The machine's noise is dialled in: spread per step,
-spikes, and drift of its speed along one path over simulated time, the same for every method and seed. It prints
-tokens/s for plain, each fixed D and the policy, each over the best fixed D. Costs being known, a policy's loss here
-is its decisions' alone; with the noise dialled to the bench's it shows the losses the bench shows. Not modelled:
-the drafter's catch-up after plain steps (the MTP head runs over the tokens it missed), and any bend of the forward's
-cost across widths; so a change that leans on those (the cost margin) can win here and lose on the machine.
+`run` replays the `mtpspec bench --batch` loop (prompts queued, B decoding at a time; `--groups`: in groups of B)
+against that table and a cost model per batch size (DEMO_COST), the policy's own Python time counted, with the
+machine's noise dialled in: spread per step, spikes, and drift along one path of simulated time, the same for every
+method and seed; it prints each method's tokens/s over the best fixed D. Costs being known, a policy's loss here is
+its decisions' alone. Not modelled: the drafter's catch-up after plain steps and any bend of the forward's cost
+across widths, so a change that leans on those can win here and lose on the machine.
 
-    .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # ~35 s (demo, 16 prompts)
+    .venv/bin/python scripts/policy_replay.py record --out build/replay.json       # demo, 16 prompts
     .venv/bin/python scripts/policy_replay.py run --table build/replay.json --batch 1,2,4,8,16 \
         [--seeds 12] [--spread 0.15] [--drift 0.03] [--spike 0.05] [--option cost_margin=0.0 ...] \
-        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48 | --groups] [--fresh]   # ~10 s per B
+        [--cost 8=14.8,21.8,2.6,1.3,2.3 ...] [--queue 48 | --groups] [--fresh]
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ import time
 from mtpspec.types import BatchStep, Draft, SeqStep
 
 # batch size -> (plain forward, forward at width 2, per width beyond, drafting per step, per draft level) in ms: the
-# demo's medians by width over plain and fixed D = 1-6, one round at each B (one thread, humaneval, 128 tokens; the
-# 2-core Intel Xeon VM, 2026-12-04 18:00 UTC); sizes between are interpolated. The first set (2026-12-03, an AMD EPYC
-# VM: 8.5, 8.7, 0.5, 0.4, 0.5 at B = 1) priced drafting at 60% of this one's, and its best fixed D at B = 16 was 2
+# demo's medians by width over plain and fixed D = 1-6 (one thread, humaneval, 128 tokens); sizes between are
+# interpolated. Re-measure on another machine and pass --cost: the best fixed D moves with the price of drafting.
 DEMO_COST = {1: (10.27, 11.05, 0.46, 0.57, 0.67), 2: (11.13, 14.11, 0.96, 0.76, 0.98), 4: (12.93, 17.22, 1.78, 0.99, 1.29),
              8: (15.95, 22.48, 3.44, 1.24, 1.89), 16: (22.92, 34.51, 5.31, 2.04, 3.04)}
 

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--exact", action="store_true", help="our model in exact mode (DeltaNet position by position)")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="rows of the draft-vocabulary head timed beside the full one")
-    ap.add_argument("--compile", action="store_true", help="our forward through the compiled step (mtpspec.compiled; "
+    ap.add_argument("--compile", action="store_true", help="our forward through the compiled step (mtpspec.models.compiled; "
                     "each width compiles on first use: 1-2 min each on 2 cores, cold)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,7 +70,7 @@ def main() -> None:
     ks = list(range(1, args.kmax + 1))
     with torch.inference_mode():
         if args.compile:
-            from mtpspec.compiled import compile_model
+            from mtpspec.models.compiled import compile_model
 
             compile_model(ours, max_width=max(ks))
         our_cache = ours.new_cache()
@@ -109,7 +109,7 @@ def main() -> None:
         ours.mtp_forward(hid[:-1], prompt[1:32], mtp_cache)
         # and with a draft vocabulary (--draft-vocab N: the head restricted to the N most frequent tokens; random
         # weights have no frequencies, so the first N ids stand in: the cost is the same)
-        from mtpspec.drafters.draft_vocab import DraftHead
+        from mtpspec.models.draft_vocab import DraftHead
 
         sub = DraftHead(ours.lm_head.weight, torch.arange(args.draft_vocab))
         mtp_times, sub_times = [], []

@@ -2,9 +2,9 @@
 seven methods (mtpspec/bench/lockstep.py) and each alone, in one process, alternating per prompt.
 
 A peer (llama.cpp, transformers) runs whole requests alone, so a comparison with one is fair only if our methods
-run the same way: this script measured what the rotation costs them (docs/benchmarks.md, "Alternation").
+run the same way: this script measures what the rotation costs them (docs/benchmarks.md, "Alternation").
 
-    python scripts/rotation_cost.py [--compile] [--rounds 2]      # demo model, 8 held-out Python prompts, ~80 s
+    python scripts/rotation_cost.py [--compile] [--rounds 2]      # demo model, 8 held-out Python prompts
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import mtpspec
 from mtpspec.bench.harness import Method, OursRunner
 from mtpspec.bench.lockstep import Lockstep
-from mtpspec.compiled import prepare
+from mtpspec.models.compiled import prepare
 from mtpspec.prompts import Prompt
 from mtpspec.train.data import code_prompts, stdlib_files
 

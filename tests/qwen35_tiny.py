@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints (Qwen3.5, Qwen3-Next, Llama, Qwen3) for the hybrid-model tests.
+"""Tiny random Hugging Face checkpoints (Qwen3.5, Qwen3-Next, Llama, Qwen3, Gemma 3) for the hybrid-model tests.
 
 Weights are randomised well away from their init (zero-centred norms at 0, gated norms at 1 would
 hide layout bugs), `mtp.*` tensors are appended to the safetensors for the hybrid models (transformers
@@ -75,6 +75,12 @@ EXTRA_KINDS = {
 }
 
 
+GEMMA3_KW = dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"], pad_token_id=0,
+                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
 def tiny_hybrid(cfg, mtp_layers: int, seed: int):
     """An eval-mode HybridLM of `cfg` with `mtp_layers` MTP layers, built under seed 0 and randomize()d with `seed`."""
     from mtpspec.models.qwen35 import HybridConfig, HybridLM
@@ -86,7 +92,7 @@ def tiny_hybrid(cfg, mtp_layers: int, seed: int):
 
 
 def hf_model(kind: str, tie: bool = False, seed: int = 0):
-    """A randomised transformers model of `kind` in fp32 (qwen35, qwen3next, llama, qwen3, or one of EXTRA_KINDS)."""
+    """A randomised transformers model of `kind` in fp32 (qwen35, qwen3next, llama, qwen3, gemma3, or one of EXTRA_KINDS)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -108,6 +114,9 @@ def hf_model(kind: str, tie: bool = False, seed: int = 0):
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                              tie_word_embeddings=tie)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma3":  # two sliding-window layers (8 positions) then a global one, 1 KV head, as Gemma 3 270M
+        cfg = tf.Gemma3TextConfig(**{**DENSE_KW, **GEMMA3_KW}, tie_word_embeddings=tie)
+        model = tf.Gemma3ForCausalLM(cfg)
     elif kind in EXTRA_KINDS:
         cfg_cls, model_cls, fields = EXTRA_KINDS[kind]
         cfg = getattr(tf, cfg_cls)(**{**DENSE_KW, **fields}, tie_word_embeddings=tie)

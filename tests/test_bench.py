@@ -346,7 +346,7 @@ def test_rounds_are_averaged_or_the_fastest_kept():
 
 
 def test_alternate_runs_every_config_on_every_prompt_in_shuffled_orders():
-    from mtpspec.bench.alternate import alternate
+    from mtpspec.alternate import alternate
 
     log = []
     res = alternate(["a", "b", "c"], ["p", "q"], lambda c, p: log.append((c, p)) or f"{c}{p}{len(log)}", rounds=3, seed=1)

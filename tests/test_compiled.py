@@ -1,4 +1,4 @@
-"""The compiled decode step (mtpspec/compiled.py): the static-shape forward is the model's forward, and
+"""The compiled decode step (mtpspec/models/compiled.py): the static-shape forward is the model's forward, and
 generation through it gives plain greedy's tokens.
 
 - The static functions are checked in fp64, run as plain eager code: logits, hidden states and every
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mtpspec
-from mtpspec.compiled import CompiledStep, check_compilable, compile_model, dense_forward, hybrid_forward
+from mtpspec.models.compiled import CompiledStep, check_compilable, compile_model, dense_forward, hybrid_forward
 from mtpspec.errors import ConfigError
 from mtpspec.models.dense import DenseConfig, DenseLM
 from mtpspec.models.qwen35 import HybridConfig, HybridLM
@@ -51,7 +51,7 @@ def _static_step(model, tokens, cache, window_form: bool = False):
     step = CompiledStep.__new__(CompiledStep)  # its __call__ without torch.compile: fn is the plain function
     step.module, step.max_width, step.hybrid, step.window_form = model, 16, hasattr(cache, "n_linear"), window_form
     step.params, step.version, step.graphs, step.backend = [], (), {}, "none"
-    from mtpspec.compiled import CompileStats, fuse_projections
+    from mtpspec.models.compiled import CompileStats, fuse_projections
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_forward if step.hybrid else dense_forward)
@@ -132,9 +132,9 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
     the built graphs are called without dynamo (compiled._direct)."""
     import torch._dynamo
 
-    from mtpspec.compiled import _direct
+    from mtpspec.models.compiled import _direct
     from mtpspec.drafters import make_drafter
-    from mtpspec.drafters.draft_vocab import TokenRanking
+    from mtpspec.models.draft_vocab import TokenRanking
     from mtpspec.engine import generate_tokens
     from mtpspec.sampling import Sampler, SamplingParams
 
@@ -165,7 +165,7 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
 
 
 def test_spans_cover_the_context_in_powers_of_two():
-    from mtpspec.compiled import span, spans
+    from mtpspec.models.compiled import span, spans
 
     assert [span(n, 1024) for n in (1, 64, 65, 128, 129, 1000, 1024)] == [64, 64, 128, 128, 256, 1024, 1024]
     assert span(700, 1000) == 1000  # the buffer itself past the last power of two below it
@@ -178,7 +178,7 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
     compilation), and gives plain greedy's tokens."""
     import torch._dynamo
 
-    from mtpspec.compiled import prepare, span
+    from mtpspec.models.compiled import prepare, span
     from mtpspec.drafters import make_drafter
     from mtpspec.engine import generate_tokens
     from mtpspec.sampling import Sampler, SamplingParams

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mtpspec.drafters import make_drafter
-from mtpspec.drafters.draft_vocab import FILE, TokenRanking, ranking_from_counts, read_draft_vocab, write_draft_vocab
+from mtpspec.models.draft_vocab import FILE, TokenRanking, ranking_from_counts, read_draft_vocab, write_draft_vocab
 from mtpspec.engine import generate_tokens
 from mtpspec.errors import ConfigError, ModelLoadError
 from mtpspec.loading import load_module

@@ -90,7 +90,7 @@ def test_rope_scaling_matches_transformers_bit_for_bit(rope):
 
 # -- parity with transformers on tiny random checkpoints ----------------------------------------
 
-KINDS = list(EXTRA_KINDS)  # llama3, llama-linear, llama-dynamic, llama-bias, mistral, qwen2, qwen3-swa
+KINDS = [*EXTRA_KINDS, "gemma3"]  # llama3, llama-linear, llama-dynamic, llama-bias, mistral, qwen2, qwen3-swa, gemma3
 # fp32 tolerance, relative to the largest |logit|: measured 0 for the Llama variants (same kernels, same order)
 # and <= 2.6e-7 for the windowed ones (SDPA with a mask vs transformers' mask: a few fp32 ulps, eps 1.2e-7,
 # through 2-3 layers). 1e-5 leaves 40x headroom and is still 1000x below what ignoring the feature costs
@@ -220,6 +220,8 @@ LLAMA = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermedia
 QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 16}
 QWEN35 = {**LLAMA, "model_type": "qwen3_5_text", "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 8,
           "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+GEMMA3 = {**LLAMA, "model_type": "gemma3_text", "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 16,
+          "sliding_window": 8}
 NEXT = {**QWEN35, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 24}
 
@@ -274,6 +276,15 @@ REFUSED = [
     (QWEN35, {"attn_output_gate": False}, "attn_output_gate false"),
     (QWEN35, {"mtp_use_dedicated_embeddings": True}, "mtp_use_dedicated_embeddings"),
     (NEXT, {"routed_scaling_factor": 2.5}, "'routed_scaling_factor'"),
+    (GEMMA3, {"final_logit_softcapping": 30.0}, "'final_logit_softcapping' = 30.0 is not implemented for gemma3_text"),
+    (GEMMA3, {"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' = 50.0"),
+    (GEMMA3, {"use_bidirectional_attention": True}, "'use_bidirectional_attention'"),
+    (GEMMA3, {"query_pre_attn_scalar": 256}, "query_pre_attn_scalar 256 != head_dim 16"),
+    (GEMMA3, {"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
+    (GEMMA3, {"layer_types": ["full_attention"]}, "once per layer (3)"),
+    (GEMMA3, {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "only plain RoPE"),
+    (GEMMA3, {"rope_parameters": {"chunked_attention": {"rope_type": "default"}}}, "rope_parameters.chunked_attention"),
     (NEXT, {"scoring_func": "sigmoid"}, "'scoring_func'"),
     (NEXT, {"num_experts_per_tok": 8}, "exceeds num_experts"),
 ]
@@ -285,8 +296,16 @@ def test_function_changing_fields_are_refused_by_name(base, changes, needle):
 
 
 def test_fields_that_load_today_still_load():
-    """What checkpoints in the wild set (Llama 3.1, Mistral v0.1, Qwen2.5, Qwen3, SmolLM2), and transformers' own to_dict()."""
+    """What checkpoints in the wild set (Llama 3.1, Mistral v0.1, Qwen2.5, Qwen3, SmolLM2, Gemma 3), and transformers' own to_dict()."""
     import transformers as tf
+
+    # google/gemma-3-270m's config.json (older field names: rope_theta, rope_local_base_freq, sliding_window_pattern)
+    gemma = _cfg({**GEMMA3, "num_hidden_layers": 18, "head_dim": 256, "query_pre_attn_scalar": 256}, rope_theta=1_000_000.0,
+                 rope_local_base_freq=10_000.0, rope_scaling=None, sliding_window=512, sliding_window_pattern=6,
+                 _sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+                 attn_logit_softcapping=None, use_bidirectional_attention=False, attention_bias=False, pad_token_id=0)
+    assert gemma.layer_windows == ((512,) * 5 + (0,)) * 3 and gemma.tie_embeddings
+    assert (gemma.rope_theta, gemma.rope_local_theta) == (1_000_000.0, 10_000.0) and gemma.sandwich_norms
 
     llama31 = _cfg(LLAMA, rope_scaling={**LLAMA3, "original_max_position_embeddings": 64}, rope_theta=500000.0,
                    pretraining_tp=1, mlp_bias=False, attention_bias=False, torch_dtype="bfloat16", is_llama_config=True,
@@ -300,6 +319,7 @@ def test_fields_that_load_today_still_load():
         small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8)
         config_from_hf(cls(**small).to_dict(), "ckpt", mtp_layers=0)
+    config_from_hf(tf.Gemma3TextConfig(**small, query_pre_attn_scalar=8).to_dict(), "ckpt", mtp_layers=0)
 
 
 WIDE = {**LLAMA, "hidden_size": 256, "num_attention_heads": 32}  # the default kv heads (8, 32) must divide the heads
@@ -396,11 +416,11 @@ def test_directory_near_misses(llama_dir, tmp_path, capsys):
 
 
 def test_foreign_model_files_are_named(tmp_path, capsys):
-    """A PyTorch pickle or a GGUF file as --model: say what it is, not 'implausible header'."""
+    """A PyTorch pickle or a damaged GGUF file as --model: say what it is, not 'implausible header'."""
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
     assert "PyTorch pickle checkpoints are not supported" in _load_error(tmp_path / "pytorch_model.bin", capsys)
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(64))
-    assert "GGUF files are not supported" in _load_error(tmp_path / "m.gguf", capsys)
+    assert "m.gguf: GGUF version 0 is not supported" in _load_error(tmp_path / "m.gguf", capsys)
 
 
 def test_a_config_far_bigger_than_its_checkpoint_allocates_nothing(llama_dir, tmp_path, capsys):

@@ -28,7 +28,7 @@ from mtpspec.hf_reference import float32_ops, hf_fp64_copy
 from mtpspec.loading import load_checkpoint
 from qwen35_tiny import save_hf
 
-KINDS = [("qwen35", False), ("qwen35", True), ("qwen3next", False), ("llama", False), ("llama", True), ("qwen3", False)]
+KINDS = [("qwen35", False), ("qwen35", True), ("qwen3next", False), ("llama", False), ("llama", True), ("qwen3", False), ("gemma3", True), ("gemma3", False)]
 HYBRID = ("qwen35", "qwen3next")
 # a prompt prefill over two 64-chunks (the chunked DeltaNet form), decode, windows up to 16 (one exact chunk) and
 # longer ones (kept per position for rollback, in pieces of <= 64 where the cache supports it)

@@ -132,7 +132,7 @@ def test_compiled_catch_ups_stay_within_the_compiled_widths():
     lookup round would make its catch-up wider than the graphs: every module call stays compiled, output unchanged."""
     import torch._dynamo
 
-    from mtpspec.compiled import compile_model
+    from mtpspec.models.compiled import compile_model
 
     torch._dynamo.reset()
     model = _model(1)

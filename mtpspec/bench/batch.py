@@ -26,26 +26,10 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from ..heap import frozen_heap
-from .costmodel import quantile
+from .cli_shared import parse_counts, progress_bar
 from .harness import K_MAX_AUTO
 from .report import pyplot, save, section, target, targets_md
-
-
-def parse_counts(text: str, flag: str, what: str, example: str = "1,2,4,8") -> list[int]:
-    """"1,4,16" -> [1, 4, 16] (sorted, each once): positive integers for `flag`; anything else is a ConfigError naming it."""
-    parts = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not parts:
-        raise ConfigError(f"{flag} needs {what} separated by commas, e.g. {example}; got {text!r}")
-    out = []
-    for x in parts:
-        try:
-            n = int(x)
-        except ValueError:
-            raise ConfigError(f"{flag} takes integer {what} >= 1 separated by commas (e.g. {example}), got {x!r}") from None
-        if n < 1:
-            raise ConfigError(f"{flag} {what} must be >= 1, got {n}")
-        out.append(n)
-    return sorted(set(out))
+from .timing import quantile
 
 
 def parse_batches(text: str) -> list[int]:
@@ -295,8 +279,8 @@ def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batch
     is the median over rounds of that round's ratio (the methods ran side by side within a round, not across rounds: a
     ratio of medians can pair one round's auto with another's rival), with the ratio of the medians beside it.
     `ratio_to_held_out`: each round's auto over the rival best in the other rounds. Picked and judged on the same
-    rounds, the best of several rivals within the noise of each other is the luckiest of them (demo, B = 16: D = 1-4
-    within 2%, the best by 1-3% in a round), so auto's ratio to it reads low even where auto ties each; picked on
+    rounds, the best of several rivals within the noise of each other is the luckiest of them (fixed depths that tie
+    within the noise take turns being best in a round), so auto's ratio to it reads low even where auto ties each; picked on
     other rounds, the rival's luck in the judged round is its own. Not the target: beside it."""
     auto = {}
     for m in [m for m in methods if m.k == "auto"]:
@@ -344,7 +328,7 @@ def _paired(runs: list[BatchRun], num: str, den: str, b: int, key: str) -> float
 
 
 def check_targets(summary: dict, model_name: str) -> list[dict]:
-    """The issue's batch targets that this run measured, by wall time (the detail: the same by CPU time).
+    """The batch targets that this run measured, by wall time (the detail: the same by CPU time).
     The auto >= 1.3x plain target is stated for the demo model."""
     wall, cpu = summary, summary["cpu"]
     out = []
@@ -437,8 +421,6 @@ def run_batch_bench(setup, drafters: list[str], ks: list[int | str], batches: li
                     trees: list[int] | None = None, temperature: float = 0.0, seed: int = 0, plot_prefix: str = "bench_",
                     progress: bool = True) -> dict:
     """Measure on a loaded cli.Setup; write batch.json, batch.md and {plot_prefix}batch.png into `out`; return the result."""
-    from .cli import progress_bar
-
     if rounds < 1:
         raise ConfigError(f"--rounds must be >= 1, got {rounds}")
     t_start = perf_counter()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -26,6 +25,7 @@ import torch
 from ..cli import add_model_args, add_threads_arg, command, parse_k, use_threads
 from ..errors import ConfigError
 from ..loading import parse_dtype
+from .cli_shared import parse_counts, progress_bar
 
 
 def _list(text: str) -> list[str]:
@@ -151,18 +151,6 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
     return Setup(model, dm, draft_models, plist, prepare_ids(model, plist, max_new_tokens), config)
 
 
-@contextmanager
-def progress_bar(on: bool, total: int, desc: str, unit: str):
-    """Yields tick(label), which advances a tqdm bar on stderr (None when `on` is false)."""
-    if not on:
-        yield None
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr) as bar:
-        yield lambda label: (bar.set_postfix_str(label), bar.update(1))
-
-
 def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], out: str | Path, tokenizer: str | None = None,
                   draft_model: str | None = None, limit: int | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                   seed: int = 0, peers: bool | str | list[str] = False, threads: int | None = None, cost_model: bool = True,
@@ -193,7 +181,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
                    group_size, compile)
     model, ids, threads = s.model, s.ids, s.model.threads
     if interleave == "auto":  # lockstep needs one torch thread (waiting jobs' OpenMP pools would spin), and a peer runs
-        # whole requests alone: in the rotation our compiled methods ran 6-14% slower than alone (scripts/rotation_cost.py)
+        # whole requests alone: in the rotation our compiled methods run slower than alone (scripts/rotation_cost.py)
         interleave = "step" if threads == 1 and not peers else "run"
     elif interleave == "step" and threads != 1:
         raise ConfigError(f"--interleave step needs --threads 1 (got {threads}): each waiting job's thread pool would spin")
@@ -234,7 +222,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
         phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
     if compile:  # every graph the runs can reach, built before anything is timed
-        from ..compiled import MAX_WIDTH, prepare
+        from ..models.compiled import MAX_WIDTH, prepare
 
         ours = [m for m in methods if m.engine == "mtpspec"]
         def deepest(ms: list[Method]) -> int:
@@ -312,7 +300,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 def _run_batch(args: argparse.Namespace, ks: list[int | str]) -> dict:
     """`mtpspec bench --batch ...`: the batch benchmark (bench/batch.py); options it has no use for are refused."""
     from ..tree import check_tree_budget
-    from .batch import parse_batches, parse_counts, run_batch_bench
+    from .batch import parse_batches, run_batch_bench
 
     batches = parse_batches(args.batch)
     if args.peers:

@@ -30,11 +30,11 @@ from time import perf_counter
 
 import torch
 
+from ..alternate import alternate
 from ..errors import ConfigError
 from ..heap import frozen_heap
 from ..metrics import Acceptance
-from .alternate import alternate
-from .batch import parse_counts
+from .cli_shared import parse_counts
 from .report import _f
 
 METHODS = ("plain", "mtp", "sparse-full", "sparse-recompute", "sparse-reuse")
@@ -66,7 +66,7 @@ def check_same_target(m, s, m_path: str, s_path: str) -> int:
 def heldout_stream(model, source: str | None) -> list[int]:
     """Token ids of the held-out text (a file, a folder's .py files, default the stdlib's HELDOUT modules): each file
     encoded (BOS first, as training's streams) and concatenated."""
-    from ..train.data import read_texts, stdlib_files
+    from ..stdlib_text import read_texts, stdlib_files
 
     p = Path(source or ".")
     if source is not None and not p.exists():
@@ -164,7 +164,7 @@ def aggregate(rs: list[ContextRun], plain_tps: float | None, k: int) -> dict:
 
 
 def targets(summary: dict[str, dict]) -> list[dict]:
-    """Issue 16's: reuse within 3% of full-attention MTP's mean accepted length at every context; at the longest, a
+    """The targets: reuse within 3% of full-attention MTP's mean accepted length at every context; at the longest, a
     reused (chained) draft forward >= 3x cheaper than a full-attention one, and decoding faster than with it."""
     out = [(f"L={L}: sparse-reuse / {ref} mean accepted length", 0.97, s["sparse-reuse"]["mean_accepted_length"] / s[ref]["mean_accepted_length"])
            for L, s in summary.items() for ref in ("mtp", "sparse-full")]
@@ -192,7 +192,7 @@ def markdown(result: dict, images: list[str]) -> str:
                          + " | ".join(_f(x) for x in a["acceptance_by_position"] or [None] * k) + " | "
                          + " | ".join(_f(a[x]) for x in ("draft_ms_per_drafted_token", "mtp_first_ms", "mtp_chained_ms", "verify_ms_per_step"))
                          + f" | {a['prefill_seconds']:.1f} | {a['greedy_identical']} |")
-    lines += ["", "Targets (issue 16):", "", "| target | measured | goal | met |", "|---|---|---|---|"]
+    lines += ["", "Targets:", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']:.3f} | {t['goal']:.2f} | {'yes' if t['met'] else '**no**'} |" for t in result["targets"]]
     return "\n".join(lines + [f"\n![{Path(i).stem}]({i})" for i in images]) + "\n"
 
@@ -284,7 +284,7 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
     result = {"config": {"model": str(model_path), "sparse_model": str(sparse_path), "contexts": contexts, "k": k,
                          "max_new_tokens": max_new_tokens, "prompts_per_context": {str(L): len(ps) for L, ps in prompts.items()},
                          "threads": full.threads, "interleave": "every 5 ms (lockstep)" if step else "run by run", "dtype": dtype,
-                         "seed": seed, "text": text or "the held-out stdlib modules (train/data.py HELDOUT)", "text_tokens": len(stream),
+                         "seed": seed, "text": text or "the held-out stdlib modules (stdlib_text.py HELDOUT)", "text_tokens": len(stream),
                          "target_tensors_equal": equal, "sparse_config": models["sparse"].module.config.mtp_sparse_attention.to_dict(),
                          "model_mtp_sparse": getattr(getattr(full.module, "config", None), "mtp_sparse_attention", None) is not None,
                          "torch": torch.__version__},

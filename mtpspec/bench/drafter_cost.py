@@ -21,7 +21,7 @@ import torch
 
 from ..engine import Session
 from ..sampling import Sampler, SamplingParams
-from .costmodel import quantile, rounds
+from .timing import quantile, rounds
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 
 from ..adaptive import AdaptiveDepth
+from ..alternate import alternate
 from ..errors import ConfigError
 from ..heap import frozen_heap
 from ..metrics import Acceptance
 from ..prompts import Prompt, fit_prompt
-from .alternate import alternate
 from .costmodel import CostModel
 from .lockstep import Lockstep, Turn
 

@@ -1,9 +1,7 @@
 """llama.cpp as a peer: llama-server on the same weights (a GGUF), the same prompt ids, decode-only time.
 
-Speculation is a server setting in llama.cpp (its /completion takes no per-request draft options), so
-each method gets its own llama-server, started on first use on 127.0.0.1 and a free port and kept
-until the runner closes; an idle server waits on a condition variable and takes no CPU from the
-runs of the others. Methods map to its flags:
+Speculation is a llama-server setting, so each method gets its own server (started on first use on a
+free loopback port, kept until the runner closes; an idle one takes no CPU). Methods map to its flags:
 
     plain        (no --spec-type)
     mtp@k        --spec-type draft-mtp --spec-draft-n-max k        (the GGUF's nextn layer drafts)
@@ -11,13 +9,9 @@ runs of the others. Methods map to its flags:
     ngram        --spec-type ngram-simple with llama.cpp's defaults (n = 12, m = 48)
     draft@k      --spec-type draft-simple -md DRAFT.gguf --spec-draft-n-max k
 
-Requests send the prompt as token ids (ours, BOS included; llama.cpp adds nothing to an id list),
-greedy (temperature 0, top_k 1, penalties off), cache_prompt false. Timing is llama.cpp's own:
-its prompt pass (prompt_ms) samples the first new token, so predicted_ms pays for the other
-predicted_n - 1 (its predicted_per_second is exactly that ratio). Ours counts a step per token
-after a prefill of all but the last prompt token; both are one forward per token, prefill excluded.
-It stops at an end-of-generation token and keeps it; ours stops before its stop ids, so a trailing
-stop token is dropped before comparing (as the transformers peer does).
+Requests send our prompt ids (BOS included), greedy, no prompt cache. Decode time is llama.cpp's own
+predicted_ms, which pays for predicted_n - 1 tokens (its prompt pass samples the first), as ours excludes
+prefill. It keeps a final end-of-generation token, ours stops before it: that token is dropped before comparing.
 """
 
 from __future__ import annotations
@@ -288,7 +282,10 @@ def llamacpp_methods(drafters: list[str], ks: list[int | str]) -> list[Method]:
 
 
 def peer_gguf(model, out_dir: Path, name: str) -> Path:
-    """`model` (a loaded mtpspec Model) written as an f32 GGUF for llama.cpp: OUT/gguf/NAME.gguf."""
+    """The GGUF llama.cpp runs for `model`: the file itself when the model was loaded from one (the same quantized
+    weights), else `model` written as an f32 GGUF: OUT/gguf/NAME.gguf."""
+    if model.path and Path(model.path).suffix == ".gguf" and Path(model.path).is_file():
+        return Path(model.path)
     try:
         from ..export_gguf import export_gguf
     except ImportError as e:

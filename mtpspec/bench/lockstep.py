@@ -1,7 +1,7 @@
 """Several generations in turn, a few milliseconds of each at a time, so the machine's drift cancels.
 
 Each job is a greenlet in the caller's thread (not an OS thread: those migrate between cores and malloc
-arenas, 5-25% slower here). After every engine step it calls `Turn.step_done`, which, once its 5 ms
+arenas, and measured slower). After every engine step it calls `Turn.step_done`, which, once its 5 ms
 slice is used up, switches to the next job; each pass over the jobs runs them in a fresh seeded order,
 so no job always follows the same other one. The time a job spends away is recorded (`Turn.waited`)
 and subtracted from its time. Run the rotation inside torch.inference_mode(): a job leaving the mode

@@ -86,7 +86,7 @@ def summarize(runs: list[Run], methods: list[Method], cost: CostModel | None) ->
 
 
 def target(name: str, measured: float, goal: float, detail: str = "") -> dict:
-    """One target of an issue, with its measured number and whether it is met."""
+    """One benchmark target, with its measured number and whether it is met."""
     return {"target": name, "measured": round(measured, 3), "goal": goal, "met": measured >= goal, "detail": detail}
 
 
@@ -95,7 +95,7 @@ def _best(values: dict[str, float | None], prefix: str) -> tuple[float, str]:
 
 
 def check_targets(summary: dict, elapsed_seconds: float | None = None) -> list[dict]:
-    """The issues' targets that this run measured (docs/benchmarks.md, "Targets")."""
+    """The benchmark's targets that this run measured (docs/benchmarks.md, "Targets")."""
     ov, cats = summary["overall"], summary["by_category"]
     tps = {k: v["tokens_per_second"] for k, v in ov.items()}
     dec = {k: v.get("decode_tokens_per_second") for k, v in ov.items()}

@@ -1,33 +1,15 @@
-"""`mtpspec loadtest`: a bounded load test of `mtpspec serve` on loopback.
+"""`mtpspec loadtest`: a bounded load test of `mtpspec serve` on loopback (docs/serving.md, "Load test").
 
     mtpspec loadtest --model demo --concurrency 1,4,16 --spec off,fixed:3,auto --requests 32 \\
         --max-tokens 64 --time-limit 120 --prompts humaneval --out build/serve_load.json \\
         --md build/serve_load.md --png build/serve_load.png --threads 1
 
-For each speculation config a real server subprocess is started (`python -m mtpspec serve --port 0
-...`), its URL read from its first stdout line, GET /health awaited; it is killed at the end, also on
-an error or Ctrl-C. For each concurrency C, C client workers (asyncio + httpx) stream
-POST /v1/completions (`stream: true, temperature: 0, max_tokens: M`) over a fixed number of requests
-drawn in turn from the prompt set, after a warm-up round that is not counted. A run stops by itself
-at its time limit: requests in flight then are cancelled and counted as `cut`, those never sent as
-`not_started`.
-
-Per request:
-    TTFT           seconds from sending the request to the first SSE chunk that carries text
-    inter-token    each later chunk that carries n tokens, g seconds after the previous such chunk, counts
-    latency (ITL)  n tokens of g / n seconds each (a chunk of several tokens shares its gap among them); the
-                   first chunk's tokens count toward TTFT only
-    tokens         the completion's tokens (usage.completion_tokens of the last chunk)
-Tokens per chunk: the chunk's own count when the stream gives one (`mtpspec.tokens`, or the length of
-`logprobs.tokens`), else found by aligning the text received so far with the reference's tokens (how much
-text each of its tokens adds, through the tokenizer's stream decoder).
-
-Every response is checked against a reference computed once per prompt, in this process, by
-`mtpspec.load(model).generate(prompt, max_new_tokens=M)` (greedy, no drafter): its text must be equal.
-Statuses: ok, mismatch (finished, other text), error (HTTP error, error event, stream without [DONE]),
-cut, not_started; none is dropped. Overall per (config, C): completion tokens / s (wall, first request
-sent to last finished, over the finished requests), p50 / p99 TTFT (over requests) and ITL (over all
-tokens of all requests, pooled).
+Per speculation config, a real server subprocess (killed at the end, also on an error or Ctrl-C); per
+concurrency C, C workers stream POST /v1/completions (greedy) over a fixed number of requests after an
+uncounted warm-up, within a time limit (requests in flight then are `cut`, those never sent `not_started`).
+Per request: TTFT, inter-token latencies (a chunk of n tokens shares its gap among them) and tokens; every
+response is checked against a greedy reference computed in this process, and no request is dropped from
+the counts: ok, mismatch, error, cut or not_started.
 """
 
 from __future__ import annotations
@@ -105,7 +87,7 @@ def parse_specs(text: str) -> list[SpecConfig]:
 
 def parse_concurrency(text: str) -> list[int]:
     """--concurrency "1,4,16" -> [1, 4, 16] (sorted, each once)."""
-    from .batch import parse_counts
+    from .cli_shared import parse_counts
 
     return parse_counts(text, "--concurrency", "concurrencies", "1,4,16")
 
@@ -582,7 +564,7 @@ def _cell_map(cells: list[dict]) -> dict[tuple[str, int], dict]:
 
 
 def check_targets(cells: list[dict]) -> list[dict]:
-    """The issue's targets, each {name, value, target, passed} (only those the measured configs allow)."""
+    """The load test's targets, each {name, value, target, passed} (only those the measured configs allow)."""
     m = _cell_map(cells)
     specs = list(dict.fromkeys(c["spec"] for c in cells))
     cs = sorted({c["concurrency"] for c in cells})

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from .base import BatchDrafter, Drafter, DrafterOptions, MTPSource, NoDrafter, option
+from ..models.mtp_source import MTPSource
+from .base import BatchDrafter, Drafter, DrafterOptions, NoDrafter, option
 from .draft_model import DraftModelDrafter
 from .lookahead import LookaheadDrafter, LookaheadOptions
 from .ngram import NgramDrafter, NgramOptions

@@ -1,5 +1,5 @@
-"""The interfaces of drafting: what every drafter does, what a batch-capable drafter adds, what the
-MTP drafter reads from its source, and how a drafter's options are declared and checked.
+"""The interfaces of drafting: what every drafter does, what a batch-capable drafter adds, and how a
+drafter's options are declared and checked (what the MTP drafter reads from its source: models/mtp_source.py).
 
 A drafter sees the committed context (prompt + emitted tokens; the last one is not yet in the
 target's cache), proposes up to k tokens after it, and is told what verification kept.
@@ -14,9 +14,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, Self, runtime_checkable
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..cache import KVCache
 from ..errors import ConfigError
 from ..sampling import Sampler
 from ..types import Draft, TargetOutput, Verdict
@@ -71,40 +70,6 @@ class BatchDrafter(Drafter, Protocol):
     @classmethod
     def propose_batch(cls, drafters: list[Self], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
         """drafters, contexts (L_i,), ks: one entry per drafted sequence -> one Draft per sequence, same order."""
-
-
-@runtime_checkable
-class MTPConfig(Protocol):
-    mtp_num_layers: int  # decoder layers of the MTP module (the drafter supports 1)
-
-
-@runtime_checkable
-class MTPSource(Protocol):
-    """What the MTP drafter (drafters/mtp.py) reads: a target with its own MTP module (HybridLM), or
-    a trained MTP / EAGLE head attached to a frozen target (models.heads.AttachedHead).
-
-    The module reads pairs (h_i, e(t_{i+1})), the target's post-final-norm hidden state at i and the
-    embedding of the token after it, and returns a hidden state (T, H) for the target's LM head.
-    Besides the members below, the drafter reads `token_ranking` (a drafters.draft_vocab.TokenRanking,
-    or None / absent when the checkpoint has no draft vocabulary) through getattr.
-    """
-
-    mtp: nn.Module | None  # forward(hidden (T, H), emb (T, H), cache, start, layer) -> (T, H); None = the model has none
-    config: MTPConfig
-    vocab_size: int  # V of the target's LM head
-    lm_head: nn.Linear  # the target's LM head (weight (V, H)): a draft vocabulary restricts its rows
-
-    def new_mtp_cache(self) -> KVCache:
-        """An empty KV cache for the MTP module's own positions (one entry per pair)."""
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        """tokens (T,) -> (T, H) the target's input embeddings."""
-
-    def head(self, hidden: Tensor) -> Tensor:
-        """hidden (T, H) -> (T, V) logits through the target's LM head (at least float32)."""
-
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
-        """The MTP module over pairs (hidden (T, H), tokens (T,)) at cache.length.. -> (T, H); advances the cache by T."""
 
 
 class NoDrafter:

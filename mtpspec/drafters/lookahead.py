@@ -1,11 +1,8 @@
 """Lookahead decoding (Fu et al. 2024) on this engine's verify pass: an n-gram pool fed by the context
 and by the target's own guesses past the accepted prefix, proposed as a chain. No draft model.
 
-The paper runs two branches inside each target forward: a lookahead branch (a window of W future
-positions, each guessed afresh by Jacobi iteration from the guesses of the N-1 steps before) whose
-trajectories yield n-grams, and a verification branch that checks pool n-grams starting with the
-last token. This engine's forward is [last, d1..dD] and nothing else, so both roles share the D
-draft positions (docs/trees.md, "Lookahead and suffix lookup"):
+The paper's lookahead and verification branches share the D draft positions of this engine's
+forward [last, d1..dD] (docs/trees.md, "Lookahead decoding in this engine"):
 
 - **Pool.** For every key of 1..n-1 tokens, the tokens seen after it, with how often and how
   recently: the context's own n-grams (prompt and output) and the target's guesses, in one table.

@@ -12,28 +12,19 @@ Bookkeeping, with the engine's convention (the target cache holds every token bu
 - commit after a verify over [t_{L-1}, d1..dD] with n accepted: crop the MTP cache to the real
   pairs, and the pending pairs become (out.hidden[j], verdict.tokens[j]) for j = 0..n.
 
-Multi-layer modules (n = mtp_num_layers > 1, docs/mtp-layers.md) follow DeepSeek-V3's definition, the
-one training uses (train/pretrain.py `mtp_hiddens`): depth k (1-based) at position i reads h^{k-1}_i (h^0 =
-the target's hidden) and e(t_{i+k}), runs layer (k-1) % n, and its output h^k_i predicts t_{i+k+1}. Draft
-step k is depth k at the last position with a target hidden (L-2), so d_k = argmax head(h^k_{L-2}) and
-steps beyond n cycle the layers as training does. Each depth has its own KV cache (`DepthChain`, one
-cache per depth drafted so far, created on first use); depth k's entries with all inputs real lag the
-target by k-1 positions, a round fills the missing ones from the drafted tokens, and commit crops each
-depth to the entries whose inputs were real (tokens up to the last accepted one), to be caught up next
-round. The n > 1 path runs eagerly one sequence at a time: no token trees (refused), propose_batch
-falls back to propose, and the compiled draft step is not used. For n == 1 nothing here changes.
+Multi-layer modules (n = mtp_num_layers > 1, docs/mtp-layers.md) follow DeepSeek-V3's depths, as training
+does: draft step k is depth k at position L-2, runs layer (k-1) % n and has its own KV cache (`DepthChain`);
+commit crops each depth to the entries whose inputs were real. That path runs eagerly one sequence at a
+time: no token trees (refused), no batched or compiled draft step.
 
-Greedy: drafts are argmaxes and q is None. Sampling: drafts are sampled from q = sampler.probs
-(the same transform the target's p gets), and q is returned so rejection sampling stays exact.
-With a draft vocabulary (draft_vocab.py) the head scores only the N most frequent tokens; greedy
-drafts are the argmax over them and q is zero outside them.
+Greedy drafts are argmaxes (q None); sampled drafts come from q = sampler.probs (the target's transform),
+returned so rejection sampling stays exact. A draft vocabulary (models/draft_vocab.py) restricts both to its N
+most frequent tokens (q zero outside them).
 
-Prompt-lookup shortcut (`lookup=N`, `--mtp-lookup N`): when the context's last N tokens occurred earlier,
-the round drafts what followed their latest occurrence (ngram.py) instead of running the module, and the
-module's state is left as after a plain step (its pending pairs wait for the next round that drafts with
-it). A lookup draft is a point mass (q = None) like any n-gram draft, so verification stays lossless. On
-code, where a 4-token repeat is usually a copied identifier or line, it drafts as far as the MTP chain
-(demo, 8 held-out Python prompts, D = 5: 3.92 tokens per forward against 3.91) for none of its cost.
+Prompt-lookup shortcut (`lookup=N`, `--mtp-lookup N`, docs/models.md): when the context's last N tokens
+occurred earlier, the round drafts what followed their latest occurrence (ngram.py) instead of running the
+module, whose pending pairs wait for the next round that drafts with it. A lookup draft is a point mass
+(q = None), so verification stays lossless.
 """
 
 from __future__ import annotations
@@ -43,14 +34,14 @@ from torch import Tensor
 
 from ..cache import KVCache
 from ..errors import ConfigError
-from ..compiled import compiled_draft_step
+from ..models.compiled import compiled_draft_step
+from ..models.draft_vocab import make_draft_head
 from ..models.fused_mtp import fused_mtp
 from ..models.static import draft_module_forward, greedy_draft
 from ..sampling import Sampler
 from ..tree import (GrowingTree, RankAcceptance, TreeChoice, check_tree_beam, check_tree_budget, grow, keep_best, observe_step,
                     shared_sizer, top_guesses, tree_branch, tree_budget)
 from ..types import Draft, TargetOutput, Verdict
-from .draft_vocab import make_draft_head
 from .ngram import NgramDrafter
 
 
@@ -279,8 +270,8 @@ class MTPDrafter:
     @classmethod
     def _propose_folded(cls, drafters: list["MTPDrafter"], ks: list[int]) -> list[Draft]:
         """_propose_modules through the folded module (fused_mtp.py): each step's products run once over every
-        sequence's rows, each attention reads the sequence's own cache in place. A batch of 2 through the module's own
-        ops (draft_module_forward, over a per-round copy of every cache) cost 2.1x one sequence's folded drafting."""
+        sequence's rows, each attention reads the sequence's own cache in place, with no per-round cache copy
+        (measured faster than _propose_modules' padded buffer: docs/decisions.md#batched-mtp-drafting-folded)."""
         fused, target = drafters[0].fused, drafters[0].target
         pend = [d.pending_h.shape[0] for d in drafters]
         toks = torch.cat([d.pending_t for d in drafters])  # (P,) every sequence's pending pairs, in order

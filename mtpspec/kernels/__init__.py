@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..weight_cache import weights_version
+
 P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
 MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
@@ -54,6 +56,18 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def build_extension(name: str, source: str, subdir: str) -> None:
+    """Compile (or load the cached build of) the C++ file `source` beside this module as the torch extension `name`
+    (-O3 -march=native, OpenMP, no fused multiply-adds: the kernels' exactness arguments count roundings), kept under
+    cache_dir() in a folder for this CPU and torch version. Raises what the build raises."""
+    from torch.utils.cpp_extension import load
+
+    build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / subdir
+    build.mkdir(parents=True, exist_ok=True)
+    load(name=name, sources=[str(Path(__file__).with_name(source))], build_directory=str(build), is_python_module=False,
+         verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
 
 
 def available() -> bool:
@@ -144,8 +158,6 @@ def panels_of(holder: dict, weight: Tensor) -> Tensor:
     compiled step refreshes them outside the graph when the weights change (models.static.fuse_projections)."""
     if torch.compiler.is_compiling():
         return holder["panels"][1]
-    from ..models.common import weights_version
-
     key = weights_version([weight])
     cached = holder.get("panels")
     if cached is None or cached[0] != key:

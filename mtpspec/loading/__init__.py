@@ -35,6 +35,7 @@ def shipped_demo_dir() -> Path:
 
 # `--model demo` = the shipped hybrid; stories260K from the assets if the folder is missing.
 SHIPPED_DEMO_IS_DEFAULT = True
+GEMMA3_270M = "gemma3-270m"  # `--model gemma3-270m`: the Gemma 3 270M Q4_K_M GGUF the `real` extra installs
 
 
 def resolve_demo() -> tuple[Path, Path | None]:
@@ -47,14 +48,19 @@ def resolve_demo() -> tuple[Path, Path | None]:
 
 
 def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True):
-    """Return (model, tokenizer) for a llama2.c .bin file, an HF directory or a project checkpoint.
+    """Return (model, tokenizer) for a llama2.c .bin file, a GGUF file, an HF directory or a project checkpoint.
 
     with_tokenizer=False skips the tokenizer (a draft model shares the target's) and returns None for it.
+    `demo` names the shipped demo model, `gemma3-270m` the installed Gemma 3 270M GGUF (loading/realmodels.py).
     """
     dt = parse_dtype(dtype)
     if str(path) == "demo":
         path, default_tok = resolve_demo()
         tokenizer = tokenizer or default_tok
+    elif str(path) == GEMMA3_270M:
+        from .realmodels import gemma3_270m_path
+
+        path = gemma3_270m_path()
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model not found: {path}")
@@ -64,6 +70,8 @@ def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype
         return load_directory(path, tokenizer, dt, with_tokenizer)
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"model file is not readable: {path}")
+    if _sniff(path) == "gguf":
+        return _load_gguf(path, tokenizer, dt, with_tokenizer)
     _refuse_foreign_file(path)
     model = load_llama2c(path, dt)
     if not with_tokenizer:
@@ -98,8 +106,17 @@ def _refuse_foreign_file(path: Path) -> None:
                              "which holds config.json (or mtpspec.json), the *.safetensors and tokenizer.json")
     if kind == "pickle":
         raise ModelLoadError(f"{path}: PyTorch pickle checkpoints are not supported; use a safetensors checkpoint directory")
-    if kind == "gguf":
-        raise ModelLoadError(f"{path}: GGUF files are not supported; use a safetensors checkpoint directory or a llama2.c .bin")
+
+
+def _load_gguf(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool):
+    """A GGUF file: the model with its matrices in their block types (fp32), and the tokenizer from its metadata."""
+    from .gguf_model import load_gguf_model
+    from .tokenizer_gguf import load_gguf_tokenizer
+
+    if tokenizer:
+        raise ModelLoadError(f"{path}: a GGUF file carries its tokenizer; drop --tokenizer")
+    model = load_gguf_model(path, dtype)
+    return model, (load_gguf_tokenizer(path) if with_tokenizer else None)
 
 
 def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):

@@ -28,7 +28,7 @@ from ..models.qwen35 import LAYER_TYPES, HybridConfig, HybridLM
 MAX_CONTEXT = 8192  # KV caches are preallocated: cap the context of big-context checkpoints
 MAX_LAYERS = 10_000  # more is a corrupt config.json (the biggest models have ~200)
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 IGNORED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
 
@@ -80,6 +80,9 @@ USED = {
     "mistral": frozenset(_CORE | {"sliding_window", "attention_bias", "mlp_bias"}),
     "qwen2": frozenset(_CORE | _WINDOWS | {"attention_bias", "mlp_bias"}),
     "qwen3": frozenset(_CORE | _WINDOWS | {"attention_bias", "mlp_bias"}),
+    "gemma3_text": frozenset(_CORE | {"layer_types", "sliding_window", "sliding_window_pattern", "_sliding_window_pattern",
+                                      "query_pre_attn_scalar", "hidden_activation", "rope_local_base_freq", "attention_bias",
+                                      "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"}),
     "qwen3_5": frozenset(_CORE | _HYBRID),
     "qwen3_5_text": frozenset(_CORE | _HYBRID),
     "qwen3_next": frozenset(_CORE | _HYBRID | _MOE),
@@ -95,6 +98,9 @@ TYPE_DEFAULTS = {
               "max_window_layers": 28, "max_position_embeddings": 32768},
     "qwen3_5_text": {"num_key_value_heads": 4, "head_dim": 256, "partial_rotary_factor": 0.25,
                      "max_position_embeddings": 32768},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096, "max_position_embeddings": 131072,
+                    "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
     "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
                    "max_position_embeddings": 32768, "num_experts": 512, "num_experts_per_tok": 10,
                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
@@ -269,10 +275,16 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
     f = _Fields(cfg, mtype, path)
     _check_fields(f)
     dense = mtype in DENSE_TYPES
-    act = f.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise f.error(f"hidden_act '{act}' is not supported (only silu)")
-    theta, factor, scaling = _rope(f, dense)
+    if mtype == "gemma3_text":
+        act = f.get("hidden_activation")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise f.error(f"hidden_activation '{act}' is not supported for gemma3_text (only gelu_pytorch_tanh)")
+        theta, factor, scaling, local_theta = _gemma3_rope(f)
+    else:
+        act = f.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise f.error(f"hidden_act '{act}' is not supported (only silu)")
+        theta, factor, scaling = _rope(f, dense)
     n_layers, n_heads = f.int("num_hidden_layers", maximum=MAX_LAYERS), f.int("num_attention_heads")
     n_kv = f.int("num_key_value_heads", n_heads) if f.get("num_key_value_heads") is not None else n_heads
     if n_heads % n_kv:
@@ -291,6 +303,8 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
     )
     if not dense:
         return _hybrid_config(f, n_layers, head_dim, factor, mtp_layers, common)
+    if mtype == "gemma3_text":
+        return _gemma3_config(f, n_layers, head_dim, local_theta, scaling, common), "Gemma 3"
     common["attention_bias"] = True if mtype == "qwen2" else (mtype != "mistral" and common["attention_bias"])
     dc = DenseConfig(
         num_layers=n_layers, head_dim=head_dim, qk_norm=mtype == "qwen3",
@@ -299,6 +313,46 @@ def config_from_hf(cfg: dict, path: Path, mtp_layers: int, max_seq_len: int | No
         **common,
     )
     return dc, mtype.capitalize()
+
+
+def _gemma3_rope(f: _Fields) -> tuple[float, float, dict | None, float]:
+    """(global theta, 1.0, global scaling, local theta): rope_parameters keyed by layer type (transformers 5), or the older
+    rope_theta / rope_scaling / rope_local_base_freq fields. Sliding-window layers take plain RoPE at their own base."""
+    rp = f.cfg.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        unknown = sorted(set(rp) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise f.error(f"rope_parameters.{unknown[0]} is not a gemma3_text layer type (full_attention, sliding_attention)")
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        theta, factor, scaling = _rope(_Fields({**f.cfg, "rope_parameters": full, "rope_scaling": None}, f.mtype, f.path), True)
+        if local.get("rope_type", local.get("type", "default")) != "default" or any(
+                _is_set(v) for k, v in local.items() if k not in ("rope_type", "type", "rope_theta")):
+            raise f.error(f"rope_parameters.sliding_attention = {_show(local)}: only plain RoPE is implemented there")
+        local_theta = f.float("rope_theta", f.get("rope_local_base_freq"), src=local, name="rope_parameters.sliding_attention.rope_theta")
+        return theta, factor, scaling, local_theta
+    theta, factor, scaling = _rope(_Fields({**f.cfg, "rope_theta": f.get("rope_theta")}, f.mtype, f.path), True)
+    return theta, factor, scaling, f.float("rope_local_base_freq", f.get("rope_local_base_freq"))
+
+
+def _gemma3_config(f: _Fields, n_layers: int, head_dim: int, local_theta: float, scaling: dict | None, common: dict) -> DenseConfig:
+    """Gemma 3's text model as a DenseConfig: every layer of the transformers class, or a refusal naming the field."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if _is_set(f.get(key)):
+            raise f.error(f"'{key}' = {_show(f.get(key))} is not implemented for gemma3_text")
+    if f.int("query_pre_attn_scalar") != head_dim:
+        raise f.error(f"query_pre_attn_scalar {f.get('query_pre_attn_scalar')} != head_dim {head_dim}: "
+                      "only the 1/sqrt(head_dim) query scale is implemented")
+    window = f.int("sliding_window")
+    types = f.get("layer_types")
+    if types is None:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
+        pattern = f.int("sliding_window_pattern", f.get("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise f.error(f"layer_types must list full_attention / sliding_attention once per layer ({n_layers}), not {_show(types)}")
+    return DenseConfig(
+        num_layers=n_layers, head_dim=head_dim, qk_norm=True, o_proj_bias=common["attention_bias"], rope_scaling=scaling,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types), rope_local_theta=local_theta,
+        norm_zero_centred=True, sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=True, **common)
 
 
 def _sparse_config(f: _Fields):
@@ -448,9 +502,9 @@ def build_empty(cfg, dtype: torch.dtype):
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
     model = model.to_empty(device="cpu")
-    rot_dim = cfg.rot_dim if isinstance(cfg, HybridConfig) else cfg.hd
-    fresh = Rotary(rot_dim, cfg.max_seq_len, cfg.rope_theta, getattr(cfg, "rope_scaling", None))
-    model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    for m in model.modules():  # to_empty left the rotary tables uninitialised: computed again (fp32, as at construction)
+        if isinstance(m, Rotary):
+            m.cos, m.sin = m.compute(torch.float32)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.draft_vocab import read_draft_vocab
 from ..errors import ModelLoadError
 from ..models.dense import DenseConfig
+from ..models.draft_vocab import read_draft_vocab
 from ..models.qwen35 import LAYER_TYPES, HybridConfig
 from .hf import build_empty, build_meta, iter_tensors, load_state_strict, read_json
 from .tokenizer_hf import HFTokenizer

@@ -25,14 +25,15 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        emb = self.model.embed_tokens
+        return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype  # a GGUF block table names its dtype
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.model.embed_tokens(tokens)
 
     def shortcut(self, tokens: Tensor, cache, exact: bool):
         """The forward when it does not run the eager layers at once: exact mode's one-position forwards
-        (by_position), or the compiled step (mtpspec.compiled.compile_model); else None. A token tree's
+        (by_position), or the compiled step (compiled.compile_model); else None. A token tree's
         verify window (cache.tree) always runs the eager layers."""
         if getattr(cache, "tree", None) is not None:
             return None
@@ -73,13 +74,6 @@ class Linear(nn.Linear):
 def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: at least fp32 (bf16 / fp16 -> fp32), the input's own when wider (fp64)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def weights_version(tensors) -> tuple:
-    """A key that changes whenever one of `tensors` is replaced or updated in place (an optimizer step):
-    for copies derived from weights (a folded MTP, a draft-vocabulary head) cached beside them."""
-    # an inference tensor has no version counter (and cannot be updated in place)
-    return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in tensors)
 
 
 def by_position(model, tokens: Tensor, cache) -> "TargetOutput":
@@ -206,15 +200,38 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0, tree=None) -> Tensor:
+    """causal_attention with each query row computed alone (kernels.attention): row i's output is bitwise the one-row
+    step's at its position, whatever the window or tree around it. q (1, nh, T, hd), k / v (1, n_kv, start+T, hd) fp32.
+
+    A tree row sees the committed keys and its ancestors, in index order: the keys, in the order, that the plain step
+    at its position sees once its path is accepted (ancestors come before their descendants in a tree's layout)."""
+    from ..kernels.attention import attend_rows
+
+    t = q.shape[2]
+    mask = None
+    if tree is not None:
+        pos = tree.positions(start)  # (T,)
+        mask = tree.attn_mask(start)  # (T, start + T)
+        if window > 0:
+            mask = mask & ((pos[:, None] - torch.cat([torch.arange(start), pos])[None, :]) < window)
+        hi, lo = start + torch.arange(t), torch.zeros(t, dtype=torch.long)
+    else:
+        hi = start + torch.arange(t)  # (T,) each row's own position: its last key
+        lo = (hi - window + 1).clamp(min=0) if window > 0 else torch.zeros(t, dtype=torch.long)
+    out = attend_rows(q[0].transpose(0, 1), k, v, torch.zeros(t, dtype=torch.long), lo, hi, mask)  # (T, nh, hd)
+    return out.transpose(0, 1)[None]  # (1, nh, T, hd)
+
+
 SHORT_ATTENTION = 64  # query rows up to which bf16 attention is computed by _attention_fp32 (a decode or verify window)
 
 
 def _attention_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(hd)) v in fp32 for bf16 / fp16 q, k, v (B, nh | n_kv, ., hd) -> (B, nh, T, hd) in q's dtype.
 
-    torch's CPU SDPA in bf16 took 0.85 ms for one query over 257 keys (8 heads, hd 256) against 0.11 ms for these
-    three products in fp32, per layer of every decode step of a Qwen3.5-0.8B-shaped model; SDPA accumulates in
-    fp32 too, so the two differ by rounding. Query heads share key heads as enable_gqa does (head h reads h // g)."""
+    For a few query rows torch's CPU SDPA in bf16 is several times slower than these three products in fp32 (every
+    decode step, every layer); SDPA accumulates in fp32 too, so the two differ by rounding. Query heads share key
+    heads as enable_gqa does (head h reads h // g)."""
     b, nh, t, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
@@ -261,12 +278,22 @@ def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
     return torch.where(between, blended, stretched)
 
 
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}  # a gated MLP's activation by config name
+
+
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+    """down(act(gate(x)) * up(x)): SwiGLU with act = silu, Gemma's GeGLU with gelu_tanh."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = Linear(dim, hidden, bias=bias)
         self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

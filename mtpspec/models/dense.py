@@ -1,4 +1,8 @@
-"""Dense decoder (Llama-2 / Qwen2 / Qwen3 style): RMSNorm, RoPE, GQA, SwiGLU, tied or untied head.
+"""Dense decoder (Llama-2 / Qwen2 / Qwen3 / Gemma 3 style): RMSNorm, RoPE, GQA, gated MLP, tied or untied head.
+
+Gemma 3 is this decoder with five config fields set: norms that scale by (1 + w), a norm after attention and
+around the MLP (sandwich_norms), GELU-tanh in the gated MLP, the embedding scaled by sqrt(hidden), and a
+second rope base for its sliding-window layers.
 
 Parameter names follow the Hugging Face layout (model.layers.N.self_attn.q_proj.weight, ...), so
 HF safetensors load by name and export is a plain state_dict.
@@ -13,7 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention
+from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention, rows_attention
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class DenseConfig:
     mlp_bias: bool = False  # Llama mlp_bias: biases on the SwiGLU projections
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ...}: see common.scale_inv_freq
     layer_windows: tuple[int, ...] = ()  # per layer: sliding-window size (0 = full attention); () = none
+    rope_local_theta: float = 0.0  # Gemma 3: the rope base of sliding-window layers (0 = rope_theta everywhere)
+    norm_zero_centred: bool = False  # Gemma 3 (HF layout): every RMSNorm scales by (1 + w)
+    sandwich_norms: bool = False  # Gemma 3: attention and MLP outputs normed before the residual, the MLP's input too
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+    embed_scale: bool = False  # Gemma 3: embeddings multiplied by sqrt(hidden_size)
+    # attention by the row-invariant kernel (common.rows_attention): a quantized model's 8-bit activations turn any
+    # rounding difference between a verify row and a plain step into a different token
+    row_invariant_attention: bool = False
 
     @property
     def hd(self) -> int:
@@ -55,9 +67,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0  # 0 = all earlier positions
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred)
         self.qk_norm = cfg.qk_norm
+        self.rows = cfg.row_invariant_attention
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
     def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
@@ -72,29 +85,42 @@ class Attention(nn.Module):
         q = rope(q.transpose(1, 2), start, pos)  # (B, nh, T, hd)
         k = rope(k.transpose(1, 2), start, pos)  # (B, nkv, T, hd)
         k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        y = causal_attention(q, k_all, v_all, start, self.window, tree)  # (B, nh, T, hd)
+        attend = rows_attention if self.rows else causal_attention
+        y = attend(q, k_all, v_all, start, self.window, tree)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
 class Block(nn.Module):
+    """Llama layout: x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). With sandwich_norms (Gemma 3)
+    post_attention_layernorm norms the attention's output, and pre_feedforward_layernorm / post_feedforward_layernorm
+    the MLP's input and output."""
+
     def __init__(self, cfg: DenseConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
 
     def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, start))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DenseBody(nn.Module):
-    def __init__(self, cfg: DenseConfig, rotary: Rotary) -> None:
+    def __init__(self, cfg: DenseConfig, rotaries: list[Rotary]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i, rotaries[i]) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred)
 
 
 class DenseLM(CausalLM):
@@ -105,10 +131,20 @@ class DenseLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.model = DenseBody(cfg, self.rotary)
+        rotaries = [self.rotary] * cfg.num_layers
+        if cfg.rope_local_theta and any(cfg.layer_windows):  # Gemma 3: sliding-window layers rotate with their own base
+            self.local_rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_local_theta)
+            rotaries = [self.local_rotary if w else self.rotary for w in cfg.layer_windows]
+        self.model = DenseBody(cfg, rotaries)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        x = self.model.embed_tokens(tokens)
+        if self.config.embed_scale:  # sqrt(H) rounded to the weights' dtype, as transformers' buffer is
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config

@@ -1,24 +1,18 @@
 """Decode-time MTP / EAGLE module with folded weights: the module's maths in a third of the dispatched ops.
 
-At batch 1 on CPU a draft step is dispatch-bound: one MTP layer through nn.Modules is ~140 ATen
-calls for ~1 M multiply-adds, so the call count, not the arithmetic, sets its cost. The drafter
-therefore runs a folded copy of the module's weights:
+At batch 1 on CPU a draft step is dispatch-bound (the call count, not the arithmetic, sets its cost), so
+the drafter runs a folded copy of the module's weights (docs/models.md, "Folded decode copy"):
 
-- RMSNorm as x / hypot(|x|, sqrt(D eps)) (three ops): rms_norm(x) = sqrt(D) x / sqrt(|x|^2 + D eps), and the factor
-  sqrt(D) (1 + w) of a zero-centred norm is folded into whatever reads the result: the next
-  projection's input columns, the per-head q/k norm scales, the final norm's scale;
-- one projection for [q | k | gate | v] (q and k adjacent, so they share one norm and one rotary
-  call), one for [gate | up];
-- the attention scale 1/sqrt(hd) folded into the q norm's scale (it cancels the sqrt(hd));
-- rotary as x C + (x P) S with per-position tables C = [cos, 1], S = [sin, 0] and a fixed signed
-  permutation P (rotate_half), which only moves and negates values;
-- attention of a short window (a chained draft step, the catch-up over accepted tokens) as two
-  small matmuls with a fixed causal block, without SDPA's set-up and mask building.
+- RMSNorm as x / hypot(|x|, sqrt(D eps)); its factor sqrt(D) (1 + w) is folded into whatever reads the
+  result (the next projection's input columns, the q/k norm scales, the final norm's scale);
+- one projection for [q | k | gate | v] (q and k share one norm and one rotary call), one for [gate | up];
+- the attention scale 1/sqrt(hd) folded into the q norm's scale;
+- rotary as x C + (x P) S with C = [cos, 1], S = [sin, 0] and a signed permutation P (rotate_half);
+- a short window (a chained draft step, a catch-up) attends with two small matmuls and a fixed causal block.
 
-Outputs equal the module's up to float rounding (a folded product rounds differently), which can
-change a draft but never the generated text: verification always runs the target itself. A folded copy is built once per module and
-rebuilt when any of its parameters changes (training). Other layouts (MoE layers, biases, bf16)
-run the module itself. An fp64 module folds in fp64.
+Outputs equal the module's up to float rounding, which can change a draft but never the generated text:
+verification always runs the target. The copy is rebuilt when any parameter changes (training); other
+layouts (MoE layers, biases, bf16) run the module itself. An fp64 module folds in fp64.
 """
 
 from __future__ import annotations
@@ -32,7 +26,8 @@ from torch import Tensor, nn
 from .. import kernels
 from ..cache import KVCache
 from ..errors import ConfigError
-from .common import RMSNorm, SwiGLU, weights_version, wide
+from ..weight_cache import weights_version
+from .common import RMSNorm, SwiGLU, wide
 from .sparse_attention import dense_attend, sparse_attend
 
 SHORT = 16  # catch-up windows up to this long attend with plain matmuls; longer ones (a prompt) through dense_attend

@@ -9,14 +9,12 @@ Per value head the state S (dk, dv) evolves, for each position t, as
 with q, k L2-normalised (q also scaled by dk^-1/2), beta_t = sigmoid(b_t) and
 g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurrence are implemented:
 
-- `window_delta_rule`, for decode and verify windows (T <= 64): the window is one exact chunk
-  of its own length (no padding to 64). It reads the state once and returns the per-position decays,
-  keys and corrections, from which the cache rebuilds the state after ANY position of the window
-  (the slot that rollback selects) with one pass over the state. A position-by-position loop would
-  pass over every layer's (dk x dv) state ~5 times per position instead.
-- `piece_delta_rule`, for every window that may be cropped (decode and verify): one window as above
-  when T <= 64, else pieces of at most 64 positions, each run as above from its own incoming state,
-  so every slot of every piece can still be selected (hybrid_cache.py).
+- `window_delta_rule`, for decode and verify windows (T <= 64): one exact chunk of the window's own
+  length. It reads the state once and returns the per-position decays, keys and corrections, from
+  which the cache rebuilds the state after ANY position (the slot rollback selects) in one pass
+  over the state, where a position-by-position loop would pass over it several times per position.
+- `piece_delta_rule`, for every window that may be cropped: pieces of at most 64 positions, each a
+  window as above from its own incoming state, so every slot stays selectable (hybrid_cache.py).
 - `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for a prompt
   prefill (`cache.prefill`), which is never cropped inside and keeps only its final state.
 

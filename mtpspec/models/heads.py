@@ -13,7 +13,7 @@ head (frozen, not stored with the head):
   the target's own next-token head); block k at position i predicts t_{i+1+k}.
 
 MTP and EAGLE have the same interface (forward(hidden, emb, cache, start, layer) -> (T, H)), so one
-drafter (drafters/mtp.py) runs both through `AttachedHead`: an MTPSource (drafters/base.py) made of
+drafter (drafters/mtp.py) runs both through `AttachedHead`: an MTPSource (mtp_source.py) made of
 the head and its frozen target, as a target with a native MTP module is one.
 
 Checkpoint: a folder with head.json {"format": "mtpspec-head", "kind", "config"} + head.safetensors.
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
-from ..drafters.base import MTPSource
 from ..errors import ConfigError, ModelLoadError
 from .common import Linear, Rotary
+from .mtp_source import MTPSource
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
 
 KINDS = ("mtp", "medusa", "eagle")

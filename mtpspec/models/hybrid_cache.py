@@ -3,32 +3,25 @@
 Rollback without re-running anything, for both kinds of layer:
 
 - full attention: keys/values live at explicit positions; `crop` moves the length pointer.
-- Gated DeltaNet: every forward records, per layer, the conv inputs of the window it ran over
-  (the previous K-1 inputs + the T new ones, i.e. the conv window widened by T) and what defines
-  the recurrent state after each of its T positions (the D+1 slots of a verify pass).
-  `crop(length)` for any length in [start of the last forward, its end] selects slot
-  j = length - start. Nothing is inverted, nothing is re-run.
+- Gated DeltaNet: every forward records, per layer, the conv inputs of its window (the previous K-1
+  inputs + the T new ones) and what defines the recurrent state after each of its T positions (the
+  D+1 slots of a verify pass). `crop(length)` for any length in [start of the last forward, its end]
+  selects slot j = length - start. Nothing is inverted, nothing is re-run.
 
-The slots are kept in factored form, per piece of at most 64 positions (a decode / verify window
-of T <= 64 is one piece): the piece's incoming state S_0 plus, per position i, the cumulative log
-decay gc_i from the piece start, the key k_i and the delta-rule correction u_i that was written, so
+The slots are kept in factored form, per piece of at most 64 positions: the piece's incoming state
+S_0 plus, per position i, the cumulative log decay gc_i from the piece start, the key k_i and the
+delta-rule correction u_i that was written, so
 
     S_j = S_0 * exp(gc_{j-1}) + sum_{i < j} exp(gc_{j-1} - gc_i) k_i u_i^T        (j = 1..piece length)
 
-`crop` picks the piece and the slot; the selected slot is materialised (in place over S_0, one pass
-over the state) when the next forward starts. Writing all D+1 full states would cost D+1 passes
-over every layer's state per verify; this costs one. A window longer than one piece also keeps the
-incoming state of each later piece (materialised anyway to run it), so a verify window of any
-length rolls back exactly and the decays stay piece-local (no cumulative sum over hundreds of
-positions, whose differences would lose precision). In exact mode a window keeps its T states
-(the recurrent form, bitwise those of plain steps).
+The selected slot is materialised (in place over S_0, one pass over the state) when the next forward
+starts: one pass per verify instead of D+1 full states written. Decays stay piece-local, so long windows
+keep their precision. In exact mode a window keeps its T states (bitwise those of plain steps).
 
-A prompt prefill is told apart explicitly: the caller sets `cache.prefill = True` before it (the
-engine does). Nothing is cropped inside a prefill, so it keeps only its final state and the two
-ends of its conv window: per-piece slots of a 16k-token prefill would cost more than the KV cache.
-Any other forward keeps its slots, whatever its length, so forgetting the flag costs memory (and
-in exact mode time: the prompt runs position by position), never a wrong or failed rollback.
-Cropping inside a prefill raises. No limit on the draft length remains but the context.
+A prompt prefill is marked by the caller (`cache.prefill = True`, as the engine does): it is never
+cropped inside, so it keeps only its final state and the two ends of its conv window. Any other forward
+keeps its slots, so forgetting the flag costs memory (and, in exact mode, time), never a wrong rollback.
+Cropping inside a prefill raises. The draft length is limited only by the context.
 """
 
 from __future__ import annotations

@@ -15,15 +15,13 @@ earlier tokens that a light indexer scores highest:
 With at most top_k candidates every earlier token is attended: sparse equals full attention (up to
 rounding), so short contexts lose nothing.
 
-**Selection reuse** (SparseState): the D draft steps of one round look at nearly the same context,
-so the drafter can run the indexer once, on the round's first row, and reuse that row's blocks for
-the chained steps. That row must be the last *accepted* token's (the catch-up's last real pair),
-never a row of a rejected branch. The reused blocks keep their anchor's window start, so a token
-that leaves a later step's window is still seen.
+**Selection reuse** (SparseState, docs/sparse-mtp.md): the drafter runs the indexer once per round, on
+the last *accepted* token's row (never a row of a rejected branch), and the chained steps reuse its
+blocks with its window start, so a token that leaves a later step's window is still seen.
 
-A decode or verify pass (T <= GATHER_ROWS rows) gathers each row's chosen blocks and reads the
-rows' windows as one slice: a plain step and a verify row compute the same function over the same
-keys. Longer passes (a prompt) run masked attention over the whole cache in chunks.
+A decode or verify pass (T <= GATHER_ROWS rows) gathers each row's chosen blocks: a plain step and a
+verify row compute the same function over the same keys. Longer passes (a prompt) run masked
+attention over the whole cache in chunks.
 """
 
 from __future__ import annotations
@@ -340,11 +338,9 @@ def keep_keys(k: Tensor, v: Tensor, kept: Selection, cfg: SparseAttentionConfig,
 def attend_reused(q: Tensor, k: Tensor, v: Tensor, kept: Selection, pos: Tensor, cfg: SparseAttentionConfig,
                   scale: float, scratch: IndexKeys, layer: int) -> Tensor:
     """Rows of a round's chained draft steps attending a kept selection: q (T, nh, hd), k / v (nkv, S, hd) ->
-    (T, nh * hd). The kept blocks lie before the anchor's window, in committed positions no draft step rewrites, so
-    their tokens are gathered once per round (keep_keys: by the recording pass, while they are in the CPU's caches);
-    with the anchor's window after them, and each call appends its rows' keys and values (the positions past those
-    copied, and its own: a draft step writes its position once per round), then attends the buffer as a short dense
-    pass: one matmul, one softmax, one matmul, no mask but the causal one among the rows."""
+    (T, nh * hd). The kept blocks lie in committed positions no draft step rewrites, so their tokens and the anchor's
+    window are gathered once per round (keep_keys); each call appends the positions past those copied (its own rows
+    included) and attends the buffer as a short dense pass, causal among the rows only."""
     t = q.shape[0]
     a, b = max(kept.anchor - cfg.window + 1, 0), int(pos[-1]) + 1
     if kept.keys is None:

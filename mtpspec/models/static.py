@@ -103,9 +103,10 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int) -> Tensor:
+def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int, by_row: bool = False) -> Tensor:
     """Write k, v (B, nkv, T, hd) at positions pos (B, T) of the buffers (B, nkv, S, hd); q (B, nh, T, hd) attends
-    to every buffer position <= its own (and within `window` of it, when window > 0) -> (B, nh, T, hd)."""
+    to every buffer position <= its own (and within `window` of it, when window > 0) -> (B, nh, T, hd).
+    by_row: each query row by the row-invariant kernel (common.rows_attention), as the model's eager forward does."""
     if pos.shape[0] == 1:
         k_buf.index_copy_(2, pos[0], k)
         v_buf.index_copy_(2, pos[0], v)
@@ -113,6 +114,14 @@ def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: 
         rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)  # (B, T)
         k_buf[rows, :, pos] = k.transpose(1, 2)  # advanced indices first: (B, T, nkv, hd)
         v_buf[rows, :, pos] = v.transpose(1, 2)
+    if by_row:
+        from ..kernels.attention import attend_rows
+
+        b, nh, t, hd = q.shape
+        hi = pos.reshape(-1)  # (B T,) each row's own position: its last key
+        lo = (hi - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(hi)
+        out = attend_rows(q.transpose(1, 2).reshape(b * t, nh, hd), k_buf, v_buf, torch.arange(b).repeat_interleave(t), lo, hi)
+        return out.view(b, t, nh, hd).transpose(1, 2)
     keys = torch.arange(k_buf.shape[2])  # (S,)
     mask = keys <= pos[:, None, :, None]  # (B, 1, T, S) causal over the whole buffer: later slots are masked out
     if window > 0:
@@ -153,7 +162,7 @@ def _dense_attention(att, x: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, 
     rot = att.rotary[0].rot_dim
     q = _rope(q.transpose(1, 2), cos, sin, rot)
     k = _rope(k.transpose(1, 2), cos, sin, rot)
-    y = _attend(q, k_buf, v_buf, k, v, pos, att.window)
+    y = _attend(q, k_buf, v_buf, k, v, pos, att.window, att.rows)
     return att.o_proj(lay.real(y.transpose(1, 2)))
 
 
@@ -214,7 +223,7 @@ def _mlp(mlp, x: Tensor) -> Tensor:
     if not isinstance(mlp, SwiGLU):  # a mixture of experts runs as it is
         return mlp(x)
     g, u = _proj(x, mlp.gate_proj, mlp.up_proj)
-    return mlp.down_proj(F.silu(g) * u)
+    return mlp.down_proj(mlp.act(g) * u)
 
 
 def _check_threads(threads: int) -> None:
@@ -266,8 +275,13 @@ def dense_forward(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Te
     lay = Layout(*tokens.shape, rows)
     x = lay.real(model.embed(tokens))  # (N, H)
     for i, layer in enumerate(model.model.layers):
-        x = x + _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos, lay)
-        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_bufs[i], v_bufs[i], pos, lay)
+        if layer.sandwich:  # Gemma 3's norms after attention and around the MLP (dense.Block)
+            x = x + layer.post_attention_layernorm(a)
+            x = x + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(x)))
+        else:
+            x = x + a
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
     hid = model.model.norm(x)
     return (model.head(hid) if head else None), hid, x
 

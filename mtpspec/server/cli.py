@@ -71,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     from ..loading import parse_dtype
 
-    from ..compiled import check_compilable, compile_model
+    from ..models.compiled import check_compilable, compile_model
     from ..quant import check_quant, quantize
     from ..threads import resolve_threads
 

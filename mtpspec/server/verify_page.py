@@ -1,17 +1,15 @@
 """The computations behind the live verify page, free of HTTP: load, tokenise, verify one draft, step a run.
 
-verify_draft() is one real verification round, the engine's own step (engine.Session with a
-FixedDrafter proposing the page's draft): the target fills its cache with the prefix (all but the
-last token), then ONE forward over [last, d1..dD] gives D+1 next-token distributions p, and greedy
-verification keeps the longest prefix of the draft that equals argmax p, plus the target's own
-token at the first mismatch (recovered) or after the last draft (bonus). Draft tokens after the
-first mismatch are discarded unchecked: a later guess is never kept once its prefix is wrong.
+verify_draft() is one real verification round, the engine's own step (engine.Session with a FixedDrafter
+proposing the page's draft): the target caches the prefix but its last token, then ONE forward over
+[last, d1..dD] gives D+1 next-token distributions p; greedy verification keeps the longest prefix of the draft
+that equals argmax p, plus the target's own token at the first mismatch (recovered) or after the last draft
+(bonus). Drafts after the first mismatch are discarded unchecked.
 
-A token tree (a drafter's `tree` option, a node budget) is verified the same way in one forward; draft_tree()
-lays out any step's draft as a tree (a chain is the tree whose node i has parent i - 1): each node accepted
-(on the path the target's choices followed), rejected (a child of a reached node, checked against the target's
-choice there and refused) or discarded (under a rejected node: never checked), and the target's own token after
-the path (recovered when the path's end had children, all refused; bonus when it ended at a leaf).
+A token tree (a drafter's `tree` node budget) is verified the same way in one forward; draft_tree() lays out
+any step's draft as a tree (a chain: node i's parent is i - 1), each node accepted (on the target's path),
+rejected (a reached node's child, refused) or discarded (never checked), then the target's token after the
+path (recovered when the path's end had children, bonus at a leaf).
 """
 
 from __future__ import annotations

@@ -7,41 +7,14 @@ sees them.
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
+# the stdlib text itself (the train / held-out split, prompts from held-out modules) lives below training, in core:
+# the demo and the bench read it too; its names stay reachable here for training's own modules
+from ..stdlib_text import HELDOUT, code_prompts, read_texts, stdlib_files  # noqa: F401
+
 EOT = "<|endoftext|>"  # separates files; also the BOS every prompt starts with and the stop token
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
-HELDOUT = ("json", "csv.py", "textwrap.py", "pprint.py", "fractions.py", "calendar.py", "ftplib.py", "statistics.py")
-
-
-def stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None, heldout: tuple[str, ...] = HELDOUT) -> tuple[list[Path], list[Path]]:
-    """(train, held-out) .py files of the stdlib; held-out = top-level names in `heldout`. Sorted, so stable."""
-    root = root or stdlib_dir()
-    train, held = [], []
-    for f in sorted(root.rglob("*.py")):
-        rel = f.relative_to(root)
-        if any(p in SKIP_DIRS for p in rel.parts):
-            continue
-        (held if rel.parts[0] in heldout else train).append(f)
-    return train, held
-
-
-def read_texts(files: list[Path]) -> list[str]:
-    out = []
-    for f in files:
-        try:
-            out.append(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -81,21 +54,3 @@ def eval_windows(stream: Tensor, length: int, n: int) -> Tensor:
     total = stream.shape[0] // length
     step = max(1, total // n)
     return torch.stack([stream[i * length : (i + 1) * length] for i in range(0, total, step)][:n]).long()
-
-
-def code_prompts(files: list[Path], n: int, n_lines: int = 12, seed: int = 0) -> list[str]:
-    """n prompts from held-out files: a function or class header with the lines before it (<= n_lines)."""
-    import random
-
-    rng = random.Random(seed)
-    cands = []
-    for f in files:
-        try:
-            lines = f.read_text(encoding="utf-8").splitlines()
-        except (UnicodeDecodeError, OSError):
-            continue
-        for i, ln in enumerate(lines):
-            if ln.lstrip().startswith(("def ", "class ")) and i >= 2:
-                cands.append("\n".join(lines[max(0, i - n_lines + 1) : i + 1]) + "\n")
-    rng.shuffle(cands)
-    return cands[:n]

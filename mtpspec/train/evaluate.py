@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bench.alternate import alternate
+from ..alternate import alternate
 from ..metrics import Acceptance
 
 

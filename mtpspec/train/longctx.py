@@ -1,21 +1,13 @@
 """`mtpspec train longctx`: continue training a hybrid model with an MTP module at a longer context.
 
-The demo model was pretrained on 384-token windows with a 1024-token context, so acceptance or speed
-measured at 8k or 16k tokens would mostly measure a model that never saw such positions. This:
-
-1. loads the model and raises its context to `max_seq_len` (the rotary tables and the KV caches are
-   sized by it; the weights are unchanged: only the config differs);
-2. measures held-out next-token and MTP (t+2) loss by position bucket on the held-out modules
-   concatenated into `eval_len`-token sequences (the "before" column: the same weights at the raised context);
-3. continues training on random `seq_len`-token windows of the training stream (the training files
-   concatenated, each preceded by the end-of-text token; never the held-out modules) with pretraining's
-   objective, CE(next token) + lambda * CE(MTP depth 1) (pretrain.py `losses`), AdamW at a low learning
-   rate (linear warmup, cosine to min_lr_ratio) for `steps` steps or `max_minutes`, whichever ends first;
-4. measures again ("after") and writes the full checkpoint (model.safetensors, mtpspec.json with the
-   new max_seq_len, tokenizer.json and draft_vocab.json copied) with report.json beside it.
-
-Resumable: `train_state.pt` in the output folder (model, optimizer, data RNG, step, elapsed time) is
-written every `save_every` steps; running the same command again continues from it.
+A model pretrained on short windows has never seen the positions a long-context measurement reads, so this:
+1. raises the context to `max_seq_len` (rotary tables and KV caches are sized by it; the weights are unchanged);
+2. measures held-out next-token and MTP (t+2) loss by position bucket ("before");
+3. continues training on random `seq_len`-token windows of the training stream (never the held-out modules) with
+   pretraining's objective (pretrain.py `losses`), AdamW with warmup and cosine decay, for `steps` steps or
+   `max_minutes`, whichever ends first;
+4. measures again ("after") and writes the checkpoint at the new context with report.json beside it.
+Resumable: running the same command again continues from `train_state.pt`, written every `save_every` steps.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ agreement with the model's own next-token choices. This fits it to exactly that:
 
 1. The model continues training prompts (never held-out ones): half greedy, half sampled
    (train/heads.py `self_distill_data`), and one teacher pass gives its hidden states.
-2. Only `mtp.*` is trained: depth k (chained on the module's own output, train/pretrain.py
+2. Only `mtp.*` is trained (train/mtp_distill.py): depth k (chained on the module's own output, train/pretrain.py
    `mtp_hiddens`; layer (k-1) % n of a module with n layers) at position i is fitted to the model's
    distribution of t_{i+k+1} (soft cross-entropy), depth k weighted decay^(k-1). With depth < n,
    layers depth..n-1 are left as they are (the report's `mtp_layers_trained` says which were trained).
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .heads import _batch, _soft_ce, cached_distill_data, measure, training_prompts
-from .pretrain import TrainCache, mtp_hiddens
+from .heads import _batch, cached_distill_data, measure, training_prompts
+from .mtp_distill import mtp_distill_loss
+from .sparse_mtp import check_sparse, sparse_config, tune_sparse_mtp
 
 
 @dataclass
@@ -74,18 +75,6 @@ class MTPTuneConfig:
         self.sparse = bool(self.sparse)  # the command line gives --sparse
 
 
-def mtp_distill_loss(model, tokens: torch.Tensor, hidden: torch.Tensor, depth: int, decay: float) -> tuple[torch.Tensor, dict]:
-    """tokens (B, T), hidden (B, T, H) the model's post-norm hiddens -> (loss, {ce_k})."""
-    with torch.no_grad():
-        teacher = model.head(hidden)  # (B, T, V) p_i = distribution of t_{i+1}
-    total, parts = 0.0, {}
-    for k, h in enumerate(mtp_hiddens(model.mtp, model.embed, hidden, tokens, depth, TrainCache(model.config)), 1):
-        loss = _soft_ce(model.head(h), teacher[:, k:])  # (B, T-k): position i predicts t_{i+k+1}
-        parts[f"ce_{k}"] = round(loss.item(), 4)
-        total = total + decay ** (k - 1) * loss
-    return total, parts
-
-
 def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progress_bar: bool = True) -> dict:
     from tqdm import tqdm
 
@@ -94,8 +83,6 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     if cfg.depth < 1 or cfg.steps < 0 or cfg.eval_k < 0:
         raise ConfigError(f"--depth must be >= 1, --steps and --eval-k >= 0 (got {cfg.depth}, {cfg.steps}, {cfg.eval_k})")
     if cfg.sparse:
-        from .sparse_mtp import check_sparse, sparse_config
-
         check_sparse(cfg, sparse_config(cfg))  # before the model is loaded
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -108,8 +95,6 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     for p in module.parameters():
         p.requires_grad_(False)
     if cfg.sparse:
-        from .sparse_mtp import tune_sparse_mtp
-
         net, fields = tune_sparse_mtp(module, tok, cfg, progress_bar)
         report = {"source": str(model), **fields, "config": asdict(cfg)}
         write_checkpoint(net, tok, src, Path(cfg.out), report)

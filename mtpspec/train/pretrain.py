@@ -234,8 +234,8 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     """Train (or resume) and write the checkpoint + report; returns the report."""
     from tqdm import tqdm
 
-    from ..drafters.draft_vocab import write_draft_vocab
     from ..loading.native import save_checkpoint
+    from ..models.draft_vocab import write_draft_vocab
 
     if not 1 <= cfg.mtp_num_layers <= cfg.mtp_depth:
         raise ConfigError(f"--mtp-num-layers must be from 1 to --mtp-depth ({cfg.mtp_depth}): depth k trains MTP layer "

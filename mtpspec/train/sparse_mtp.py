@@ -17,7 +17,7 @@ tensors `mtp.layers.N.self_attn.indexer.*`.
    window, is measured on held-out windows before and after, with the oracle's (the top_k blocks by true
    mass) as the ceiling.
 2. Tuning (`steps`): mtp.* except the indexer, by the existing self-distillation objective
-   (native_mtp.py `mtp_distill_loss`: chained depths fitted to the model's own distributions) on the same
+   (mtp_distill.py `mtp_distill_loss`: chained depths fitted to the model's own distributions) on the same
    long windows, the sparse attention on (TrainCache runs window_sparse_attention). The indexer is left
    out: the block selection is not differentiable, so this loss gives it no gradient; it keeps what
    phase 1 fitted.
@@ -44,6 +44,7 @@ from ..models.sparse_attention import (
     SparseAttentionConfig, attention_mask, block_attention_mass, block_scores, candidates, select_blocks,
 )
 from . import data as D
+from .mtp_distill import mtp_distill_loss
 from .pretrain import TrainCache, hybrid_hidden
 
 ROW_CHUNK = 512  # rows of full-attention probabilities computed at once: (heads, 512, T) floats
@@ -342,8 +343,6 @@ def tune_mtp_sparse(model: HybridLM, windows: Windows, steps: int, batch: int, l
     """Phase 2: mtp.* except the indexer, self-distillation on `batch` long windows per step, sparse attention on."""
     from tqdm import tqdm
 
-    from .native_mtp import mtp_distill_loss
-
     params = [p for n, p in model.mtp.named_parameters() if ".indexer." not in n]
     for p in params:
         p.requires_grad_(True)
@@ -370,8 +369,6 @@ def tune_mtp_sparse(model: HybridLM, windows: Windows, steps: int, batch: int, l
 @torch.no_grad()
 def distill_loss(model: HybridLM, windows: Windows, depth: int, decay: float) -> dict:
     """The self-distillation loss's parts on (held-out) windows, one window at a time."""
-    from .native_mtp import mtp_distill_loss
-
     parts = [mtp_distill_loss(model, t[None], h[None], depth, decay)[1] for t, h in zip(windows.tokens, windows.hidden)]
     return {k: round(sum(p[k] for p in parts) / len(parts), 4) for k in parts[0]}
 

@@ -157,12 +157,12 @@ def trace_prompts(
     """Run plain decoding and every (drafter, D) config on each prompt, with trace=True.
 
     Each config is run once untimed first on each prompt (warm-up: allocation, lazy loads). With repeat > 1
-    the configs alternate (bench.alternate) that many rounds (so a busy machine slows all of them alike) and,
+    the configs alternate (mtpspec.alternate) that many rounds (so a busy machine slows all of them alike) and,
     per config, the run of median wall time is drawn: a real run, not an average.
     `gen` are the other Model.generate keyword arguments (temperature, seed, max_new_tokens, ...).
     """
     from ..api import load
-    from ..bench.alternate import alternate
+    from ..alternate import alternate
     from ..drafters import for_drafter
     from ..models.heads import is_head_dir
 

@@ -1,5 +1,5 @@
 """Run configurations alternately over prompts: the one loop the demo, the model-card table
-(train/evaluate.py), the trace and the bench use.
+(train/evaluate.py), the trace and the bench use (here, below all of them).
 
 Round after round, every prompt is run by every configuration before the next prompt starts, in an
 order shuffled afresh (seeded) for every (round, prompt): slow drift of the machine falls on all

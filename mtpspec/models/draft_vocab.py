@@ -1,10 +1,10 @@
 """A reduced draft vocabulary: the drafter's LM head over the N most frequent tokens only.
 
-On a small model the LM head is the largest matrix an MTP draft step reads (4096 x 256 against one
-decoder layer of about the same size), so it is most of what a draft costs. Restricting the drafter's
-head to the tokens that make up most of the text (FR-Spec, Zhao et al. 2025; EAGLE-3's draft
-vocabulary) cuts that cost by V / N, while the tokens a drafter gets right are overwhelmingly
-frequent ones. Verification still uses the target's full head, so the output stays lossless:
+On a small model the LM head (V x H) is the largest matrix an MTP draft step reads, so it is most of
+what a draft costs. Restricting the drafter's head to the tokens that make up most of the text
+(FR-Spec, Zhao et al. 2025; EAGLE-3's draft vocabulary) cuts that cost by V / N, while the tokens a
+drafter gets right are overwhelmingly frequent ones. Verification still uses the target's full head,
+so the output stays lossless:
 
 - greedy: the draft is the argmax over the subset; a token outside it simply cannot be drafted.
 - sampling: q is the drafter's distribution renormalised over the subset (zero elsewhere), and the
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..errors import ConfigError, ModelLoadError
-from ..models.common import weights_version
+from ..weight_cache import weights_version
 
 FILE = "draft_vocab.json"
 DEFAULT_COVERAGE = 0.9  # default_size: the fewest tokens (a multiple of 256) covering 90% of the training text

@@ -29,12 +29,12 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from .models.common import weights_version
-from .models.hybrid_cache import HybridCache, Window
-from .models.static import (dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward,
-                            hybrid_window_forward)
-from .errors import ConfigError
-from .types import TargetOutput
+from ..errors import ConfigError
+from ..types import TargetOutput
+from ..weight_cache import weights_version
+from .hybrid_cache import HybridCache, Window
+from .static import (dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward,
+                     hybrid_window_forward)
 
 
 def cache_dir() -> Path:
@@ -66,9 +66,9 @@ OPTIONS = {"cpp_wrapper": True}
 
 # A model under threads.SMALL_BYTES gets serial graphs whatever torch's thread count: their fused kernels work on a few
 # thousand elements, where an OpenMP fork/join costs more than it saves, while the small-row kernel (mtpspec.kernels),
-# called from inside the graph, still splits each matrix product between torch's threads at run time. On the demo
-# model at two threads this ran plain decoding 1.2x and MTP 1.07-1.16x faster than at one, where graphs built for two
-# threads ran no faster than one (docs/engine.md). One serial graph then serves every thread count.
+# called from inside the graph, still splits each matrix product between torch's threads at run time. Measured:
+# faster at two threads than two-thread graphs (docs/decisions.md#serial-compiled-graphs-for-small-models). One
+# serial graph then serves every thread count.
 SERIAL = {"cpp.threads": 1}
 
 MAX_WIDTH = 9  # the widest window (rows) a compiled graph takes by default; wider ones run eagerly
@@ -78,9 +78,10 @@ WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from w
 
 # Once a graph is built, it is called without dynamo: the function's transformed bytecode (what dynamo runs when the
 # guards pass: read the inputs, call the compiled graph) is taken from dynamo's cache and called as a plain function.
-# Re-checking the guards (one per weight) cost about as much as a small kernel per call, and entering dynamo even with
-# the guards skipped ~5% of a demo step; each graph has a function of its own (_Compiled._compile), so nothing else
-# needs telling apart, and its inputs are read afresh at every call (new weights of the same shapes are used).
+# Re-checking the guards (one per weight) costs about as much as a small kernel per call, and entering dynamo even with
+# the guards skipped is a measurable share of a small model's step (docs/decisions.md#compiled-graphs-called-without-dynamo);
+# each graph has a function of its own (_Compiled._compile), so nothing else needs telling apart, and its inputs are
+# read afresh at every call (new weights of the same shapes are used).
 DIRECT = True
 
 
@@ -91,7 +92,7 @@ class _Compiled:
     def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=(), model=None) -> None:
         import torch._dynamo
 
-        from .threads import SMALL_BYTES, parameter_bytes
+        from ..threads import SMALL_BYTES, parameter_bytes
 
         self.module, self.max_width, self.backend = module, max_width, backend
         # serial graphs (SERIAL) for a small model: one graph for every thread count (keyed as 1); else torch's count
@@ -99,8 +100,8 @@ class _Compiled:
         # one graph per width: never fall back to eager silently for lack of room in dynamo's cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * max_width)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 64 * max_width)
-        # a built graph's guards: the model's modules are checked by their dicts' tags, not tensor by tensor (with
-        # ~150 weights the per-tensor checks were ~5% of a demo step); a changed dict falls back to the full check
+        # a built graph's guards: the model's modules are checked by their dicts' tags, not tensor by tensor (a check
+        # per weight is a measurable share of a small model's step); a changed dict falls back to the full check
         torch._dynamo.config.use_recursive_dict_tags_for_guards = True
         self.fn = fn
         self.also = tuple(also)  # modules outside `module` that the graphs read (a draft chain: the target's LM head)
@@ -121,8 +122,8 @@ class _Compiled:
 
     def _compile(self, key: tuple, fn=None):
         """fn compiled for one (width, span, threads), from a copy of fn's code object: dynamo keeps compiled graphs per
-        code object and walks them on every call, so with one shared code object each step paid ~70 us checking the
-        guards of its 10-20 sibling graphs; a code object of its own holds one graph and nothing to walk."""
+        code object and walks them on every call, so with one shared code object each step would pay for checking the
+        guards of its sibling graphs; a code object of its own holds one graph and nothing to walk."""
         base = fn or self.fn
         name = f"{base.__name__}_w{key[0]}_s{key[1]}_t{key[2]}" + "".join(f"_{x}" for x in key[3:])
         code = base.__code__.replace(co_name=name)
@@ -141,7 +142,7 @@ class _Compiled:
         or loads its kernels from the disk cache; a built one is called without dynamo, _direct). fn, extra: another
         function of the same module (a draft chain) and what else tells its graphs apart."""
         if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
-            version = weights_version(self.params)  # (~150 tensors: most of a step's Python time if done every call)
+            version = weights_version(self.params)  # (a walk over every weight: too dear for every call)
             if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
                 self._fuse()
                 self.version = version
@@ -181,9 +182,9 @@ def _guards_skipped(graph):
 
 def span(n: int, max_len: int) -> int:
     """The KV positions a graph attends over when n are in use: the next power of two >= n (at least 64), at most
-    the buffer. Attention reads every position of its span under a mask, so a graph over the whole 1024-position
-    buffer of the demo paid for all 1024 at every step (2.8 ms against 2.1 ms over 256, a one-token step); one
-    graph per span keeps that cost near the context actually in use, for log2(max_len / 64) graphs per width."""
+    the buffer. Attention reads every position of its span under a mask, so a graph over the whole buffer would pay
+    for every position at every step; one graph per span keeps that cost near the context actually in use, for
+    log2(max_len / 64) graphs per width."""
     return min(max_len, max(64, 1 << (n - 1).bit_length()))
 
 
@@ -332,7 +333,7 @@ class CompiledDraftStep(_Compiled):
 def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
     """A ConfigError naming why `model` (or, before loading, a model of `dtype` quantized as `quant`) cannot
     take the compiled path."""
-    from .quant import QuantLinear
+    from ..quant import QuantLinear
 
     dtype = dtype or model.dtype
     if dtype not in (torch.float32, torch.bfloat16):
@@ -364,7 +365,7 @@ def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), 
     use, target and MTP module (`draft_widths` for the module when other: a catch-up after rounds drafted by lookup
     spans several rounds' tokens), and the MTP module's greedy chains of each depth in `chains` (with the checkpoint's
     default draft vocabulary), before anything is timed."""
-    from .drafters.draft_vocab import make_draft_head
+    from .draft_vocab import make_draft_head
 
     step = model.__dict__.get("compiled_step")
     if step is None:

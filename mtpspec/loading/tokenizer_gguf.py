@@ -1,0 +1,206 @@
+"""The tokenizer a GGUF file describes (`tokenizer.ggml.*` keys), as a `tokenizers.Tokenizer` in an HFTokenizer.
+
+A GGUF carries no tokenizer.json: the vocabulary, the token types, scores or merges and the special ids
+are metadata. The pipeline is built as transformers 5.24 builds it from the same file (its GGUF
+tokenizer converter), so the ids are the ones `AutoTokenizer.from_pretrained(dir, gguf_file=...)` gives:
+
+- "llama" (SentencePiece-style BPE with byte fallback), Gemma (gemma / gemma2 / gemma3): tokens made
+  only of whitespace with a space in them are respelled as that many U+2581; the file has no merges,
+  so they are derived from the vocabulary (every split of a token into two tokens), best first by the
+  token's position in the file (Gemma's scores do not follow its merge order); text: " " -> U+2581,
+  no prefix space; decode: U+2581 -> " ", byte pieces -> bytes.
+- "llama", other architectures: the same BPE with merges derived by score, a Metaspace pre-tokenizer
+  that prepends U+2581 to the first word, and a decoder that strips that one leading space.
+- "gpt2" (byte-level BPE, Qwen / Llama 3): tokens spelled in GPT-2's byte alphabet, the file's merges,
+  ByteLevel pre-tokenizer (or the split regex of `tokenizer.ggml.pre`, e.g. qwen2 / llama-bpe).
+- Control tokens (type 3) and the BOS / EOS / UNK / PAD tokens are special added tokens, user-defined
+  ones (type 4, e.g. Gemma's "\\n\\n") plain added tokens, matched whole; BOS (EOS) is added when
+  `tokenizer.ggml.add_bos_token` (add_eos_token) says so ("llama" files without the flag: BOS added,
+  as llama.cpp does).
+- The chat template is `tokenizer.chat_template` (None when the file has none, as Gemma 3 270M's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ModelLoadError
+from .gguf import GGUFFile, read_gguf
+from .tokenizer_hf import HFTokenizer
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split regex its merges were learned with (as transformers' converter maps them)
+PRE_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")}
+PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", "megrez")})
+
+
+def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
+    """The file's tokenizer with the HFTokenizer interface (encode / decode / stream / stop_ids / chat_template)."""
+    f = source if isinstance(source, GGUFFile) else read_gguf(source)
+    tok = build_tokenizer(f)
+    md = f.metadata
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    stop = () if eos is None else (int(eos),)
+    out = HFTokenizer(tok, stop)
+    template = md.get("tokenizer.chat_template")
+    out.chat_template = template if isinstance(template, str) else None
+    return out
+
+
+def build_tokenizer(f: GGUFFile):
+    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` metadata (strict: bad metadata names its key)."""
+    try:
+        return _build(f)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's errors on inconsistent metadata
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise f.error(f"the tokenizer metadata does not form a tokenizer ({first})") from None
+
+
+def _build(f: GGUFFile):
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    md = f.metadata
+    kind = md.get("tokenizer.ggml.model")
+    if kind is None:
+        raise f.error("missing key tokenizer.ggml.model (the file has no tokenizer)")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise f.error("missing or empty key tokenizer.ggml.tokens")
+    n = len(tokens)
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and (not hasattr(types, "dtype") or types.dtype.kind not in "iu" or len(types) != n):
+        raise f.error(f"tokenizer.ggml.token_type is not one integer per token ({n} tokens)")
+    special = {}
+    for key in ("bos", "eos", "unknown", "padding"):
+        v = md.get(f"tokenizer.ggml.{key}_token_id")
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+                raise f.error(f"tokenizer.ggml.{key}_token_id is {v!r}, not a token id below {n}")
+            special[key] = v
+    arch = f.architecture
+    letters = None  # the byte-level alphabet (gpt2): a control token spelled outside it is not a real token
+
+    if kind == "llama":
+        gemma = arch in GEMMA_ARCHS
+        if gemma:
+            tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+            rank = {t: -i for i, t in enumerate(tokens)}  # file order, best first
+        else:
+            scores = md.get("tokenizer.ggml.scores")
+            if scores is None or len(scores) != n:
+                raise f.error("tokenizer.ggml.scores is missing or not one per token")
+            rank = dict(zip(tokens, (float(s) for s in scores)))
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = _file_merges(f) if "tokenizer.ggml.merges" in md else derive_merges(vocab, rank)
+        unk = "<unk>" if gemma else None  # GemmaTokenizer names one; LlamaTokenizer relies on byte fallback
+        tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True, dropout=None))
+        if gemma:
+            tok.normalizer = normalizers.Replace(" ", "\u2581")
+            tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        else:
+            tok.normalizer = None
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(content=" ", left=1)])
+        add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    elif kind == "gpt2":
+        from tokenizers import Regex
+
+        alphabet = _byte_alphabet()
+        letters = set(alphabet.values())
+        vocab = {t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+        if "tokenizer.ggml.merges" not in md:
+            raise f.error("missing key tokenizer.ggml.merges (a gpt2 tokenizer needs its merges)")
+        tok = Tokenizer(BPE(vocab=vocab, merges=_file_merges(f), dropout=None, continuing_subword_prefix="",
+                            end_of_word_suffix="", fuse_unk=False))
+        split = PRE_SPLITS.get(md.get("tokenizer.ggml.pre"))
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        add_bos_default = False
+    else:
+        raise f.error(f"tokenizer.ggml.model '{kind}' is not supported (llama, gpt2)")
+
+    if types is not None:
+        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
+                   if int(ty) == CONTROL and (letters is None or set(t) <= letters)]  # byte-level: llama.cpp mislabels
+        if control:
+            tok.add_special_tokens(control)
+        have = tok.get_vocab(with_added_tokens=True)
+        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
+                if int(ty) == USER_DEFINED and t in have]
+        if user:
+            tok.add_tokens(user)
+    # the named special tokens (BOS, EOS, UNK, PAD) are special added tokens too, as transformers adds them
+    have = {t.content for t in tok.get_added_tokens_decoder().values()}
+    named = [md["tokenizer.ggml.tokens"][i] for i in special.values()]
+    named = [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(named) if t not in have]
+    if named:
+        tok.add_special_tokens(named)
+    _set_post_processor(f, tok, special, tokens, add_bos_default)
+    return tok
+
+
+def _set_post_processor(f: GGUFFile, tok, special: dict, tokens: list[str], add_bos_default: bool) -> None:
+    from tokenizers import processors
+
+    md = f.metadata
+    add_bos = md.get("tokenizer.ggml.add_bos_token", add_bos_default) and "bos" in special
+    add_eos = md.get("tokenizer.ggml.add_eos_token", False) and "eos" in special
+    bos = tokens[special["bos"]] if "bos" in special else None
+    eos = tokens[special["eos"]] if "eos" in special else None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    specials = ([(bos, special["bos"])] if add_bos else []) + ([(eos, special["eos"])] if add_eos else [])
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def derive_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a vocabulary implies: each split of a token into two vocabulary tokens, ordered by the
+    token's rank (best first), then longer left part first; within a token by the parts' ids."""
+    found = []
+    for n, (token, score) in enumerate(rank.items()):
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found += [(score, len(a), len(b), a, b) for a, b in splits]
+    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)  # stable: equal keys keep their order
+    return [(a, b) for _, _, _, a, b in found]
+
+
+def _file_merges(f: GGUFFile) -> list[tuple[str, str]]:
+    merges = f.metadata["tokenizer.ggml.merges"]
+    if not isinstance(merges, list):
+        raise f.error("tokenizer.ggml.merges is not a list of strings")
+    out = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise f.error(f"tokenizer.ggml.merges entry {m!r} is not two tokens separated by one space")
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of the 256 bytes."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

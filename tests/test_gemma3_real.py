@@ -1,0 +1,138 @@
+"""Gemma 3 270M from its public Q4_K_M GGUF: the function is transformers', speculation on it is lossless.
+
+Two models come from the one file:
+- the quantized model (the default, fp32 activations): every matrix stays in its block type and runs on the block
+  kernel, which rounds activations to 8 bits per 32 inputs, as llama.cpp's CPU kernels do. Each row of a product
+  is computed as its one-row product is, so speculation is exactly lossless against this model: every drafter's
+  greedy output equals its own plain greedy output, alone and in a batch.
+- the dequantized model (dequantize=True, or fp64): the file's weights dequantized exactly, ordinary layers. This is
+  the function transformers computes when it loads the file: equal to it in fp64 (1e-10 of the logits' scale), and
+  the same greedy text in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtpspec
+from conftest_gemma import gemma_path
+from mtpspec.hf_reference import hf_fp64_copy
+from mtpspec.loading.gguf_model import load_gguf_model
+from mtpspec.prompts import load_prompts
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """The quantized model (block kernels) with its tokenizer, as `mtpspec.load` gives it."""
+    return mtpspec.load(str(gemma_path()))
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma):
+    """Held-out prompts of the three kinds the benchmarks use: code, chat, summaries (short, so tests stay fast)."""
+    out = []
+    for name in ("humaneval", "mt_bench", "spec_bench"):
+        ps = [p for p in load_prompts(name, limit=40) if name != "spec_bench" or p.category == "summarization"]
+        text = ps[0].text if name != "spec_bench" else ps[0].text[-600:]
+        out.append(gemma.tokenizer.encode(text)[-160:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_gguf():
+    """transformers' own load of the file (its GGUF path, dequantized to fp32)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = gemma_path()
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _plain(gemma, ids, **kw):
+    return gemma.generate(list(ids), drafter="none", max_new_tokens=N_NEW, **kw).tokens
+
+
+def test_the_quantized_model_keeps_its_blocks(gemma):
+    """Every matrix stays in its GGUF block type: resident weights about the file's size, not 4x it."""
+    from mtpspec.models.blocks import BlockEmbedding, BlockLinear
+
+    m = gemma.module
+    blocks = [x for x in m.modules() if isinstance(x, (BlockLinear, BlockEmbedding))]
+    assert isinstance(m.model.embed_tokens, BlockEmbedding) and m.lm_head.qweight is m.model.embed_tokens.qweight
+    assert len(blocks) == 1 + 1 + 18 * 7  # embedding, tied head, 7 matrices a layer
+    held = sum(x.qweight.nbytes for x in blocks if not isinstance(x, BlockLinear) or x is not m.lm_head)
+    held += sum(p.numel() * p.element_size() for p in m.parameters())
+    assert held < 1.05 * gemma_path().stat().st_size
+
+
+def test_greedy_text(gemma):
+    """A golden continuation of a held-out code prompt from the quantized model (the block kernel's own rounding)."""
+    res = gemma.generate("def fibonacci(n):\n", drafter="none", max_new_tokens=16)
+    assert res.text.startswith("    if n == 0:\n        return 0\n")
+
+
+@pytest.mark.parametrize("drafter,k,extra", [
+    ("ngram", 4, {}), ("ngram", 4, {"exact": True}), ("lookahead", 3, {}), ("suffix", 4, {}), ("ngram", 3, {"tree": 6}),
+])
+def test_every_drafter_is_lossless_on_gemma(gemma, prompts, drafter, k, extra):
+    for ids in prompts:
+        want = _plain(gemma, ids)
+        res = gemma.generate(list(ids), drafter=drafter, k=k, max_new_tokens=N_NEW, **extra)
+        assert res.tokens == want, (drafter, extra)
+
+
+def test_a_batch_equals_each_prompt_alone(gemma, prompts):
+    alone = [_plain(gemma, ids) for ids in prompts]
+    for drafter in ("none", "ngram"):
+        batch = gemma.generate_batch([list(p) for p in prompts], drafter=drafter, k=3, max_new_tokens=N_NEW)
+        assert [r.tokens for r in batch] == alone, drafter
+
+
+def test_verify_rows_equal_plain_steps_bitwise(gemma, prompts):
+    """A verify window's logits, row by row, are the one-token steps' logits: the row-invariance losslessness rests on."""
+    m = gemma.module
+    ids = torch.tensor(prompts[0])
+    window = torch.tensor(prompts[1][:5])
+    a, b = m.new_cache(), m.new_cache()
+    m.forward_tokens(ids, a, logits=False)
+    m.forward_tokens(ids, b, logits=False)
+    together = m.forward_tokens(window, a).logits  # (5, V)
+    alone = torch.cat([m.forward_tokens(window[i : i + 1], b).logits for i in range(5)])
+    assert torch.equal(together, alone)
+
+
+def test_dequantized_greedy_equals_transformers(hf_gguf, prompts):
+    """The file dequantized (fp32): the same greedy text as transformers' own load of the file."""
+    ours = load_gguf_model(gemma_path(), dequantize=True)
+    for ids in prompts[:2]:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = hf_gguf.generate(x, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(x))[0, len(ids):]
+        cache, got = ours.new_cache(), []
+        out = ours.forward_tokens(torch.tensor(ids), cache)
+        for _ in range(12):
+            got.append(int(out.logits[-1].argmax()))
+            out = ours.forward_tokens(torch.tensor(got[-1:]), cache)
+        assert got == want.tolist()
+
+
+def test_dequantized_fp64_equals_transformers_fp64(hf_gguf, prompts):
+    """In fp64 the dequantized model is transformers' function to 1e-10 of the scale: the final hidden states of a
+    549-token prefill, a plain step and windows of 5 and 5 (the context crossing the 512-token sliding window), and the
+    logits of the last 11 positions."""
+    twin = hf_fp64_copy(hf_gguf)
+    ours = load_gguf_model(gemma_path(), dtype=torch.float64)
+    ids = torch.tensor(((prompts[0] + prompts[1] + prompts[2]) * 8)[:560])
+    with torch.no_grad():
+        h_want = twin.model(input_ids=ids[None]).last_hidden_state[0]  # (T, H) after the final norm
+        want = twin.lm_head(h_want[549:])  # (11, V)
+    cache = ours.new_cache()
+    outs = [ours.forward_tokens(ids[:549], cache, logits=False)] + [
+        ours.forward_tokens(ids[a:b], cache) for a, b in ((549, 550), (550, 555), (555, 560))]
+    hidden = torch.cat([o.hidden for o in outs])
+    logits = torch.cat([o.logits for o in outs[1:]])
+    assert ((hidden - h_want).abs().max() / h_want.abs().max()).item() < 1e-10
+    assert ((logits - want).abs().max() / want.abs().max()).item() < 1e-10

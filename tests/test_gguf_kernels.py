@@ -1,0 +1,141 @@
+"""GGUF block kernels (mtpspec/kernels/quantized.py, gguf_blocks.cpp): exact dequantization against gguf's numpy
+reference, products within the fp32 bound of the kernel's own arithmetic, row-invariance bitwise.
+
+Bound for linear(): the kernel multiplies the 8-bit activations q * dx by the quants exactly in integers, then per
+output adds K/32 tile terms float(isum) * (scale * dx) in fp32 (Q4_K/Q5_K: two terms per tile, the scaled dot and the
+scaled min). Each term takes at most 3 roundings (the scale product, int -> float past 2^24, the product) and the
+sum K/32 * 2 more, so |y - exact| <= gamma_(2K/32+3) * sum of |terms|, and sum of |terms| <= |x_q| @ |W|^T, with W
+split into its scaled quants and its mins for Q4_K/Q5_K (|a - b| can be far below |a| + |b|). The exact value is
+fp64 x_q @ dequantize(W)^T.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from mtpspec.kernels import quantized as Q
+
+pytestmark = pytest.mark.skipif(
+    not Q.available() and os.environ.get("MTPSPEC_REQUIRE_KERNELS") != "1",
+    reason=f"the GGUF block kernel could not be built here: {Q._state.get('error')}",
+)
+
+U = 2.0**-24
+SCALES = {  # byte offsets of each block's fp16 scales (the rest of a block is any bytes)
+    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q5_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+}
+QUANTS = {QT.Q4_K: (16, 144), QT.Q5_K: (16, 176)}  # byte range of the quants (Q5_K: fifth bits too)
+
+
+def _random_blocks(qtype: QT, n: int, k: int, seed: int) -> np.ndarray:
+    """Valid GGUF bytes for an (n, k) weight: random floats for the float types; random bytes with fp16 scales in
+    [2^-12, 2^-6) for the block types."""
+    rng = np.random.default_rng(seed)
+    if qtype == QT.F32:
+        return rng.standard_normal((n, k), dtype=np.float32).view(np.uint8)
+    if qtype == QT.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == QT.BF16:
+        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32), QT.BF16).view(np.uint8)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+    for off in SCALES[qtype]:
+        blocks[:, off : off + 2] = (2.0 ** rng.uniform(-12, -6, n * k // bs)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def _reference(raw: np.ndarray, qtype: QT, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).view(-1, k)
+
+
+CASES = [(t, 40, 512) for t in Q.TYPES] + [(QT.Q8_0, 33, 96), (QT.Q5_0, 16, 640), (QT.Q4_0, 7, 32)]
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{t.name}-{n}x{k}" for t, n, k in CASES])
+def test_dequantize_and_embedding_are_gguf_bit_for_bit(qtype, n, k):
+    raw = _random_blocks(qtype, n, k, seed=int(qtype) + n)
+    ref = _reference(raw, qtype, k)  # (N, K)
+    w = Q.from_gguf(raw, qtype, (n, k))
+    assert w.layout == ("rows" if qtype in Q.FLOAT_TYPES else "panels16")
+    got = Q.dequantize(w)
+    assert got.dtype == torch.float32 and got.shape == (n, k)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # bit for bit, signed zeros included
+    ids = torch.tensor([n - 1, 0, 3 % n, n - 1])
+    assert torch.equal(Q.embedding(w, ids).view(torch.int32), ref[ids].view(torch.int32))
+    rows = Q.QuantizedWeight(qtype, (n, k), torch.from_numpy(raw.copy()).view(n, -1), "rows")  # the no-compiler layout
+    assert torch.equal(Q.dequantize(rows).view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(Q.embedding(rows, ids), ref[ids])
+
+
+def _magnitude(raw: np.ndarray, qtype: QT, k: int, xq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|x_q| @ |W|^T, W split into scaled quants and mins for Q4_K/Q5_K (the mins: the blocks with all quants 0)."""
+    absw = ref.double().abs()
+    if qtype in QUANTS:
+        lo, hi = QUANTS[qtype]
+        blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]).copy()
+        blocks[:, lo:hi] = 0
+        mins = _reference(blocks.reshape(raw.shape), qtype, k).double()  # -dmin * m
+        absw = (ref.double() - mins).abs() + mins.abs()
+    return xq.double().abs() @ absw.T
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=[f"{t.name}-{n}x{k}" for t, n, k in CASES])
+def test_linear_is_within_the_fp32_bound_of_its_8_bit_product(qtype, n, k):
+    raw = _random_blocks(qtype, n, k, seed=7 * int(qtype) + n)
+    ref = _reference(raw, qtype, k)
+    w = Q.from_gguf(raw, qtype, (n, k))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(n + k)) * 3
+    y = Q.linear(x, w)
+    assert y.shape == (5, n) and y.dtype == torch.float32
+    if qtype in Q.FLOAT_TYPES:  # the fp32 panel kernel: one FMA chain over K
+        xq, terms = x, k + 1
+    else:
+        q, d = Q.quantize_activations(x)
+        xq = q.float() * d.repeat_interleave(32, dim=1)  # (M, K): what the kernel multiplies
+        assert ((xq - x).abs() <= d.repeat_interleave(32, dim=1) / 2 * (1 + 1e-6)).all()
+        terms = 2 * k // 32 + 3
+    exact = xq.double() @ ref.double().T
+    bound = terms * U / (1 - terms * U) * _magnitude(raw, qtype, k, xq, ref)
+    assert ((y.double() - exact).abs() <= bound).all()
+    rows = Q.QuantizedWeight(qtype, (n, k), torch.from_numpy(raw.copy()).view(n, -1), "rows")  # the no-compiler path
+    torch.testing.assert_close(Q.linear(x, rows), x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", Q.TYPES, ids=[t.name for t in Q.TYPES])
+def test_linear_rows_are_bitwise_the_same_whatever_shares_the_call(qtype):
+    n, k = 72, 512
+    w = Q.from_gguf(_random_blocks(qtype, n, k, seed=3), qtype, (n, k))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(int(qtype)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([Q.linear(x[i : i + 1], w) for i in range(20)])  # (20, N)
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in range(1, 17):
+                assert torch.equal(Q.linear(x[:m], w), alone[:m]), (t, m)
+            assert torch.equal(Q.linear(x, w), alone)  # past 16 rows: a second pass over each panel
+            assert torch.equal(Q.linear(x[5:14].view(3, 3, k), w), alone[5:14].view(3, 3, n))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strict_errors_name_the_problem():
+    raw = _random_blocks(QT.Q4_K, 4, 256, seed=0)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Q.from_gguf(raw, QT.Q4_K, (8, 128))
+    with pytest.raises(ValueError, match="takes 576 bytes"):
+        Q.from_gguf(raw[:, :-1], QT.Q4_K, (4, 256))
+    with pytest.raises(ValueError, match="not supported"):
+        Q.from_gguf(raw, QT.Q2_K, (4, 256))
+    w = Q.from_gguf(raw, QT.Q4_K, (4, 256))
+    with pytest.raises(ValueError, match="takes 256"):
+        Q.linear(torch.zeros(1, 128), w)
+    with pytest.raises(IndexError, match="0..3"):
+        Q.embedding(w, torch.tensor([4]))
