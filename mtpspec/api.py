@@ -18,7 +18,7 @@ from .drafters import make_drafter
 from .config import GenerationConfig, draft_model_arg
 from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
-from .loading import load_checkpoint, parse_dtype
+from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import check_compilable, compile_model
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
@@ -139,8 +139,9 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
 
     threads: torch threads for this model's generate() calls (None = mtpspec.threads.default_threads: 1 for
     small models run eagerly or a busy machine, else the idle cores); applied now too (process-wide).
-    quant: None, "int8" or "int4" (group_size 32 / 64 / 128): weight-only quantization of the linear layers
-    (mtpspec.quant); the quantized model is the target that generation is lossless to.
+    quant: None, "int8" or "int4" (group_size 32 / 64 / 128), or a GGUF block type "q8_0", "q4_0", "q5_0", "q4_k",
+    "q5_k", "q6_k": weight-only quantization of the linear layers (mtpspec.quant); the quantized model is the
+    target that generation is lossless to.
     compile: run decode and verify windows (and the MTP module's steps) through torch.compile'd static-shape
     graphs (mtpspec.models.compiled): built on first use of each width, kernels cached on disk across runs.
     """
@@ -150,6 +151,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     if compile:
         check_compilable(None, parse_dtype(dtype), quant)
     qcfg = check_quant(quant, group_size, parse_dtype(dtype))  # bad settings are named before a slow load
+    path = resolve_name(path)
     module, tok = load_checkpoint(path, tokenizer, dtype)
     if qcfg is not None:
         quantize(module, qcfg.kind, qcfg.group_size)

@@ -81,7 +81,8 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default=None, help="weight-only quantization of the linear layers: int8 or int4 (default: none; "
+    p.add_argument("--quant", default=None, help="weight-only quantization of the linear layers: int8 or int4 (torch's kernels), "
+                   "or a GGUF block type q8_0, q4_0, q5_0, q4_k, q5_k, q6_k (the GGUF block kernel) (default: none; "
                    "the quantized model is the target, speculation stays lossless to it; mtpspec.quant)")
     p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale / zero point, 32, 64 or 128 (default 64)")
 

@@ -31,8 +31,14 @@ SMALL_BYTES = 256 * 2**20  # measured: below this an eager model gains nothing f
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of the module's weights: its state_dict (parameters, quantized codes; not the rotary tables), each tensor once (a tied head)."""
+    """Bytes of the module's weights: its state_dict (parameters, quantized codes; not the rotary tables) and GGUF block
+    weights, each once (a tied head)."""
     seen, total = set(), 0
+    for m in module.modules():  # GGUF block weights (models/blocks.py) are held beside the state_dict
+        w = getattr(m, "qweight", None)
+        if w is not None and id(w) not in seen:
+            seen.add(id(w))
+            total += w.nbytes
     for t in module.state_dict(keep_vars=True).values():
         key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.device.type != "meta" else id(t)
         if key not in seen:

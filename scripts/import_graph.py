@@ -39,7 +39,7 @@ PACKAGE = "mtpspec"
 # The files directly under mtpspec/ split in two for the package view: `base`, the vocabulary every layer builds on
 # (types, errors, the cache and sampling primitives), and `core`, the engine side that assembles the rest (engine,
 # api, compiled, batching, the top-level cli ...). A top-level file not named here is `core`.
-BASE_MODULES = {"types", "errors", "cache", "sampling", "tree", "heap", "config", "threads", "quant", "metrics",
+BASE_MODULES = {"types", "errors", "cache", "sampling", "tree", "heap", "config", "threads", "metrics",
                 "adaptive", "verify", "weight_cache"}
 
 # Lower layers first; an import may go to its own layer or a lower one, and none goes between two application

@@ -136,3 +136,17 @@ def test_dequantized_fp64_equals_transformers_fp64(hf_gguf, prompts):
     logits = torch.cat([o.logits for o in outs[1:]])
     assert ((hidden - h_want).abs().max() / h_want.abs().max()).item() < 1e-10
     assert ((logits - want).abs().max() / want.abs().max()).item() < 1e-10
+
+
+def test_chat_turns_in_gemmas_format(gemma):
+    """The file has no chat template: Gemma's turn format stands in, and <end_of_turn> stops a reply."""
+    import jinja2.sandbox
+
+    tok = gemma.tokenizer
+    text = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(tok.chat_template).render(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "A fruit?"}],
+        add_generation_prompt=True, bos_token="<bos>")
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+                    "<start_of_turn>user\nA fruit?<end_of_turn>\n<start_of_turn>model\n")
+    assert tok.stop_ids == (1, 106)

@@ -1,5 +1,7 @@
 """GGUF block kernels (mtpspec/kernels/quantized.py, gguf_blocks.cpp): exact dequantization against gguf's numpy
-reference, products within the fp32 bound of the kernel's own arithmetic, row-invariance bitwise.
+reference, products within the fp32 bound of the kernel's own arithmetic, row-invariance bitwise. The row-invariant
+attention kernel (attention.py, attention.cpp) that the quantized models run beside them: bitwise per row, and
+within an fp32 bound of fp64 attention.
 
 Bound for linear(): the kernel multiplies the 8-bit activations q * dx by the quants exactly in integers, then per
 output adds K/32 tile terms float(isum) * (scale * dx) in fp32 (Q4_K/Q5_K: two terms per tile, the scaled dot and the
@@ -120,7 +122,7 @@ def test_linear_rows_are_bitwise_the_same_whatever_shares_the_call(qtype):
             torch.set_num_threads(t)
             for m in range(1, 17):
                 assert torch.equal(Q.linear(x[:m], w), alone[:m]), (t, m)
-            assert torch.equal(Q.linear(x, w), alone)  # past 16 rows: a second pass over each panel
+            assert torch.equal(Q.linear(x, w), alone)  # past 10 rows: a second pass over each panel
             assert torch.equal(Q.linear(x[5:14].view(3, 3, k), w), alone[5:14].view(3, 3, n))
     finally:
         torch.set_num_threads(threads)
@@ -139,3 +141,73 @@ def test_strict_errors_name_the_problem():
         Q.linear(torch.zeros(1, 128), w)
     with pytest.raises(IndexError, match="0..3"):
         Q.embedding(w, torch.tensor([4]))
+
+
+def _attention_case(r, h, g, d, s, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(r, h, d, generator=gen)  # (R, H, D)
+    k, v = torch.randn(2, 1, g, s, d, generator=gen) * 2  # (B, G, S, D) each
+    hi = torch.arange(s - r, s)  # each row's last key: a verify window at the end of the cache
+    return q, k, v, torch.zeros(r, dtype=torch.long), torch.zeros(r, dtype=torch.long), hi
+
+
+@pytest.mark.parametrize("h,g,d", [(4, 1, 256), (8, 2, 72), (6, 3, 20)], ids=["gemma3-270m", "gqa-72", "odd-20"])
+def test_attend_rows_is_bitwise_per_row_whatever_shares_the_call(h, g, d):
+    from mtpspec.kernels import attention as A
+
+    if not A.available():
+        pytest.skip("the attention kernel could not be built here")
+    q, k, v, seq, lo, hi = _attention_case(9, h, g, d, 140, seed=d)
+    mask = torch.rand(9, 140, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[torch.arange(9), hi] = True  # a tree row sees itself
+    threads = torch.get_num_threads()
+    try:
+        for m in (None, mask):
+            torch.set_num_threads(1)
+            alone = torch.cat([A.attend_rows(q[i : i + 1], k, v, seq[i : i + 1], lo[i : i + 1], hi[i : i + 1],
+                                             None if m is None else m[i : i + 1]) for i in range(9)])  # (9, H, D)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for r in range(1, 10):
+                    got = A.attend_rows(q[:r], k, v, seq[:r], lo[:r], hi[:r], None if m is None else m[:r])
+                    assert torch.equal(got, alone[:r]), (t, r)
+            padded = torch.cat([k, torch.randn(1, g, 60, d)], 2), torch.cat([v, torch.randn(1, g, 60, d)], 2)
+            got = A.attend_rows(q, *padded, seq, lo, hi, None if m is None else torch.cat([m, torch.ones(9, 60, dtype=torch.bool)], 1))
+            assert torch.equal(got, alone)  # keys past a row's last one change nothing
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("h,g,d", [(4, 1, 256), (8, 2, 72), (6, 3, 20)], ids=["gemma3-270m", "gqa-72", "odd-20"])
+def test_attend_rows_is_within_the_fp32_bound_of_fp64_attention(h, g, d):
+    """Bound: each score q.k takes d products and d sums in fp32 (gamma_(d+1) * |q|.|k|, times the scale exactly up to
+    one more rounding); exp and the sums of n terms add a few ulps relative, the division one more. A score error e
+    moves a softmax weight by at most a factor exp(2e), so |o - exact| <= (exp(2 * max e) - 1 + (n + 8) u) * sum_j p_j |v_j|
+    in fp64 terms (the weighted mean of |v|)."""
+    from mtpspec.kernels import attention as A
+
+    if not A.available():
+        pytest.skip("the attention kernel could not be built here")
+    q, k, v, seq, lo, hi = _attention_case(9, h, g, d, 140, seed=2 * d)
+    mask = torch.rand(9, 140, generator=torch.Generator().manual_seed(3)) > 0.5
+    mask[torch.arange(9), hi] = True
+    scale = d**-0.5
+    for m in (None, mask):
+        got = A.attend_rows(q, k, v, seq, lo, hi, m, scale).double()  # (R, H, D)
+        kr = k[0].double().repeat_interleave(h // g, 0)  # (H, S, D)
+        vr = v[0].double().repeat_interleave(h // g, 0)
+        for r in range(9):
+            seen = torch.zeros(140, dtype=torch.bool)
+            seen[: int(hi[r]) + 1] = True
+            if m is not None:
+                seen &= m[r]
+            s = (kr[:, seen] @ q[r].double()[:, :, None])[..., 0] * scale  # (H, n)
+            p = torch.softmax(s, -1)
+            exact = (p[:, None, :] @ vr[:, seen])[:, 0]  # (H, D)
+            n = int(seen.sum())
+            e = (d + 2) * U / (1 - (d + 2) * U) * (kr[:, seen].abs() @ q[r].double().abs()[:, :, None])[..., 0] * scale  # (H, n)
+            bound = (torch.exp(2 * e.max(-1).values) - 1 + (n + 8) * 4 * U)[:, None] * (p[:, None, :] @ vr[:, seen].abs())[:, 0]
+            assert ((got[r] - exact).abs() <= bound).all(), (r, float(((got[r] - exact).abs() / bound).max()))
+    # the torch fallback (no compiler) computes the same function
+    torch.testing.assert_close(A.attend_rows(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, seq, lo, hi, mask, scale),
+                               A.attend_rows(q, k, v, seq, lo, hi, mask, scale), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (mtpspec.quant): the layer against its own dequantized weight in fp64,
+"""Weight-only int8 / int4 quantization (mtpspec.quant; the GGUF block kinds: test_quant_blocks.py): the layer against its own dequantized weight in fp64,
 the int8 round-trip bound, every drafter lossless on the quantized model, and the errors for bad settings."""
 
 import pytest
@@ -174,7 +174,7 @@ def run(capsys, *argv):
 
 
 @pytest.mark.parametrize("extra, msg", [
-    (["--quant", "int5"], "unknown quant 'int5' (choose int8 or int4, or none)"),
+    (["--quant", "int5"], "unknown quant 'int5' (choose int8, int4, q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, or none)"),
     (["--quant", "int8", "--dtype", "fp64"], "does not combine with fp64"),
     (["--quant", "int4", "--quant-group-size", "48"], "int4 group size must be one of 32, 64, 128"),
 ])

@@ -5,29 +5,103 @@
 // The keys are visited in index order, every dot product over the head size accumulates in 16 fixed lanes summed by
 // a fixed tree, the softmax's max and sum run in key order, and the output accumulates the values in key order:
 // so a row's output depends only on the keys it sees, not on the other rows of the call, the padding of the cache,
-// the thread count, or the instruction set (built with -ffp-contract=off: no fused multiply-adds). A verify row and
-// the plain step at the same position (the same keys, in the same order) give the same bits.
+// the thread count, or the instruction set (built with -ffp-contract=off: no fused multiply-adds; the 16 lanes are
+// a GCC vector, lowered to AVX-512, AVX2 or scalar code with the same per-lane operations). A verify row and the
+// plain step at the same position (the same keys, in the same order) give the same bits.
+//
+// Work item: one row and one KV head, its query heads together (each key read once for all of them), the value
+// accumulation in registers, CHUNK outputs at a time.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) acc[i & 15] += a[i] * b[i];
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int HEADS = 4;    // query heads of one KV head per pass over the keys
+constexpr int CHUNK = 8;    // 16-float vectors of the output accumulated in registers per pass over the keys
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
+
+// the 16 lanes summed by the fixed tree: l += l + 8, then l + 4, l + 2, l + 1
+inline float tree_sum(v16 a) {
+#if defined(__AVX512F__)
+  __m512 z;
+  std::memcpy(&z, &a, 64);
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
+#elif defined(__AVX2__)
+  __m256 lo, hi;
+  std::memcpy(&lo, &a, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + 32, 32);
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+#endif
+#if defined(__AVX2__)
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+#else
   for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+    for (int l = 0; l < w; ++l) a[l] += a[l + w];
+  return a[0];
+#endif
+}
+
+// nh query dots against one key: per query, lane l sums q[i] * k[i] over i = l mod 16 in order, then tree_sum
+template <int NH>
+inline void dots(const float* const* q, const float* __restrict k, int64_t D, float* out) {
+  v16 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = v16{};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const v16 kv = load16(k + i);
+    for (int h = 0; h < NH; ++h) acc[h] = acc[h] + load16(q[h] + i) * kv;
+  }
+  for (; i < D; ++i)
+    for (int h = 0; h < NH; ++h) acc[h][i & 15] += q[h][i] * k[i];
+  for (int h = 0; h < NH; ++h) out[h] = tree_sum(acc[h]);
+}
+
+// o[0:n) = sum over the listed keys of p[key] * v[key][0:n), in key order (n <= 16 * CHUNK, a multiple of 16)
+template <int NV>
+inline void accumulate(const float* __restrict p, const int64_t* __restrict keys, int64_t nk, const float* __restrict v,
+                       int64_t vs, float* __restrict o) {
+  v16 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = v16{};
+  for (int64_t t = 0; t < nk; ++t) {
+    const float* vr = v + keys[t] * vs;
+    const float pt = p[t];
+    for (int c = 0; c < NV; ++c) acc[c] = acc[c] + pt * load16(vr + 16 * c);
+  }
+  for (int c = 0; c < NV; ++c) store16(o + 16 * c, acc[c]);
+}
+
+void accumulate_any(const float* p, const int64_t* keys, int64_t nk, const float* v, int64_t vs, int64_t n, float* o) {
+  switch (n / 16) {
+    case 1: return accumulate<1>(p, keys, nk, v, vs, o);
+    case 2: return accumulate<2>(p, keys, nk, v, vs, o);
+    case 3: return accumulate<3>(p, keys, nk, v, vs, o);
+    case 4: return accumulate<4>(p, keys, nk, v, vs, o);
+    case 5: return accumulate<5>(p, keys, nk, v, vs, o);
+    case 6: return accumulate<6>(p, keys, nk, v, vs, o);
+    case 7: return accumulate<7>(p, keys, nk, v, vs, o);
+    default: return accumulate<8>(p, keys, nk, v, vs, o);
+  }
 }
 
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq,
@@ -62,36 +136,58 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 "attend_rows: row ", r, " sees keys ", lp[r], "..", hp[r], " of sequence ", sp[r], " outside (", B, ", ", S, ")");
   }
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w;
+  const int64_t DV = D / 16 * 16;  // outputs accumulated as vectors; the rest (D % 16) one by one
+  at::parallel_for(0, R * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> keys;
+    std::vector<float> w;  // (heads, keys): scores, then exp(score - max)
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / H, h = item % H, g = h / per_kv, b = sp[r];
-      const float* qr = qp + (r * H + h) * D;
+      const int64_t r = item / G, g = item % G, b = sp[r];
       const float* kbase = kp + b * kb + g * kg;
       const float* vbase = vp + b * vb + g * vg;
       const bool* mr = mp ? mp + r * mcols : nullptr;
-      const int64_t first = lp[r], last = hp[r];
-      w.assign(last - first + 1, -std::numeric_limits<float>::infinity());
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = first; j <= last; ++j) {
-        if (mr && !mr[j]) continue;
-        const float s = dot(qr, kbase + j * ks, D) * sc;
-        w[j - first] = s;
-        mx = s > mx ? s : mx;
+      keys.clear();
+      for (int64_t j = lp[r]; j <= hp[r]; ++j)
+        if (!mr || mr[j]) keys.push_back(j);
+      const int64_t nk = static_cast<int64_t>(keys.size());
+      if (nk == 0) continue;  // no key visible: zeros
+      w.resize(HEADS * nk);
+      for (int64_t h0 = 0; h0 < per_kv; h0 += HEADS) {
+        const int nh = static_cast<int>(std::min<int64_t>(HEADS, per_kv - h0));
+        const float* qh[HEADS];
+        for (int i = 0; i < nh; ++i) qh[i] = qp + (r * H + g * per_kv + h0 + i) * D;
+        for (int64_t t = 0; t < nk; ++t) {
+          float s[HEADS];
+          const float* kr = kbase + keys[t] * ks;
+          switch (nh) {
+            case 4: dots<4>(qh, kr, D, s); break;
+            case 3: dots<3>(qh, kr, D, s); break;
+            case 2: dots<2>(qh, kr, D, s); break;
+            default: dots<1>(qh, kr, D, s); break;
+          }
+          for (int i = 0; i < nh; ++i) w[i * nk + t] = s[i] * sc;
+        }
+        for (int i = 0; i < nh; ++i) {
+          float* wi = w.data() + i * nk;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < nk; ++t) mx = wi[t] > mx ? wi[t] : mx;
+          if (mx == -std::numeric_limits<float>::infinity()) continue;  // every score -inf: zeros
+          float total = 0.0f;
+          for (int64_t t = 0; t < nk; ++t) {
+            wi[t] = std::exp(wi[t] - mx);
+            total += wi[t];
+          }
+          float* o = op + (r * H + g * per_kv + h0 + i) * D;
+          for (int64_t d0 = 0; d0 < DV; d0 += 16 * CHUNK)
+            accumulate_any(wi, keys.data(), nk, vbase + d0, vs, std::min<int64_t>(16 * CHUNK, DV - d0), o + d0);
+          for (int64_t d = DV; d < D; ++d) {
+            float a = 0.0f;
+            for (int64_t t = 0; t < nk; ++t) a += wi[t] * vbase[keys[t] * vs + d];
+            o[d] = a;
+          }
+          const float inv = 1.0f / total;
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
       }
-      float* o = op + (r * H + h) * D;
-      if (mx == -std::numeric_limits<float>::infinity()) continue;  // no key visible: zeros
-      float total = 0.0f;
-      for (int64_t j = first; j <= last; ++j) {
-        if (mr && !mr[j]) continue;
-        const float p = std::exp(w[j - first] - mx);
-        w[j - first] = p;
-        total += p;
-        const float* vr = vbase + j * vs;
-        for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
   return out;

@@ -31,9 +31,9 @@
 
 namespace {
 
-constexpr int64_t L = 16;      // outputs per panel
-constexpr int64_t GROWS = 16;
-constexpr int64_t PREFETCH = 2048;  // bytes ahead of the block being read  // rows of x per pass over a panel (more rows: further passes, the panel from cache)
+constexpr int64_t L = 16;           // outputs per panel
+constexpr int GROWS = 10;           // most rows of x per pass over a panel: their accumulators stay in registers
+constexpr int64_t PREFETCH = 2048;  // bytes ahead of the block being read
 
 enum : int64_t { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
@@ -274,7 +274,10 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 inline f16v halves(const uint8_t* p) {
   f16v v;
-#ifdef __F16C__
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // one register, no stack
+  std::memcpy(&v, &f, 64);
+#elif defined(__F16C__)
   __m128i a, b;
   std::memcpy(&a, p, 16);
   std::memcpy(&b, p + 16, 16);
@@ -466,16 +469,16 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 }
 #endif
 
-// Rows m0..m0+g-1 (g <= G) of x against panel p: per output lane, tiles in order, acc += float(isum) * scale
-// (Q4_K/Q5_K: then acc -= float(sum x) * min scale). G, a compile-time bound, lets the row loops unroll and the
+// Rows m0..m0+G-1 of x against panel p: per output lane, tiles in order, acc += float(isum) * scale (Q4_K/Q5_K:
+// then acc -= float(sum x) * min scale). G, the exact row count at compile time, lets the row loops unroll and the
 // accumulators stay in registers; the arithmetic of a row is the same whatever G.
 template <int64_t T, int G>
-void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, int64_t m0, int64_t g) {
+void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, int64_t m0) {
   constexpr Info I = info(T);
   constexpr bool KQ = T == T_Q4_K || T == T_Q5_K;
   const int64_t K = a.K, nb = K / I.bs, KB = K / 32;
   f16v acc[G];
-#pragma GCC unroll 16
+#pragma GCC unroll 10
   for (int r = 0; r < G; ++r) acc[r] = f16v{};
   const uint8_t* wp = w + p * nb * I.block();
   for (int64_t b = 0; b < nb; ++b) {
@@ -500,9 +503,8 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, 
         sa = bytes_i(blk + 32 + 16 * (2 * t));
         sb = bytes_i(blk + 32 + 16 * (2 * t + 1));
       }
-#pragma GCC unroll 16
+#pragma GCC unroll 10
       for (int r = 0; r < G; ++r) {
-        if (r >= g) break;
         const int64_t m = m0 + r;
         const int8_t* x = a.q + m * K + kb * 32;
         const float dx = a.d[m * KB + kb];
@@ -522,21 +524,35 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, 
     }
   }
   const int64_t n0 = p * L, valid = std::min(L, N - n0);
-  for (int r = 0; r < g; ++r) std::memcpy(y + (m0 + r) * N + n0, &acc[r], valid * sizeof(float));
+  for (int r = 0; r < G; ++r) std::memcpy(y + (m0 + r) * N + n0, &acc[r], valid * sizeof(float));
 }
 
 template <int64_t T>
+void panel_group(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, int64_t m0, int g) {
+  switch (g) {
+    case 1: return panel_rows<T, 1>(a, w, y, N, p, m0);
+    case 2: return panel_rows<T, 2>(a, w, y, N, p, m0);
+    case 3: return panel_rows<T, 3>(a, w, y, N, p, m0);
+    case 4: return panel_rows<T, 4>(a, w, y, N, p, m0);
+    case 5: return panel_rows<T, 5>(a, w, y, N, p, m0);
+    case 6: return panel_rows<T, 6>(a, w, y, N, p, m0);
+    case 7: return panel_rows<T, 7>(a, w, y, N, p, m0);
+    case 8: return panel_rows<T, 8>(a, w, y, N, p, m0);
+    case 9: return panel_rows<T, 9>(a, w, y, N, p, m0);
+    default: return panel_rows<T, 10>(a, w, y, N, p, m0);
+  }
+}
+
+// M rows in ceil(M / GROWS) passes of near-equal size (12 rows: 6 + 6), the panel re-read from cache after the first
+template <int64_t T>
 void run(const Act& a, const uint8_t* w, float* y, int64_t M, int64_t N) {
-  const int64_t NP = (N + L - 1) / L;
+  const int64_t NP = (N + L - 1) / L, passes = (M + GROWS - 1) / GROWS;
   at::parallel_for(0, NP, 2, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += GROWS) {
-        const int64_t g = std::min(GROWS, M - m0);
-        if (g == 1) panel_rows<T, 1>(a, w, y, N, p, m0, g);
-        else if (g == 2) panel_rows<T, 2>(a, w, y, N, p, m0, g);
-        else if (g <= 4) panel_rows<T, 4>(a, w, y, N, p, m0, g);
-        else if (g <= 8) panel_rows<T, 8>(a, w, y, N, p, m0, g);
-        else panel_rows<T, 16>(a, w, y, N, p, m0, g);
+      for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+        const int g = static_cast<int>(M / passes + (i < M % passes ? 1 : 0));
+        panel_group<T>(a, w, y, N, p, m0, g);
+        m0 += g;
       }
   });
 }

@@ -3,8 +3,9 @@
 A decode step reads every weight once, so a 4-6 bit weight costs a quarter of its fp32 read. gguf_blocks.cpp
 multiplies the blocks directly: from_gguf() re-lays a weight out once into panels of 16 outputs (layout
 "panels16": each weight block's 16 outputs' scales, then per 32 inputs a tile of quants, 4 inputs of an output per
-32-bit word), and linear() streams them once per call whatever the number of rows (up to 16 per pass; more rows
-pass again over each panel while it is in cache), the panels split between torch's threads (OpenMP).
+32-bit word), and linear() streams them once per call whatever the number of rows (up to 10 per pass, their
+accumulators in registers; more rows pass again over each panel while it is in cache), the panels split between
+torch's threads (OpenMP).
 
 The activations are quantized to 8 bits per 32 inputs (fp32 scale max|x|/127, row by row) and multiplied by the
 quants in integers, as llama.cpp's CPU kernels do: results differ slightly from a float product with the

@@ -47,6 +47,15 @@ def resolve_demo() -> tuple[Path, Path | None]:
     return d / "stories260K.bin", d / "tok512.bin"
 
 
+def resolve_name(path: str | Path) -> str | Path:
+    """A model given by name: `gemma3-270m` -> the installed file's path; anything else as it is (`demo` included)."""
+    if str(path) == GEMMA3_270M:
+        from .realmodels import gemma3_270m_path
+
+        return gemma3_270m_path()
+    return path
+
+
 def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True):
     """Return (model, tokenizer) for a llama2.c .bin file, a GGUF file, an HF directory or a project checkpoint.
 
@@ -57,11 +66,7 @@ def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype
     if str(path) == "demo":
         path, default_tok = resolve_demo()
         tokenizer = tokenizer or default_tok
-    elif str(path) == GEMMA3_270M:
-        from .realmodels import gemma3_270m_path
-
-        path = gemma3_270m_path()
-    path = Path(path)
+    path = Path(resolve_name(path))
     if not path.exists():
         raise ModelLoadError(f"model not found: {path}")
     if path.is_dir():
@@ -132,4 +137,4 @@ def _find_llama2c_tokenizer(model_path: Path, vocab: int) -> Path:
     raise ModelLoadError(f"{model_path}: llama2.c checkpoints need a tokenizer (--tokenizer PATH to a tokenizer.bin)")
 
 
-__all__ = ["load_checkpoint", "load_module", "load_llama2c", "Llama2cTokenizer", "assets_dir", "parse_dtype", "MAGIC"]
+__all__ = ["load_checkpoint", "resolve_name", "load_module", "load_llama2c", "Llama2cTokenizer", "assets_dir", "parse_dtype", "MAGIC"]

@@ -17,7 +17,8 @@ tokenizer converter), so the ids are the ones `AutoTokenizer.from_pretrained(dir
   ones (type 4, e.g. Gemma's "\\n\\n") plain added tokens, matched whole; BOS (EOS) is added when
   `tokenizer.ggml.add_bos_token` (add_eos_token) says so ("llama" files without the flag: BOS added,
   as llama.cpp does).
-- The chat template is `tokenizer.chat_template` (None when the file has none, as Gemma 3 270M's).
+- The chat template is `tokenizer.chat_template`; a gemma3 file without one (Gemma 3 270M's) gets Gemma's turn format, and
+  `<end_of_turn>` stops generation as EOS does.
 """
 
 from __future__ import annotations
@@ -47,10 +48,30 @@ def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
     md = f.metadata
     eos = md.get("tokenizer.ggml.eos_token_id")
     stop = () if eos is None else (int(eos),)
-    out = HFTokenizer(tok, stop)
     template = md.get("tokenizer.chat_template")
-    out.chat_template = template if isinstance(template, str) else None
+    template = template if isinstance(template, str) else None
+    end_turn = tok.token_to_id("<end_of_turn>")
+    if f.architecture == "gemma3" and end_turn is not None:  # a turn ends generation as EOS does (llama.cpp: EOG tokens)
+        stop = tuple(dict.fromkeys((*stop, end_turn)))
+        if template is None:  # files converted without it (Gemma 3 270M): Gemma's turn format, as llama.cpp falls back to
+            template = GEMMA_CHAT_TEMPLATE
+    out = HFTokenizer(tok, stop)
+    out.chat_template = template
     return out
+
+
+# Gemma's chat format: a system message opens the first user turn; the assistant's role is "model"
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] | trim ~ '\\n\\n' -%}{%- set rest = messages[1:] -%}"
+    "{%- else -%}{%- set system = '' -%}{%- set rest = messages -%}{%- endif -%}"
+    "{%- for message in rest -%}"
+    "{{ '<start_of_turn>' ~ ('model' if message['role'] == 'assistant' else message['role']) ~ '\\n' }}"
+    "{{ (system if loop.first else '') ~ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 
 def build_tokenizer(f: GGUFFile):

@@ -1,0 +1,183 @@
+"""Dense models from GGUF files (llama, qwen2, qwen3, gemma3): the file's function, and lossless speculation on it.
+
+Tiny transformers models are written as GGUF files the way llama.cpp's converter writes them (its tensor names,
+llama's q / k rows permuted to adjacent rotary pairs, Gemma's norms stored as 1 + w), then loaded back:
+- dequantized in fp64, the model is transformers' function to 1e-10 of the logits' scale;
+- kept in blocks (F32 widened, Q8_0 / Q5_0 multiplied in blocks), every drafter's greedy output equals the loaded
+  model's own plain greedy output.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import mtpspec
+from mtpspec.export_gguf import permute_rope_interleaved
+from mtpspec.hf_reference import hf_fp64_copy
+from mtpspec.loading.gguf_model import load_gguf_model
+from mtpspec.models.blocks import BlockLinear
+from qwen35_tiny import hf_model
+
+Q = gguf.GGMLQuantizationType
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+_LEAF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(kind: str, name: str) -> str | None:
+    """llama.cpp's name for a transformers parameter (None: not written, a tied head)."""
+    stem, _, suffix = name.rpartition(".")
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if stem in top:
+        return f"{top[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    leaf = dict(_LEAF)
+    if kind == "gemma3":
+        leaf |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+    else:
+        leaf["post_attention_layernorm"] = "ffn_norm"
+    return f"blk.{layer}.{leaf[rest]}.{suffix}"
+
+
+def write_gguf_like_llamacpp(ref, kind: str, path, qtype=Q.F32):
+    """transformers model `ref` as llama.cpp's converter writes it; matrices in `qtype` (vectors F32)."""
+    c = ref.config
+    a = ARCH[kind]
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_uint32(f"{a}.block_count", c.num_hidden_layers)
+    w.add_uint32(f"{a}.context_length", 256)
+    w.add_uint32(f"{a}.embedding_length", c.hidden_size)
+    w.add_uint32(f"{a}.feed_forward_length", c.intermediate_size)
+    w.add_uint32(f"{a}.attention.head_count", c.num_attention_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", c.num_key_value_heads)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_uint32(f"{a}.attention.key_length", hd)
+    w.add_uint32(f"{a}.attention.value_length", hd)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    rope = c.rope_parameters if kind != "gemma3" else c.rope_parameters["full_attention"]
+    w.add_float32(f"{a}.rope.freq_base", rope["rope_theta"])
+    if kind == "gemma3":
+        w.add_uint32(f"{a}.attention.sliding_window", c.sliding_window)
+        w.add_uint32(f"{a}.attention.sliding_window_pattern", 3)  # layers 0, 1 slide, 2 is global (GEMMA3_KW)
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        x = t.detach().float()
+        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            x = permute_rope_interleaved(x, heads)
+        if kind == "gemma3" and name.endswith("norm.weight"):
+            x = x + 1.0  # the converter stores Gemma's (1 + w)
+        x = np.ascontiguousarray(x.numpy())
+        if x.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(_gguf_name(kind, name), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(kind, name), x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+KINDS = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def _qwen2():
+    """Qwen2 with q / k / v biases and no sliding window (llama.cpp's qwen2 has none)."""
+    import transformers as tf
+
+    from qwen35_tiny import DENSE_KW, randomize
+
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**DENSE_KW))
+    randomize(model, 0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def written(request, tmp_path_factory):
+    kind = request.param
+    ref = _qwen2() if kind == "qwen2" else hf_model(kind, tie=kind == "gemma3")
+    if kind == "gemma3":  # norms whose 1 + w is exact in fp32, as in Google's file: the stored 1 + w loses nothing
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((p + 1.0) - 1.0)
+    d = tmp_path_factory.mktemp(kind)
+    return kind, ref, write_gguf_like_llamacpp(ref, kind, d / "f32.gguf"), write_gguf_like_llamacpp(ref, kind, d / "q8.gguf", Q.Q8_0)
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp64_equals_transformers(written):
+    """Prefill, a step and a 5-token window (past Gemma's 8-token sliding window): 1e-10 of the logits' scale."""
+    kind, ref, f32, _ = written
+    ours = load_gguf_model(f32, dtype=torch.float64)
+    twin = hf_fp64_copy(ref)
+    ids = _ids(40)
+    with torch.no_grad():
+        want = twin(ids[None]).logits[0]
+    cache = ours.new_cache()
+    got = torch.cat([ours.forward_tokens(ids[a:b], cache).logits for a, b in ((0, 34), (34, 35), (35, 40))])
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-10, kind
+
+
+def test_blocks_greedy_equals_transformers_fp32(written):
+    """F32 weights kept as blocks (the fp32 panel kernel, row-invariant attention): transformers' greedy text."""
+    kind, ref, f32, _ = written
+    ours = load_gguf_model(f32)
+    assert isinstance(ours.model.layers[0].self_attn.q_proj, BlockLinear)
+    ids = _ids(12, 1)
+    with torch.no_grad():
+        want = ref.generate(ids[None], attention_mask=torch.ones(1, 12, dtype=torch.long), max_new_tokens=30,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, 12:]
+    cache, got = ours.new_cache(), []
+    out = ours.forward_tokens(ids, cache)
+    for _ in range(30):
+        got.append(int(out.logits[-1].argmax()))
+        out = ours.forward_tokens(torch.tensor(got[-1:]), cache)
+    assert got == want.tolist(), kind
+
+
+@pytest.mark.parametrize("drafter,extra", [("ngram", {}), ("suffix", {}), ("ngram", {"tree": 5}), ("lookahead", {})])
+def test_drafting_is_lossless_on_quantized_blocks(written, drafter, extra):
+    """Q8_0 blocks, 8-bit activations: every drafter's greedy output is the loaded model's own plain greedy output."""
+    from mtpspec.api import Model
+    from qwen35_tiny import write_tokenizer
+
+    kind, _, _, q8 = written
+    module = load_gguf_model(q8)
+    tok_dir = q8.parent / "tok"
+    tok_dir.mkdir(exist_ok=True)
+    write_tokenizer(tok_dir)
+    from mtpspec.loading.tokenizer_hf import load_hf_tokenizer
+
+    model = Model(module=module, tokenizer=load_hf_tokenizer(tok_dir, None), path=str(q8), threads=1)
+    prompt = [3, 5, 7, 9, 11, 3, 5, 7, 9, 4, 8, 15, 16, 23]
+    plain = model.generate(prompt, drafter="none", max_new_tokens=48).tokens
+    res = model.generate(prompt, drafter=drafter, k=4, max_new_tokens=48, **extra)
+    assert res.tokens == plain, (kind, drafter, extra)
+    batch = model.generate_batch([prompt, prompt[:7], prompt[3:]], drafter=drafter, k=3, max_new_tokens=24, **extra)
+    assert batch[0].tokens == plain[:24]
+
+
+def test_llama_export_loads_back(tmp_path):
+    """`mtpspec export --format gguf` of a llama2.c model loads back with the same greedy text (q / k rows put back)."""
+    from mtpspec.export_gguf import export_gguf
+    from mtpspec.loading import assets_dir
+
+    a = assets_dir() / "models"
+    model = mtpspec.load(str(a / "stories260K.bin"), tokenizer=str(a / "tok512.bin"))
+    path = export_gguf(model.module, model.tokenizer, tmp_path / "stories.gguf")
+    back = mtpspec.load(str(path))
+    want = model.generate("Once upon a time", drafter="none", max_new_tokens=48)
+    got = back.generate("Once upon a time", drafter="none", max_new_tokens=48)
+    assert got.text == want.text and got.tokens == want.tokens
