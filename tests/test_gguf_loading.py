@@ -24,7 +24,7 @@ from conftest_gemma import gemma_path, transformers_reference_tokenizer  # noqa:
 from mtpspec.errors import ModelLoadError  # noqa: E402
 from mtpspec.export_gguf import permute_rope_interleaved  # noqa: E402
 from mtpspec.loading.gguf import hf_tensor_names, llama_qk_rows, read_gguf  # noqa: E402
-from mtpspec.loading.tokenizer_gguf import build_tokenizer, load_gguf_tokenizer  # noqa: E402
+from mtpspec.loading.tokenizer_gguf import GEMMA_CHAT_TEMPLATE, build_tokenizer, load_gguf_tokenizer  # noqa: E402
 from mtpspec.prompts import load_prompts  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -331,7 +331,9 @@ def test_gemma_tokenizer_matches_transformers(gemma):
     mine = load_gguf_tokenizer(gemma)
     ref = transformers_reference_tokenizer()
     assert json.loads(mine.tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
-    assert (mine.bos_id, mine.stop_ids, mine.chat_template, ref.chat_template) == (2, (1,), None, None)
+    # the file has no chat template (transformers: None); ours stands in Gemma's turn format, and <end_of_turn> stops
+    assert (mine.bos_id, mine.stop_ids, ref.chat_template) == (2, (1, 106), None)
+    assert mine.chat_template == GEMMA_CHAT_TEMPLATE
     assert mine.tokenizer.token_to_id("<start_of_turn>") == 105 and mine.tokenizer.token_to_id("<end_of_turn>") == 106
     texts = _prompt_texts()
     assert len(texts) > 1000

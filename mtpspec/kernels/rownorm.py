@@ -1,0 +1,38 @@
+"""RMSNorm in one call per norm, row-invariant (rownorm.cpp): for models whose every op must compute a row as its
+one-row call does (GGUF block weights, with their 8-bit activations), and whose decode step is dispatch-bound."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import build_extension
+
+_state: dict[str, object] = {}
+
+
+def available() -> bool:
+    """Build (or load the cached build of) rownorm.cpp once per process; False, with a warning, if that fails."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    _state["ok"] = False
+    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
+        return False
+    try:
+        build_extension("mtpspec_rownorm", "rownorm.cpp", "rownorm")
+        _state["ok"] = True
+    except Exception as e:  # no compiler: torch's ops serve (also per row)
+        warnings.warn(f"mtpspec: the RMSNorm row kernel is not available ({type(e).__name__}); norms run on torch ops",
+                      stacklevel=2)
+    return bool(_state["ok"])
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
+    """x (..., D) fp32, w (D,) fp32 -> x / sqrt(mean(x^2) + eps) * w (or * (1 + w)); each row computed alone."""
+    if available():
+        return torch.ops.mtpspec_rownorm.rms_norm(x, w, eps, zero_centred)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * (1.0 + w) if zero_centred else w * y
