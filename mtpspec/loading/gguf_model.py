@@ -57,7 +57,7 @@ def dense_config(f: GGUFFile, c: GGUFConfig, max_seq_len: int | None = None, deq
         rope_local_theta=c.rope_local_theta or 0.0, sandwich_norms=gemma, embed_scale=gemma,
         hidden_act="gelu_tanh" if c.hidden_act == "gelu_pytorch_tanh" else "silu",
         norm_zero_centred=False,  # gemma3's norms are stored as 1 + w: a plain x / rms * w_file norm
-        row_invariant_attention=not dequantize,  # the block kernels' 8-bit activations need rows computed alike
+        row_kernels=not dequantize,  # the block kernels' 8-bit activations need rows computed alike
     )
 
 

@@ -103,13 +103,18 @@ def by_position(model, tokens: Tensor, cache) -> "TargetOutput":
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, or * (1 + w) for the zero-centred norms of Qwen3-Next / Qwen3.5."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False, row_kernel: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.zero_centred = zero_centred
+        self.row_kernel = row_kernel  # fp32 inference by kernels/rownorm.cpp: one call, each row alone
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.row_kernel and x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            from ..kernels.rownorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.zero_centred)
         if x.dtype == self.weight.dtype == wide(x.dtype):  # fp32 or fp64: same arithmetic, no no-op casts
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (each cast is a dispatched op)
             return y * (1.0 + self.weight) if self.zero_centred else self.weight * y

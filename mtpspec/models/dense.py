@@ -44,9 +44,9 @@ class DenseConfig:
     sandwich_norms: bool = False  # Gemma 3: attention and MLP outputs normed before the residual, the MLP's input too
     hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
     embed_scale: bool = False  # Gemma 3: embeddings multiplied by sqrt(hidden_size)
-    # attention by the row-invariant kernel (common.rows_attention): a quantized model's 8-bit activations turn any
-    # rounding difference between a verify row and a plain step into a different token
-    row_invariant_attention: bool = False
+    # attention and RMSNorm by the row kernels (common.rows_attention, kernels/rownorm.cpp): a quantized model's 8-bit
+    # activations turn any rounding difference between a verify row and a plain step into a different token
+    row_kernels: bool = False
 
     @property
     def hd(self) -> int:
@@ -67,10 +67,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0  # 0 = all earlier positions
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred)
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred, cfg.row_kernels)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_zero_centred, cfg.row_kernels)
         self.qk_norm = cfg.qk_norm
-        self.rows = cfg.row_invariant_attention
+        self.rows = cfg.row_kernels
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
     def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
@@ -97,7 +97,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: DenseConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred, cfg.row_kernels)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer, rotary)
         self.post_attention_layernorm = norm()
@@ -120,7 +120,7 @@ class DenseBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, rotaries[i]) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_zero_centred, cfg.row_kernels)
 
 
 class DenseLM(CausalLM):
