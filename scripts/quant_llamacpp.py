@@ -1,5 +1,8 @@
 """llama.cpp's Q8_0 / Q4_0 next to our int8 / int4 (mtpspec.quant) on the same weights: T(1) from llama-bench.
 
+--gguf: llama-quantize's Q8_0 and Q4_K_M files themselves, loaded by mtpspec (their blocks kept, the block kernel),
+against llama-bench on the same files: the same bytes on both sides.
+
 The demo model is exported as an f32 GGUF (mtpspec.export_gguf); llama-quantize makes Q8_0 and Q4_0 from it;
 llama-bench times token generation (-n, one token per forward) after a `--cache`-token context (-d), one
 thread, alternating round by round with our T(1) of the same weights quantized by mtpspec.quant (fp32 / bf16
@@ -28,6 +31,7 @@ def t1_ms(bench: Path, gguf: Path, threads: int, reps: int, cache: int, n: int) 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big", action="store_true")
+    ap.add_argument("--gguf", action="store_true", help="ours loads llama-quantize's Q8_0 / Q4_K_M files themselves")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", type=int, default=128)
@@ -67,12 +71,15 @@ def main() -> None:
         if not base.exists():
             export_gguf(module, demo.tokenizer, base, outtype=outtype)
         pairs = [(outtype.upper(), base, outtype, module)]
-        for q, kind in (("Q8_0", "int8"), ("Q4_0", "int4")):
+        for q, kind in ((("Q8_0", "gguf"), ("Q4_K_M", "gguf")) if args.gguf else (("Q8_0", "int8"), ("Q4_0", "int4"))):
             f = out / f"{name}-{q}.gguf"
             if not f.exists():
                 subprocess.run([str(quantize_exe), str(base), str(f), q], capture_output=True, check=True)
-            m = copy.deepcopy(module)
-            quantize(m, kind, 64)
+            if kind == "gguf":
+                m = mtpspec.load(str(f)).module
+            else:
+                m = copy.deepcopy(module)
+                quantize(m, kind, 64)
             pairs.append((q, f, kind, m))
         theirs = {q: [] for q, *_ in pairs}
         ours = {q: [] for q, *_ in pairs}

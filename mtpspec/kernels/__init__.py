@@ -70,6 +70,34 @@ def build_extension(name: str, source: str, subdir: str) -> None:
          verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
 
 
+class Extension:
+    """A C++ file beside this module, built on first use (build_extension) once per process; `available()` says whether
+    it loaded (with one warning naming what serves instead when it did not). `ready` runs once after a build (fake
+    kernels for torch.compile, op lookups)."""
+
+    def __init__(self, name: str, source: str, subdir: str, fallback: str, ready=None) -> None:
+        self.name, self.source, self.subdir, self.fallback, self.ready = name, source, subdir, fallback, ready
+        self.ok: bool | None = None
+        self.error = ""
+
+    def available(self) -> bool:
+        if self.ok is not None:
+            return self.ok
+        self.ok = False
+        if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
+            self.error = "turned off by MTPSPEC_KERNELS=0"
+            return False
+        try:
+            build_extension(self.name, self.source, self.subdir)
+            if self.ready is not None:
+                self.ready()
+            self.ok = True
+        except Exception as e:  # no compiler, no headers, a read-only cache: the torch path serves instead
+            self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            warnings.warn(f"mtpspec: {self.source} is not available ({self.error}); {self.fallback}", stacklevel=3)
+        return self.ok
+
+
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False, with a warning, if that fails."""
     if "ok" in _state:

@@ -9,31 +9,18 @@ contract holds through torch, one row at a time (slower).
 
 from __future__ import annotations
 
-import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from . import build_extension
+from . import Extension
 
-_state: dict[str, object] = {}
+_EXT = Extension("mtpspec_attention", "attention.cpp", "attention", "attention runs one row at a time through torch")
 
 
 def available() -> bool:
     """Build (or load the cached build of) attention.cpp once per process; False, with a warning, if that fails."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    _state["ok"] = False
-    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
-        return False
-    try:
-        build_extension("mtpspec_attention", "attention.cpp", "attention")
-        _state["ok"] = True
-    except Exception as e:  # no compiler: the torch loop below serves
-        warnings.warn(f"mtpspec: the row-invariant attention kernel is not available ({type(e).__name__}); "
-                      "attention runs one row at a time through torch", stacklevel=2)
-    return bool(_state["ok"])
+    return _EXT.available()
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, seq: Tensor, lo: Tensor, hi: Tensor, mask: Tensor | None = None,

@@ -20,10 +20,7 @@ F.linear on the dequantized weight (kept after the first call).
 
 from __future__ import annotations
 
-import os
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -32,7 +29,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from torch import Tensor
 
-from . import _cpu_tag, cache_dir
+from . import Extension
 from . import available as panel_kernel_available
 from . import pack as pack_panels
 from . import packed_linear, MAX_ROWS
@@ -42,35 +39,21 @@ FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)  # widened to fp32
 TYPES = BLOCK_TYPES + FLOAT_TYPES
 PANEL = 16  # outputs per panel of the "panels16" layout
 
-_state: dict[str, object] = {}
 _ops: dict[str, object] = {}  # the kernel's ops, looked up once
+
+
+def _ready() -> None:
+    torch.library.register_fake("mtpspec_gguf::linear")(lambda x, data, qtype, n: x.new_empty(x.shape[0], n))
+    _ops["linear"] = torch.ops.mtpspec_gguf.linear.default
+
+
+_EXT = Extension("mtpspec_gguf_blocks", "gguf_blocks.cpp", "gguf", "quantized linear layers run on dequantized weights "
+                 "with torch's F.linear (slower, more memory)", _ready)
 
 
 def available() -> bool:
     """Build (or load the cached build of) gguf_blocks.cpp once per process; False, with a warning, if that fails."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    _state["ok"] = False
-    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
-        _state["error"] = "turned off by MTPSPEC_KERNELS=0"
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        src = Path(__file__).with_name("gguf_blocks.cpp")
-        build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / "gguf"
-        build.mkdir(parents=True, exist_ok=True)
-        # -ffp-contract=off: no fused multiply-adds, so every instruction-set path rounds the same way
-        load(name="mtpspec_gguf_blocks", sources=[str(src)], build_directory=str(build), is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
-        torch.library.register_fake("mtpspec_gguf::linear")(lambda x, data, qtype, n: x.new_empty(x.shape[0], n))
-        _ops["linear"] = torch.ops.mtpspec_gguf.linear.default
-        _state["ok"] = True
-    except Exception as e:  # no compiler, no headers, a read-only cache: dequantize + F.linear serves instead
-        _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(f"mtpspec: the GGUF block kernel is not available ({_state['error']}); quantized linear layers "
-                      "run on dequantized weights with torch's F.linear (slower, more memory)", stacklevel=2)
-    return bool(_state["ok"])
+    return _EXT.available()
 
 
 def isa() -> str:
@@ -190,5 +173,5 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """What linear() multiplies a block type's weight by: x (M, K) float32 -> (q int8 (M, K), scale float32 (M, K/32)),
     x ~ q * scale per 32 inputs. Needs the block kernel."""
     if not available():
-        raise RuntimeError(f"quantize_activations: the GGUF block kernel is not available ({_state.get('error')})")
+        raise RuntimeError(f"quantize_activations: the GGUF block kernel is not available ({_EXT.error})")
     return torch.ops.mtpspec_gguf.quantize_activations(x.contiguous())

@@ -3,31 +3,18 @@ one-row call does (GGUF block weights, with their 8-bit activations), and whose 
 
 from __future__ import annotations
 
-import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from . import build_extension
+from . import Extension
 
-_state: dict[str, object] = {}
+_EXT = Extension("mtpspec_rownorm", "rownorm.cpp", "rownorm", "norms run on torch ops")
 
 
 def available() -> bool:
     """Build (or load the cached build of) rownorm.cpp once per process; False, with a warning, if that fails."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    _state["ok"] = False
-    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
-        return False
-    try:
-        build_extension("mtpspec_rownorm", "rownorm.cpp", "rownorm")
-        _state["ok"] = True
-    except Exception as e:  # no compiler: torch's ops serve (also per row)
-        warnings.warn(f"mtpspec: the RMSNorm row kernel is not available ({type(e).__name__}); norms run on torch ops",
-                      stacklevel=2)
-    return bool(_state["ok"])
+    return _EXT.available()
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
