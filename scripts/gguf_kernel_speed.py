@@ -167,7 +167,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not Q.available():
-        raise SystemExit(f"the GGUF block kernel is not available: {Q._state.get('error')}")
+        raise SystemExit(f"the GGUF block kernel is not available: {Q._EXT.error}")
     base = build_baseline(args.baseline) if args.baseline else None
     model_mode(args, base) if args.model else kernel_mode(args, base)
 

@@ -25,7 +25,7 @@ from mtpspec.kernels import quantized as Q
 
 pytestmark = pytest.mark.skipif(
     not Q.available() and os.environ.get("MTPSPEC_REQUIRE_KERNELS") != "1",
-    reason=f"the GGUF block kernel could not be built here: {Q._state.get('error')}",
+    reason=f"the GGUF block kernel could not be built here: {Q._EXT.error}",
 )
 
 U = 2.0**-24
