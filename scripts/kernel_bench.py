@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    assert kernels.available(), kernels._state.get("error")
+    assert kernels.available(), kernels._EXT.error
     print(f"{args.dtype}, {args.threads} thread(s), {args.mb:.0f} MB of weights per pass, median of {args.reps}")
     print("| N x K | rows | F.linear GB/s | kernel GB/s | F.linear us | kernel us | speedup |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -23,7 +23,7 @@ from mtpspec.models.common import Linear
 
 pytestmark = pytest.mark.skipif(
     not kernels.available() and os.environ.get("MTPSPEC_REQUIRE_KERNELS") != "1",
-    reason=f"the kernel could not be built here: {kernels._state.get('error')}",
+    reason=f"the kernel could not be built here: {kernels._EXT.error}",
 )
 
 U = 2.0**-24
@@ -167,7 +167,7 @@ def test_turned_off_every_product_is_f_linear():
         "from mtpspec import kernels\nfrom mtpspec.models.common import Linear\n"
         "lin = Linear(8, 4); x = torch.randn(2, 8)\n"
         "with torch.inference_mode(): y = lin(x)\n"
-        "assert not kernels.available() and 'MTPSPEC_KERNELS=0' in kernels._state['error']\n"
+        "assert not kernels.available() and 'MTPSPEC_KERNELS=0' in kernels._EXT.error\n"
         "assert torch.equal(y, F.linear(x, lin.weight, lin.bias)); print('ok')\n"
     )
     env = {**os.environ, "MTPSPEC_KERNELS": "0"}

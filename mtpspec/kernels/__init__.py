@@ -38,7 +38,7 @@ P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
 MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
 
-_state: dict[str, object] = {}  # "ok": bool once tried, "error": why not
+_state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs
 
 
 def cache_dir() -> Path:
@@ -58,16 +58,18 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def build_extension(name: str, source: str, subdir: str) -> None:
-    """Compile (or load the cached build of) the C++ file `source` beside this module as the torch extension `name`
-    (-O3 -march=native, OpenMP, no fused multiply-adds: the kernels' exactness arguments count roundings), kept under
-    cache_dir() in a folder for this CPU and torch version. Raises what the build raises."""
+EXACT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no fused multiply-adds: exactness counts roundings
+
+
+def build_extension(name: str, source: str, subdir: str, cflags: tuple[str, ...] = EXACT_CFLAGS) -> None:
+    """Compile (or load the cached build of) the C++ file `source` beside this module as the torch extension `name`,
+    kept under cache_dir() in a folder for this CPU and torch version (`subdir` below it). Raises what the build raises."""
     from torch.utils.cpp_extension import load
 
     build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / subdir
     build.mkdir(parents=True, exist_ok=True)
     load(name=name, sources=[str(Path(__file__).with_name(source))], build_directory=str(build), is_python_module=False,
-         verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+         verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
 
 
 class Extension:
@@ -75,8 +77,10 @@ class Extension:
     it loaded (with one warning naming what serves instead when it did not). `ready` runs once after a build (fake
     kernels for torch.compile, op lookups)."""
 
-    def __init__(self, name: str, source: str, subdir: str, fallback: str, ready=None) -> None:
+    def __init__(self, name: str, source: str, subdir: str, fallback: str, ready=None,
+                 cflags: tuple[str, ...] = EXACT_CFLAGS) -> None:
         self.name, self.source, self.subdir, self.fallback, self.ready = name, source, subdir, fallback, ready
+        self.cflags = cflags
         self.ok: bool | None = None
         self.error = ""
 
@@ -88,7 +92,7 @@ class Extension:
             self.error = "turned off by MTPSPEC_KERNELS=0"
             return False
         try:
-            build_extension(self.name, self.source, self.subdir)
+            build_extension(self.name, self.source, self.subdir, self.cflags)
             if self.ready is not None:
                 self.ready()
             self.ok = True
@@ -98,29 +102,18 @@ class Extension:
         return self.ok
 
 
+def _ready() -> None:
+    torch.library.register_fake("mtpspec::packed_linear")(_fake)
+
+
+# the panel kernel keeps the compiler's FMA contraction: its exactness is row-invariance, one FMA chain per output
+_EXT = Extension("mtpspec_small_linear", "small_linear.cpp", "", "linear layers run on torch's F.linear (slower decode steps)",
+                 _ready, cflags=("-O3", "-march=native", "-fopenmp"))
+
+
 def available() -> bool:
     """Build (or load the cached build of) the kernel once per process; False, with a warning, if that fails."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    _state["ok"] = False
-    if os.environ.get("MTPSPEC_KERNELS", "1") == "0":
-        _state["error"] = "turned off by MTPSPEC_KERNELS=0"
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        src = Path(__file__).with_name("small_linear.cpp")
-        build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}"
-        build.mkdir(parents=True, exist_ok=True)
-        load(name="mtpspec_small_linear", sources=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             build_directory=str(build), is_python_module=False, verbose=False)
-        torch.library.register_fake("mtpspec::packed_linear")(_fake)
-        _state["ok"] = True
-    except Exception as e:  # no compiler, no headers, a read-only cache: torch's F.linear serves instead
-        _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(f"mtpspec: the small-row matrix kernel is not available ({_state['error']}); "
-                      "linear layers run on torch's F.linear (slower decode steps)", stacklevel=2)
-    return bool(_state["ok"])
+    return _EXT.available()
 
 
 def _fake(x: Tensor, panels: Tensor, n: int, bias: Tensor | None, widen: bool = False) -> Tensor:
