@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..kernels import quantized
-from ..models.blocks import BlockEmbedding, BlockLinear
+from ..models.blocks import block_layer, tie_head
 from ..models.qwen35 import HybridConfig, HybridLM
 from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, GGUFTensor, natural_order
 
@@ -213,11 +213,7 @@ def load_gguf_hybrid(f: GGUFFile, dtype: torch.dtype = torch.float32, max_seq_le
         except (ValueError, ModelLoadError) as e:  # a type the block kernel or a vector slot cannot take
             raise f.error(f"tensor {p.gguf}: {e}") from None
     if cfg.tie_embeddings:
-        emb = model.model.embed_tokens
-        if isinstance(emb, BlockEmbedding):
-            model.lm_head = BlockLinear(emb.qweight)
-        else:
-            model.lm_head.weight = emb.weight
+        tie_head(model)
     model.reset_buffers()  # the rotary tables were built on the meta device
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:  # check_tensors matched the file to the plan: a parameter left here is a loader bug
@@ -244,10 +240,7 @@ def _place(model: HybridLM, p: Placement, t: GGUFTensor, dense: torch.dtype | No
         w = quantized.from_gguf(np.ascontiguousarray(raw), t.ggml_type, t.shape)
         parent_name, _, leaf = owner_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if isinstance(owner, nn.Embedding):
-            setattr(parent, leaf, BlockEmbedding(w))
-        else:
-            setattr(parent, leaf, BlockLinear(w))
+        setattr(parent, leaf, block_layer(owner, w))
         return
     values = _rows(_values(t), p.rows)  # (N, K) exact
     if p.cols is not None:

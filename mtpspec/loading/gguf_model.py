@@ -21,8 +21,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..kernels import quantized
-from ..models.blocks import BlockEmbedding, BlockLinear
-from ..models.common import Rotary
+from ..models.blocks import block_layer, tie_head
 from ..models.dense import DenseConfig, DenseLM
 from ..models.qwen35 import HybridLM
 from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, GGUFTensor, hf_tensor_names, llama_qk_rows, read_gguf
@@ -85,13 +84,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, max_se
             data = data.reshape(t.shape[0], -1)[llama_qk_rows(heads, c.head_dim)]  # back to the half-split rotary layout
         _place(model, hf, t, data, dtype if dequantize else None)
     if cfg.tie_embeddings:
-        if dequantize:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        else:
-            model.lm_head = BlockLinear(model.model.embed_tokens.qweight)
-    for m in model.modules():  # the rotary tables were built on the meta device
-        if isinstance(m, Rotary):
-            m.cos, m.sin = m.compute(torch.float32)
+        tie_head(model)
+    model.reset_buffers()  # the rotary tables were built on the meta device
     _release_freed_memory()  # the packing's temporary copies: returned to the system, not kept as free heap
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:  # hf_tensor_names checked the file against the config: a parameter left here is a loader bug
@@ -111,12 +105,10 @@ def _place(model: nn.Module, name: str, t: GGUFTensor, data: np.ndarray, dense: 
         old.weight = nn.Parameter(torch.from_numpy(np.array(w, dtype=np.float32)).to(dense), requires_grad=False)
         return
     if kind == "weight" and len(t.shape) == 2:
-        w = quantized.from_gguf(data, t.ggml_type, t.shape)
-        if isinstance(old, nn.Embedding):
-            setattr(parent, leaf, BlockEmbedding(w))
-        else:  # the layer's bias tensor may come before or after its weight: keep what was read, or its slot
-            bias = None if old.bias is None else old.bias.detach() if not old.bias.is_meta else torch.zeros(t.shape[0])
-            setattr(parent, leaf, BlockLinear(w, bias))
+        # a linear layer's bias tensor may come before or after its weight: keep what was read, or its slot
+        bias = getattr(old, "bias", None)
+        bias = None if bias is None else bias.detach() if not bias.is_meta else torch.zeros(t.shape[0])
+        setattr(parent, leaf, block_layer(old, quantized.from_gguf(data, t.ggml_type, t.shape), bias))
         return
     if t.qtype not in ("F32", "F16", "BF16"):
         raise ModelLoadError(f"tensor {name}: a {t.qtype} vector is not supported (norms and biases are F32 / F16 / BF16)")

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from ..errors import ModelLoadError
-from ..models.common import Rotary
 from ..models.dense import DenseConfig, DenseLM
 from ..models.qwen35 import LAYER_TYPES, HybridConfig, HybridLM
 
@@ -502,9 +501,7 @@ def build_empty(cfg, dtype: torch.dtype):
     with torch.device("meta"):
         model = cls(cfg).to(dtype)
     model = model.to_empty(device="cpu")
-    for m in model.modules():  # to_empty left the rotary tables uninitialised: computed again (fp32, as at construction)
-        if isinstance(m, Rotary):
-            m.cos, m.sin = m.compute(torch.float32)
+    model.reset_buffers()  # to_empty left the rotary tables uninitialised
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

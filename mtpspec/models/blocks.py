@@ -63,3 +63,17 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings} x {self.embedding_dim}, {self.qweight.qtype.name}"
+
+
+def block_layer(old: nn.Module, weight: QuantizedWeight, bias: Tensor | None = None) -> nn.Module:
+    """The block layer standing in for `old`: a BlockEmbedding for an embedding table, a BlockLinear otherwise."""
+    return BlockEmbedding(weight) if isinstance(old, nn.Embedding) else BlockLinear(weight, bias)
+
+
+def tie_head(model: nn.Module) -> None:
+    """The LM head reads the embedding table: the same QuantizedWeight for a block table, the same Parameter otherwise."""
+    emb = model.model.embed_tokens
+    if isinstance(emb, BlockEmbedding):
+        model.lm_head = BlockLinear(emb.qweight)
+    else:
+        model.lm_head.weight = emb.weight

@@ -31,6 +31,12 @@ class CausalLM(nn.Module):
     def embed(self, tokens: Tensor) -> Tensor:
         return self.model.embed_tokens(tokens)
 
+    def reset_buffers(self) -> None:
+        """Compute every rotary table again (non-persistent buffers: a model built on the meta device has none)."""
+        for m in self.modules():
+            if isinstance(m, Rotary):
+                m.cos, m.sin = m.compute(torch.float32)
+
     def shortcut(self, tokens: Tensor, cache, exact: bool):
         """The forward when it does not run the eager layers at once: exact mode's one-position forwards
         (by_position), or the compiled step (compiled.compile_model); else None. A token tree's

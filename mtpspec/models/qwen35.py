@@ -255,12 +255,6 @@ class HybridLM(CausalLM):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def reset_buffers(self) -> None:
-        """Recompute the non-persistent rotary tables (after building on the meta device)."""
-        c = self.config
-        fresh = Rotary(c.rot_dim, c.max_seq_len, c.rope_theta)
-        self.rotary.cos, self.rotary.sin = fresh.cos, fresh.sin
-
     def new_cache(self, max_len: int | None = None) -> HybridCache:
         c = self.config
         n_lin = sum(t == "linear_attention" for t in c.layer_types)
