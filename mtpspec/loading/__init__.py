@@ -115,13 +115,14 @@ def _refuse_foreign_file(path: Path) -> None:
 
 def _load_gguf(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool):
     """A GGUF file: the model with its matrices in their block types (fp32), and the tokenizer from its metadata."""
+    from .gguf import read_gguf
     from .gguf_model import load_gguf_model
     from .tokenizer_gguf import load_gguf_tokenizer
 
     if tokenizer:
         raise ModelLoadError(f"{path}: a GGUF file carries its tokenizer; drop --tokenizer")
-    model = load_gguf_model(path, dtype)
-    return model, (load_gguf_tokenizer(path) if with_tokenizer else None)
+    f = read_gguf(path)  # parsed once for the model and the tokenizer
+    return load_gguf_model(f, dtype), (load_gguf_tokenizer(f) if with_tokenizer else None)
 
 
 def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):

@@ -60,12 +60,12 @@ def dense_config(f: GGUFFile, c: GGUFConfig, max_seq_len: int | None = None, deq
     )
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
+def load_gguf_model(source: str | Path | GGUFFile, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                     dequantize: bool = False) -> DenseLM | HybridLM:
     """The model of a GGUF file (a DenseLM; a HybridLM for qwen35, loading/gguf_hybrid.py). fp32: the matrices stay in their block types (BlockLinear, the block kernel with
     8-bit activations: the quantized model, as llama.cpp runs it). dequantize=True, or fp64 / bf16: every matrix
     dequantized exactly into an ordinary layer of that dtype (the function transformers computes from the file)."""
-    f = read_gguf(path)
+    f = source if isinstance(source, GGUFFile) else read_gguf(source)
     dequantize = dequantize or dtype != torch.float32
     if f.architecture in HYBRID_ARCHS:  # qwen35 with its nextn MTP layer (qwen3next / qwen35moe refused there, by name)
         return load_gguf_hybrid(f, dtype, max_seq_len, dequantize)

@@ -30,12 +30,6 @@ class BlockLinear(nn.Module):
             y = y + self.bias
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
-    def wide(self, x: Tensor) -> Tensor:
-        """The logits of an LM head: fp32 (fp64 inputs stay fp64 through a dequantized product)."""
-        if x.dtype == torch.float64:
-            return x @ self.weight.double().T
-        return self.forward(x.float())
-
     @property
     def weight(self) -> Tensor:
         """The dequantized W (N, K) fp32, built on each read: for code that derives copies from a head's weight."""

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..kernels.attention import attend_rows
+from ..kernels.rownorm import rms_norm
 
 
 class CausalLM(nn.Module):
@@ -118,8 +120,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.row_kernel and x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
-            from ..kernels.rownorm import rms_norm
-
             return rms_norm(x, self.weight, self.eps, self.zero_centred)
         if x.dtype == self.weight.dtype == wide(x.dtype):  # fp32 or fp64: same arithmetic, no no-op casts
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (each cast is a dispatched op)
@@ -217,8 +217,6 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0,
 
     A tree row sees the committed keys and its ancestors, in index order: the keys, in the order, that the plain step
     at its position sees once its path is accepted (ancestors come before their descendants in a tree's layout)."""
-    from ..kernels.attention import attend_rows
-
     t = q.shape[2]
     mask = None
     if tree is not None:
@@ -229,9 +227,15 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0,
         hi, lo = start + torch.arange(t), torch.zeros(t, dtype=torch.long)
     else:
         hi = start + torch.arange(t)  # (T,) each row's own position: its last key
-        lo = (hi - window + 1).clamp(min=0) if window > 0 else torch.zeros(t, dtype=torch.long)
+        lo = first_keys(hi, window)
     out = attend_rows(q[0].transpose(0, 1), k, v, torch.zeros(t, dtype=torch.long), lo, hi, mask)  # (T, nh, hd)
     return out.transpose(0, 1)[None]  # (1, nh, T, hd)
+
+
+def first_keys(pos: Tensor, window: int) -> Tensor:
+    """The oldest key each query at positions `pos` sees: pos - window + 1 with a sliding window (transformers'
+    sliding_window), else 0."""
+    return (pos - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(pos)
 
 
 SHORT_ATTENTION = 64  # query rows up to which bf16 attention is computed by _attention_fp32 (a decode or verify window)

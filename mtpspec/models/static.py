@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
-from .common import Linear, SwiGLU, wide
+from ..kernels.attention import attend_rows
+from .common import Linear, SwiGLU, first_keys, wide
 from .gated_deltanet import CHUNK, _l2norm, causal_conv, window_delta_rule
 
 
@@ -115,12 +116,10 @@ def _attend(q: Tensor, k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: 
         k_buf[rows, :, pos] = k.transpose(1, 2)  # advanced indices first: (B, T, nkv, hd)
         v_buf[rows, :, pos] = v.transpose(1, 2)
     if by_row:
-        from ..kernels.attention import attend_rows
-
         b, nh, t, hd = q.shape
         hi = pos.reshape(-1)  # (B T,) each row's own position: its last key
-        lo = (hi - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(hi)
-        out = attend_rows(q.transpose(1, 2).reshape(b * t, nh, hd), k_buf, v_buf, torch.arange(b).repeat_interleave(t), lo, hi)
+        out = attend_rows(q.transpose(1, 2).reshape(b * t, nh, hd), k_buf, v_buf, torch.arange(b).repeat_interleave(t),
+                          first_keys(hi, window), hi)
         return out.view(b, t, nh, hd).transpose(1, 2)
     keys = torch.arange(k_buf.shape[2])  # (S,)
     mask = keys <= pos[:, None, :, None]  # (B, 1, T, S) causal over the whole buffer: later slots are masked out
