@@ -7,7 +7,7 @@ views of one row (its slot) of a buffer (L, slots, n_kv, max_len + 1, hd), so th
 sequences as one tensor, without copying, when they hold slots 0..B-1; the engine keeps them there (a leaving
 sequence's slot is taken by the one in the last slot).
 
-The batched pass runs the static forward (models/static.py) over a (B, W) grid, W = the widest sequence's 1 + D_i,
+The batched pass runs the model's one forward (models/forward.py) over a (B, W) grid, W = the widest sequence's 1 + D_i,
 shorter sequences padded after their real rows. Only attention and the Gated DeltaNet recurrence run on the grid;
 projections, MLPs and the LM head run on the real rows alone. Padded rows touch nothing a sequence keeps (their keys
 go past its length, their states past its last slot; position max_len, one past the context, takes those that would
@@ -16,12 +16,15 @@ not fit).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from .cache import KVCache
-from .models.hybrid_cache import HybridCache, Window
-from .models.static import dense_forward, hybrid_forward
+from .models.batch import ForwardBatch
+from .models.forward import dense_forward, hybrid_forward, record
+from .models.hybrid_cache import HybridCache
 from .types import TargetOutput
 
 
@@ -78,34 +81,23 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -
     Returns one TargetOutput per sequence (T_b rows each); each cache ends T_b positions further, with
     the per-position slots of its recurrent state kept for rollback, as after forward_tokens.
     """
-    b_n, width = len(tokens), max(t.shape[0] for t in tokens)
     lens = [t.shape[0] for t in tokens]
-    starts = [c.length for c in caches]
-    scratch = storage.max_len  # the buffer's last position: never a real one
-    toks = torch.zeros(b_n, width, dtype=torch.long)  # (B, W)
-    pos = torch.empty(b_n, width, dtype=torch.long)  # (B, W)
-    for b, (t, s) in enumerate(zip(tokens, starts)):
+    fb = ForwardBatch.many([c.length for c in caches], lens, storage.max_len)  # padding rows: the scratch position
+    toks = torch.zeros(fb.b, fb.w, dtype=torch.long)  # (B, W)
+    for b, t in enumerate(tokens):
         toks[b, : lens[b]] = t
-        pos[b] = torch.arange(s, s + width).clamp(max=scratch)  # padded rows continue past the real ones
-    used = min(int(pos.max()) + 1, scratch + 1)  # keys no query can see are not read
-    k_bufs, v_bufs = storage.k[:, :b_n, :, :used], storage.v[:, :b_n, :, :used]  # (L, B, n_kv, S, hd) views
-    real = torch.cat([torch.arange(b * width, b * width + lens[b]) for b in range(b_n)])  # (N,) rows that are not padding
+    used = min(int(fb.pos.max()) + 1, storage.max_len + 1)  # keys no query can see are not read
+    k_bufs, v_bufs = storage.k[:, : fb.b, :, :used], storage.v[:, : fb.b, :, :used]  # (L, B, n_kv, S, hd) views
+    fb = replace(fb, logits=False)  # the head runs once below, over the real rows
     if isinstance(caches[0], HybridCache):
         n = range(caches[0].n_linear)
         convs = [stack_rows([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
         states = [stack_rows([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv) (read, never written)
-        _, hid, pre, hists, slots = hybrid_forward(target, toks, pos, k_bufs, v_bufs, convs, states, head=False, rows=real, chunk=True)
+        _, hid, pre, hists, recs = hybrid_forward(target, toks, fb, k_bufs, v_bufs, convs, states)
         for b, c in enumerate(caches):
-            t = lens[b]
-            for i in n:
-                if isinstance(slots[i], tuple):  # one exact chunk: the slot after any position is rebuilt from it
-                    gc, k, u = (x[b : b + 1, :, :t] for x in slots[i])
-                    window = Window(gc, k, u)
-                else:  # position by position: the states themselves
-                    window = Window(states=list(slots[i][:t, b : b + 1].unbind(0)))
-                c.record_window(i, hists[i][b : b + 1], [window], None)
+            record(c, hists, recs, b, lens[b])
     else:
-        _, hid, pre = dense_forward(target, toks, pos, k_bufs, v_bufs, head=False, rows=real)  # (N, H) each
+        _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs)  # (N, H) each
     for b, c in enumerate(caches):
         c.advance(lens[b])
     logits = target.head(hid)  # (N, V)

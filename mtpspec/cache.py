@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import ConfigError
 
 
 class KVCache:
@@ -30,23 +29,15 @@ class KVCache:
         self.length = 0  # committed positions
 
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
-    prefill = False  # set by the engine before a prompt prefill (no rollback inside it); reset by advance()
-    tree = None  # a TreeLayout while a forward verifies a token tree (tree.py): its attention mask and positions
     index = None  # sparse attention's indexer keys (models/sparse_attention.IndexKeys), position-indexed like k / v
     sparse = None  # sparse attention's selection state (SparseState: recompute, or reuse one row's blocks), or None
 
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, n_kv, T, hd) at [start, start + T); return views over [0, start + T)."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ConfigError(f"context full: {end} positions exceed the model's context of {self.max_len}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def buffers(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s key and value buffers (B, n_kv, max_len, hd), written by the forward at its rows' positions."""
+        return self.k[layer], self.v[layer]
 
     def advance(self, t: int) -> None:
         self.length += t
-        self.prefill = False
 
     def keep(self, start: int, rows: list[int]) -> None:
         """After a tree forward from `start`: its entries at `rows` (the root and the accepted path) moved to

@@ -134,11 +134,11 @@ class Sequence:
         """The next `chunk` prompt positions into the cache; the drafter is told when the prompt is in."""
         end = min(self.prefilled + chunk, len(self.prompt) - 1)
         if end > self.prefilled:
-            self.cache.prefill = True  # nothing is cropped inside a prefill: a hybrid keeps its final state only
             # the LM head over the prompt's rows only for a drafter that reads them (with a large vocabulary, a long
             # prompt's logits are gigabytes and teraflops that nothing would use)
+            # nothing is cropped inside a prefill: a hybrid keeps its final state only
             self.prefill_outs.append(target.forward_tokens(self.context[self.prefilled : end], self.cache, exact,
-                                                           logits=self.drafter.prefill_logits))
+                                                           logits=self.drafter.prefill_logits, prefill=True))
             self.prefilled = end
         if self.prefilled >= len(self.prompt) - 1:
             outs = self.prefill_outs

@@ -237,16 +237,9 @@ def forward_tree(target, tokens: Tensor, parents: Tensor, cache, logits: bool = 
     """The target's forward over a tree draft's verify window: tokens (T,) = [last, nodes], the nodes' parents (N,).
     logits=False: the LM head left out (verify_tree_lazily runs it at the rows it reaches)."""
     layout = TreeLayout.of(parents)
-    kv = getattr(cache, "kv", None)  # a hybrid cache's attention layers read their own KV cache
-    cache.tree = layout
-    if kv is not None:
-        kv.tree = layout
     try:
-        return target.forward_tokens(tokens, cache, logits=logits)
+        return target.forward_tokens(tokens, cache, logits=logits, tree=layout)
     finally:
-        cache.tree = None
-        if kv is not None:
-            kv.tree = None
         layout.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
 
 

@@ -74,8 +74,7 @@ def main() -> None:
 
             compile_model(ours, max_width=max(ks))
         our_cache = ours.new_cache()
-        our_cache.prefill = True  # as the engine's prefill: final state only
-        ours.forward_tokens(prompt, our_cache)
+        ours.forward_tokens(prompt, our_cache, prefill=True)  # as the engine's prefill: final state only
         our_cache.exact = args.exact
         hf_cache = DynamicCache(config=hf_cfg)
         ref(prompt[None], cache=hf_cache, use_cache=True)

@@ -12,8 +12,7 @@ def logits_in_passes(module, ids: torch.Tensor, p0: int, chunk: int) -> torch.Te
     chunk = 1 is plain decoding; every position's logits row, in order, (len(ids) - p0, V).
     """
     cache = module.new_cache()
-    cache.prefill = True
-    module.forward_tokens(ids[:p0], cache, exact=True)
+    module.forward_tokens(ids[:p0], cache, exact=True, prefill=True)
     rows, j = [], p0
     while j < len(ids):
         out = module.forward_tokens(ids[j : j + chunk], cache, exact=True)

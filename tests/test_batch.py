@@ -108,7 +108,7 @@ def test_folded_batched_mtp_drafts_each_sequence_as_alone(demo, monkeypatch, tem
     attention on the sequence's own cache): per sequence the same drafts, q and MTP cache as its own propose(), from
     catch-ups of different lengths and to different depths. The module's own ops (the path it replaced) are not run."""
     from mtpspec.drafters.mtp import MTPDrafter
-    from mtpspec.models import static
+    from mtpspec.models import forward
 
     m = demo.module
     texts = ("def add(a, b):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):")
@@ -131,8 +131,8 @@ def test_folded_batched_mtp_drafts_each_sequence_as_alone(demo, monkeypatch, tem
     def refuse(*args, **kwargs):
         raise AssertionError("the batch ran the module's own ops")
 
-    monkeypatch.setattr(static, "draft_module_forward", refuse)
-    monkeypatch.setattr("mtpspec.drafters.mtp.draft_module_forward", refuse)
+    monkeypatch.setattr(forward, "module_forward", refuse)
+    monkeypatch.setattr("mtpspec.drafters.mtp.module_forward", refuse)
     batch = ready()
     got = MTPDrafter.propose_batch(batch, contexts, ks)
     for a, b, x, y in zip(want, got, alone, batch):

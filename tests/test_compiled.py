@@ -1,4 +1,4 @@
-"""The compiled decode step (mtpspec/models/compiled.py): the static-shape forward is the model's forward, and
+"""The compiled decode step (mtpspec/models/compiled.py): the graph entries run the model's one forward, and
 generation through it gives plain greedy's tokens.
 
 - The static functions are checked in fp64, run as plain eager code: logits, hidden states and every
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import mtpspec
-from mtpspec.models.compiled import CompiledStep, check_compilable, compile_model, dense_forward, hybrid_forward
+from mtpspec.models.compiled import CompiledStep, check_compilable, compile_model, dense_graph, hybrid_graph
 from mtpspec.errors import ConfigError
 from mtpspec.models.dense import DenseConfig, DenseLM
 from mtpspec.models.qwen35 import HybridConfig, HybridLM
@@ -54,7 +54,7 @@ def _static_step(model, tokens, cache, window_form: bool = False):
     from mtpspec.models.compiled import CompileStats, fuse_projections
 
     fuse_projections(model)
-    step.stats, step.fn = CompileStats(), (hybrid_forward if step.hybrid else dense_forward)
+    step.stats, step.fn = CompileStats(), (hybrid_graph if step.hybrid else dense_graph)
     step.run = lambda t, length, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
     return step(tokens, cache)
 
@@ -79,8 +79,7 @@ def test_static_forward_is_the_model_forward_fp64(kind):
             runs = []
             for static in (False, True):
                 c = model.new_cache()
-                c.prefill = True
-                model.forward_tokens(prompt, c)
+                model.forward_tokens(prompt, c, prefill=True)
                 out = _static_step(model, window, c, kind == "hybrid-chunk") if static else model.forward_tokens(window, c)
                 c.crop(20 + keep)
                 runs.append((out, model.forward_tokens(window[:1], c).logits))
@@ -160,7 +159,7 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
         (out_c, drafts_c), (out_s, drafts_s) = run(True, k), run(False, k)
         assert out_c == out_s == ref and drafts_c == drafts_s, k
         assert any(key[3:5] == ("chain", k) for key in step.built), k
-    assert all(g.__code__.co_name.startswith(("draft_chain_forward", "draft_module_forward")) for g in step.graphs.values())
+    assert all(g.__code__.co_name.startswith(("draft_chain_graph", "module_graph")) for g in step.graphs.values())
     assert _direct(lambda: None) is None  # a function dynamo never compiled: no entry, the guarded call serves
 
 
@@ -233,8 +232,7 @@ def test_inductor_demo_greedy_identity_and_logits():
     ref = {r: model.generate(ids, drafter=r[0], k=r[1], max_new_tokens=32).tokens for r in runs}
     with torch.inference_mode():
         c = model.module.new_cache()
-        c.prefill = True
-        model.module.forward_tokens(torch.tensor(ids[:-1]), c)
+        model.module.forward_tokens(torch.tensor(ids[:-1]), c, prefill=True)
         tok, eager_logits = torch.tensor(ids[-1:]), []
         for _ in range(24):
             lg = model.module.forward_tokens(tok, c).logits
@@ -245,8 +243,7 @@ def test_inductor_demo_greedy_identity_and_logits():
         assert model.generate(ids, drafter=r[0], k=r[1], max_new_tokens=32).tokens == ref[r], r
     with torch.inference_mode():
         c = model.module.new_cache()
-        c.prefill = True
-        model.module.forward_tokens(torch.tensor(ids[:-1]), c)
+        model.module.forward_tokens(torch.tensor(ids[:-1]), c, prefill=True)
         tok = torch.tensor(ids[-1:])
         for want in eager_logits:
             lg = model.module.forward_tokens(tok, c).logits

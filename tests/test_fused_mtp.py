@@ -10,6 +10,8 @@ import torch
 
 import mtpspec
 from mtpspec.drafters import make_drafter
+from mtpspec.models.batch import ForwardBatch
+from mtpspec.models.forward import module_forward
 from mtpspec.models.fused_mtp import fused_mtp
 from mtpspec.models.qwen35 import HybridLM
 from test_heads import CFG as HEAD_TARGET_CFG
@@ -50,7 +52,8 @@ def _compare(module, new_cache, hidden_size: int, vocab: int, embed, windows=(20
         for t in windows:  # a prompt-long window (SDPA), then short ones (matmuls)
             h = torch.randn(t, hidden_size, generator=g).to(dtype)
             e = embed(torch.randint(0, vocab, (t,), generator=g))
-            want = module(h, e, ref_cache, ref_cache.length)
+            k_buf, v_buf = ref_cache.buffers(module.layers[0].self_attn.kv_index)
+            want = module_forward(module, h[None], e[None], k_buf, v_buf, ForwardBatch.one(ref_cache.length, t), 0, ref_cache)[0]
             got = fused(h, e, fused_cache, fused_cache.length)
             ref_cache.advance(t)
             fused_cache.advance(t)

@@ -17,7 +17,8 @@ from mtpspec.errors import ModelLoadError
 from mtpspec.hf_reference import float32_ops, hf_fp64_copy
 from mtpspec.loading import load_checkpoint
 from mtpspec.loading.hf import config_from_hf
-from mtpspec.models.common import causal_attention, scale_inv_freq
+from mtpspec.models.attention import attend, scale_inv_freq
+from mtpspec.models.batch import ForwardBatch
 from qwen35_tiny import EXTRA_KINDS, copy_ckpt, edit_config, save_hf
 
 # -- the maths, in float64 / bit for bit ---------------------------------------------------------
@@ -37,13 +38,17 @@ def _reference_attention(q, k, v, start, window):
 
 @pytest.mark.parametrize("window", [0, 1, 3, 8, 100])
 @pytest.mark.parametrize("start,t", [(0, 1), (0, 12), (5, 1), (5, 7), (20, 1), (20, 9)])
-def test_sliding_window_attention_float64(window, start, t):
+@pytest.mark.parametrize("tensors", [False, True])
+def test_sliding_window_attention_float64(window, start, t, tensors):
+    """attention.attend with the rows at consecutive positions (eager) and with positions as tensors only (batches,
+    compiled graphs: the whole buffer under a mask) against the definition."""
     g = torch.Generator().manual_seed(start * 100 + t)
     q = torch.randn(1, 4, t, 8, generator=g, dtype=torch.float64)
     k = torch.randn(1, 2, start + t, 8, generator=g, dtype=torch.float64)
     v = torch.randn(1, 2, start + t, 8, generator=g, dtype=torch.float64)
     want = _reference_attention(q, k, v, start, window)
-    got = causal_attention(q, k, v, start, window)
+    fb = ForwardBatch(torch.arange(start, start + t)[None]) if tensors else ForwardBatch.one(start, t)
+    got = attend(q, k, v, fb, window)
     # float64: the same sums in another order differ by a few ulps of values of size ~1
     assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
 
@@ -60,8 +65,7 @@ def test_exact_rows_equal_one_token_steps_with_a_window():
     ids = torch.randint(0, 64, (26,), generator=torch.Generator().manual_seed(1))
     a, b = m.new_cache(), m.new_cache()
     for c in (a, b):
-        c.prefill = True
-        m.forward_tokens(ids[:20], c)
+        m.forward_tokens(ids[:20], c, prefill=True)
     rows = m.forward_tokens(ids[20:], a, exact=True).logits  # (6, V)
     steps = torch.cat([m.forward_tokens(ids[20 + i : 21 + i], b).logits for i in range(6)])
     assert torch.equal(rows, steps)

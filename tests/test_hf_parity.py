@@ -86,10 +86,9 @@ def test_fp64_logits_equal_transformers(ckpt, fp64):
     ref64, ours64 = fp64
     assert ours64.dtype == torch.float64
     cache, hf_cache = ours64.new_cache(), None
-    cache.prefill = True  # the first step is a prompt prefill (chunked form)
-    for ids in _steps(ours64.vocab_size):
+    for i, ids in enumerate(_steps(ours64.vocab_size)):
         want, hf_cache = _hf_step(ref64, ids, hf_cache)
-        got = ours64.forward_tokens(ids, cache).logits
+        got = ours64.forward_tokens(ids, cache, prefill=i == 0).logits  # the first step is a prompt prefill (chunked form)
         assert want.dtype == got.dtype == torch.float64
         rel = ((got - want).abs().max() / want.abs().max()).item()
         assert rel < FP64_REL, f"{kind}: window of {len(ids)} differs by {rel:.1e} of the logits' scale"
@@ -170,10 +169,8 @@ def test_fp32_logits_within_fp32_rounding_of_the_truth(ckpt, fp64):
     _, ours64 = fp64
     models = [ours, ours64, _perturbed(ours64, 1), _perturbed(ours64, 2)]
     caches = [m.new_cache() for m in models]
-    for c in caches:
-        c.prefill = True  # the first step is a prompt prefill (chunked form)
-    for ids in _steps(ours.vocab_size):
-        got, want, *moved = (m.forward_tokens(ids, c).logits for m, c in zip(models, caches))
+    for i, ids in enumerate(_steps(ours.vocab_size)):  # the first step is a prompt prefill (chunked form)
+        got, want, *moved = (m.forward_tokens(ids, c, prefill=i == 0).logits for m, c in zip(models, caches))
         assert got.dtype == torch.float32
         unit = EPS32 * want.abs().max()
         err = ((got.double() - want).abs().max() / unit).item()

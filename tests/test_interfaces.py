@@ -100,8 +100,7 @@ def test_forward_tokens_without_logits_keeps_the_hidden_states(kind):
                                                                 num_kv_heads=2, intermediate_size=48, max_seq_len=64)).eval()
     toks = torch.tensor(PROMPT)
     a, b = m.new_cache(), m.new_cache()
-    a.prefill = b.prefill = True
-    full, bare = m.forward_tokens(toks, a), m.forward_tokens(toks, b, logits=False)
+    full, bare = m.forward_tokens(toks, a, prefill=True), m.forward_tokens(toks, b, logits=False, prefill=True)
     assert bare.logits is None and torch.equal(bare.hidden, full.hidden) and a.length == b.length == len(PROMPT)
     with torch.inference_mode():
         assert torch.equal(m.head(bare.hidden), full.logits)

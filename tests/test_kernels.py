@@ -177,16 +177,18 @@ def test_turned_off_every_product_is_f_linear():
 
 @pytest.mark.parametrize("t, start, window", [(1, 20, 0), (4, 20, 0), (3, 10, 5), (2, 0, 0)])
 def test_bf16_attention_in_fp32_matches_sdpa_within_one_rounding(t, start, window):
-    """models.common.causal_attention computes bf16 windows as three fp32 products (torch's bf16 SDPA on CPU was
+    """models.attention.attend computes bf16 windows as three fp32 products (torch's bf16 SDPA on CPU was
     8x slower); against SDPA in fp64 on the same bf16 inputs it differs by the output's bf16 rounding (2^-8
     relative to the largest output, with room for fp32 accumulation over 64 dims)."""
-    from mtpspec.models.common import causal_attention
+    from mtpspec.models.attention import attend
+    from mtpspec.models.batch import ForwardBatch
 
     g = torch.Generator().manual_seed(t * 100 + start)
     q = torch.randn(2, 8, t, 64, generator=g).bfloat16()
     k, v = (torch.randn(2, 2, start + t, 64, generator=g).bfloat16() for _ in range(2))
-    got = causal_attention(q, k, v, start, window)
-    ref = causal_attention(q.double(), k.double(), v.double(), start, window)  # fp64: SDPA's own path
+    fb = ForwardBatch.one(start, t)
+    got = attend(q, k, v, fb, window)
+    ref = attend(q.double(), k.double(), v.double(), fb, window)  # fp64: SDPA's own path
     assert got.dtype == torch.bfloat16 and got.shape == (2, 8, t, 64)
     assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5).all()
 

@@ -47,8 +47,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _prefilled(model, tokens: torch.Tensor):
     cache = model.new_cache()
-    cache.prefill = True  # chunked, final state only: an independent reference for the window paths
-    out = model.forward_tokens(tokens, cache)
+    out = model.forward_tokens(tokens, cache, prefill=True)  # chunked, final state only: an independent reference for the window paths
     return cache, out
 
 

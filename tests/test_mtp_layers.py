@@ -15,7 +15,7 @@ from mtpspec.engine import generate_tokens
 from mtpspec.errors import ConfigError, ModelLoadError
 from mtpspec.models.qwen35 import HybridConfig, HybridLM
 from mtpspec.sampling import Sampler, SamplingParams
-from mtpspec.train.pretrain import TrainCache, mtp_hiddens
+from mtpspec.train.pretrain import mtp_hiddens
 from mtpspec.types import Verdict
 from qwen35_tiny import randomize, write_tokenizer
 
@@ -46,7 +46,7 @@ def reference(m: HybridLM, seq: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """From scratch over the whole sequence (context + drafts): [h^k (T-k, H) for k = 1..depth]."""
     with torch.inference_mode():
         h = m.forward_tokens(seq, m.new_cache()).hidden  # (T, H) the target's hiddens, fresh cache
-        return [x[0] for x in mtp_hiddens(m.mtp, m.embed, h[None], seq[None], depth, TrainCache(m.config))]
+        return [x[0] for x in mtp_hiddens(m.mtp, m.embed, h[None], seq[None], depth)]
 
 
 # (D, accepted) per round: 0 accepted, all accepted, partial, depths growing and shrinking, a plain step (D = 0)

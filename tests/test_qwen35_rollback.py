@@ -93,8 +93,7 @@ def test_crop_to_the_start_of_the_last_forward(model):
 
 def test_crop_beyond_saved_slots_raises(model):
     cache = model.new_cache()
-    cache.prefill = True  # a prompt prefill: chunked, only the final state is kept
-    model.forward_tokens(torch.arange(30), cache)
+    model.forward_tokens(torch.arange(30), cache, prefill=True)  # a prompt prefill: chunked, only the final state is kept
     with pytest.raises(ValueError, match="kept only its final state"):
         cache.crop(25)
     model.forward_tokens(torch.arange(4), cache)

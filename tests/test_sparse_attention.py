@@ -81,7 +81,7 @@ def test_sparse_is_one_function_for_prefill_steps_verify_and_training():
     assert (verify - steps).abs().max() <= 1e-11 * scale(steps)
     f32 = build(FEW, FEW, torch.float32)
     with torch.no_grad():
-        h = hybrid_hidden(f32, toks[None])[0]  # TrainCache: window_sparse_attention
+        h = hybrid_hidden(f32, toks[None])[0]  # training windows: window_sparse_attention
     out = f32.forward_tokens(toks, f32.new_cache())
     assert (h - out.hidden).abs().max() <= 1e-5 * scale(out.hidden)  # fp32: the same ops on the same shapes
     dense = build(None, None)

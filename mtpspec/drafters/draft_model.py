@@ -56,10 +56,10 @@ class DraftModelDrafter:
         if k < 1:
             return Draft.empty()
         sampler = self.sampler
-        if self.cache is None:
+        prompt = self.cache is None  # the prompt: never cropped into (a hybrid keeps its final state only)
+        if prompt:
             self.cache = self.model.new_cache()
-            self.cache.prefill = True  # the prompt: never cropped into (a hybrid keeps its final state only)
-        logits = self.model.forward_tokens(context[self.fed :], self.cache).logits[-1]  # (V,)
+        logits = self.model.forward_tokens(context[self.fed :], self.cache, prefill=prompt).logits[-1]  # (V,)
         self.fed = len(context)
         budget = tree_budget(self.tree, self.sizer)
         if budget is not None:
@@ -93,11 +93,7 @@ class DraftModelDrafter:
             return top_guesses(lg, branch) if self.sampler.params.greedy else self.sampler.probs(lg).log().topk(branch, dim=-1)
 
         def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
-            self.cache.tree = grown.rows_for(nodes)
-            try:
-                out = self.model.forward_tokens(torch.tensor([grown.tokens[n] for n in nodes]), self.cache)
-            finally:
-                self.cache.tree = None
+            out = self.model.forward_tokens(torch.tensor([grown.tokens[n] for n in nodes]), self.cache, tree=grown.rows_for(nodes))
             return top(out.logits)
 
         branch = tree_branch(self.tree_beam)

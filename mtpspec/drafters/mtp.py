@@ -37,7 +37,8 @@ from ..errors import ConfigError
 from ..models.compiled import compiled_draft_step
 from ..models.draft_vocab import make_draft_head
 from ..models.fused_mtp import fused_mtp
-from ..models.static import draft_module_forward, greedy_draft
+from ..models.batch import ForwardBatch
+from ..models.forward import greedy_draft, module_forward
 from ..sampling import Sampler
 from ..tree import (GrowingTree, RankAcceptance, TreeChoice, check_tree_beam, check_tree_budget, grow, keep_best, observe_step,
                     shared_sizer, top_guesses, tree_branch, tree_budget)
@@ -218,7 +219,7 @@ class MTPDrafter:
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        if all(d.fused is drafters[0].fused is not None and d.compiled is None and d.cache.tree is None for d in drafters):
+        if all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters):
             return cls._propose_folded(drafters, ks)
         b_n = len(drafters)
         lens = [d.cache.length for d in drafters]  # (B,) MTP entries each
@@ -237,7 +238,8 @@ class MTPDrafter:
         pos = (torch.tensor(lens)[:, None] + torch.arange(width)).clamp(max=scratch)  # (B, W) padded rows after the real ones
         target = drafters[0].target
         real = torch.cat([torch.arange(i * width, i * width + p) for i, p in enumerate(pend)])  # (N,) rows that are pairs
-        out = draft_module_forward(module, hid, target.embed(toks), k_buf, v_buf, pos, 0, rows=real)  # (B, W, H)
+        kv = [block.self_attn.kv_index for block in module.layers]  # each layer's KV buffer
+        out = module_forward(module, hid, target.embed(toks), k_buf[kv[0]], v_buf[kv[0]], ForwardBatch(pos, real), 0)  # (B, W, H)
         h = out[torch.arange(b_n), torch.tensor(pend) - 1]  # (B, H) at each sequence's last real pair
         tokens: list[list[Tensor]] = [[] for _ in drafters]
         qs: list[list[Tensor]] = [[] for _ in drafters]
@@ -253,8 +255,9 @@ class MTPDrafter:
             last = torch.stack([t[min(j, len(t) - 1)] for t in tokens])  # (B,) the token each row drafted last
             pos = torch.tensor([e + j if j + 1 < k else scratch for e, k in zip(end, ks)])[:, None]  # (B, 1)
             going = torch.tensor([i for i, k in enumerate(ks) if j + 1 < k])  # (N,) sequences drafting another token
-            h = draft_module_forward(module, h[:, None], target.embed(last[:, None]), k_buf, v_buf, pos, (j + 1) % drafters[0].n_layers,
-                                     rows=going)[:, 0]
+            layer = (j + 1) % drafters[0].n_layers
+            h = module_forward(module, h[:, None], target.embed(last[:, None]), k_buf[kv[layer]], v_buf[kv[layer]],
+                               ForwardBatch(pos, going), layer)[:, 0]
         drafts = []
         for i, d in enumerate(drafters):
             new_end = end[i] + ks[i] - 1  # the catch-up pairs + the chained steps' entries
@@ -322,11 +325,7 @@ class MTPDrafter:
         def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
             parent_h = torch.stack([h[0] if grown.parents[n] < 0 else hid[grown.parents[n]] for n in nodes])  # (n, H)
             toks = torch.tensor([grown.tokens[n] for n in nodes], dtype=torch.long)
-            self.cache.tree = grown.rows_for(nodes)
-            try:
-                out = self._mtp(parent_h, toks, grown.depth[nodes[0]] % self.n_layers)  # (n, H)
-            finally:
-                self.cache.tree = None
+            out = self._mtp(parent_h, toks, grown.depth[nodes[0]] % self.n_layers, grown.rows_for(nodes))  # (n, H)
             for n, o in zip(nodes, out):
                 hid[n] = o
             return self._top(out, branch)
@@ -356,13 +355,14 @@ class MTPDrafter:
         logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
         return self.sampler.probs(logits).log().topk(branch, dim=-1)
 
-    def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int) -> Tensor:
-        """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions -> (T, H); advances the cache."""
-        if self.compiled is not None and self.cache.tree is None and self.compiled.handles(tokens.shape[0], self.cache):
+    def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int, tree=None) -> Tensor:
+        """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions (a token tree's rows: `tree`) -> (T, H);
+        advances the cache."""
+        if self.compiled is not None and tree is None and self.compiled.handles(tokens.shape[0], self.cache):
             return self.compiled(hidden, self.target.embed(tokens), self.cache, layer)
         if self.fused is None:
-            return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer)
-        out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer)
+            return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer, tree=tree)
+        out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer, tree)
         self.cache.advance(tokens.shape[0])
         return out
 
@@ -404,8 +404,8 @@ class DepthCache(KVCache):
         c = target.config
         super().__init__(1, c.num_kv_heads, c.head_dim, c.max_seq_len, target.dtype)
 
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return super().write(0, start, k, v)
+    def buffers(self, layer: int) -> tuple[Tensor, Tensor]:
+        return super().buffers(0)
 
 
 class DepthChain:

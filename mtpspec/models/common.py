@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from ..kernels.attention import attend_rows
 from ..kernels.rownorm import rms_norm
+from .attention import scale_inv_freq
 
 
 class CausalLM(nn.Module):
     """What every target and draft model shares: `config` (with max_seq_len, vocab_size), `model.embed_tokens`,
-    `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput."""
+    `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput (forward.run)."""
 
     @property
     def max_seq_len(self) -> int:
@@ -38,19 +36,6 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Rotary):
                 m.cos, m.sin = m.compute(torch.float32)
-
-    def shortcut(self, tokens: Tensor, cache, exact: bool):
-        """The forward when it does not run the eager layers at once: exact mode's one-position forwards
-        (by_position), or the compiled step (compiled.compile_model); else None. A token tree's
-        verify window (cache.tree) always runs the eager layers."""
-        if getattr(cache, "tree", None) is not None:
-            return None
-        if exact and tokens.shape[0] > 1 and not cache.prefill:
-            return by_position(self, tokens, cache)
-        step = self.__dict__.get("compiled_step")
-        if step is not None and step.handles(tokens.shape[0], cache):
-            return step(tokens, cache)
-        return None
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits in at least fp32: fp32 for fp32 / bf16 models (a bf16 model's logits are bf16 values), fp64 for fp64 ones."""
@@ -82,30 +67,6 @@ class Linear(nn.Linear):
 def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: at least fp32 (bf16 / fp16 -> fp32), the input's own when wider (fp64)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def by_position(model, tokens: Tensor, cache) -> "TargetOutput":
-    """model.forward_tokens over tokens (T,) as T one-position forwards: exact mode's verify pass.
-
-    Each position is then computed by exactly the code and shapes of a plain decode step, so its logits
-    are bitwise the same whatever else shares the pass (other positions, other sequences). A pass over
-    T rows cannot promise that on CPU: GEMM kernels choose their blocking, and so each dot product's
-    order of summation, by the number of rows (fp32 `F.linear(x)[i]` differs from `F.linear(x[i:i+1])`
-    in the last bits for most row counts here), and vectorised elementwise kernels (SiLU, exp) give the
-    elements that fall in a scalar tail another rounding. The pass still rolls back as one forward: a
-    hybrid cache is left holding the state after each of the T positions (HybridCache.stitch).
-    """
-    from ..types import TargetOutput
-
-    stitch = cache.stitch_begin() if hasattr(cache, "stitch_begin") else None  # a cache with recurrent state
-    outs = []
-    for j in range(tokens.shape[0]):
-        outs.append(model.forward_tokens(tokens[j : j + 1], cache))
-        if stitch is not None:
-            cache.stitch_add(stitch)
-    if stitch is not None:
-        cache.stitch_end(stitch)
-    return TargetOutput.cat(outs)
 
 
 class RMSNorm(nn.Module):
@@ -163,134 +124,6 @@ class Rotary(nn.Module):
         if self.__dict__.get("_fp64") is None:  # not a buffer: module.to() / to_empty() leave it alone
             self.__dict__["_fp64"] = self.compute(torch.float64)
         return self.__dict__["_fp64"]
-
-    def forward(self, x: Tensor, start: int, positions: Tensor | None = None) -> Tensor:
-        """x (B, nh, T, hd) at positions start..start+T-1 (or at `positions` (T,): a token tree) -> same shape, rotated."""
-        t = x.shape[2]
-        if positions is not None:  # a tree's rows: gathered once per forward (every layer passes the same tensor)
-            kept = self.__dict__.get("_rows")
-            if kept is None or kept[0] is not positions or kept[1] != x.dtype:
-                cos, sin = self.tables(x.dtype)
-                self.__dict__["_rows"] = kept = (positions, x.dtype, cos[positions].to(x.dtype), sin[positions].to(x.dtype))
-            cos, sin = kept[2], kept[3]  # (T, rot)
-        else:
-            cos, sin = self.tables(x.dtype)
-            cos = cos[start : start + t].to(x.dtype)  # (T, rot)
-            sin = sin[start : start + t].to(x.dtype)
-        xr, xp = x[..., : self.rot_dim], x[..., self.rot_dim :]
-        half = self.rot_dim // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
-
-
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0, tree=None) -> Tensor:
-    """q (B, nh, T, hd) at positions start.., k/v (B, n_kv, start+T, hd) -> (B, nh, T, hd).
-
-    Query i sees keys 0..start+i; with a sliding window (window > 0) only the last `window` of them,
-    start+i-window+1..start+i (transformers' sliding_window). GQA heads are shared by SDPA's enable_gqa.
-    tree (a TreeLayout): row i sees the keys before `start` and its own ancestors in the window (tree.py).
-    """
-    if tree is not None:
-        return _tree_attention(q, k, v, start, window, tree)
-    t, s = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-
-    def first(pos: int) -> int:  # the oldest key position a query at `pos` sees
-        return max(0, pos - window + 1) if window > 0 else 0
-
-    lo = first(start)  # keys older than the first query's window are seen by no query
-    if lo:
-        k, v = k[:, :, lo:], v[:, :, lo:]  # (B, n_kv, S - lo, hd)
-    mask = None
-    if t > 1:
-        mask = torch.ones(t, s - lo, dtype=torch.bool).tril(diagonal=start - lo)  # (T, S - lo): causal
-        if window > 0:
-            mask &= torch.ones(t, s - lo, dtype=torch.bool).triu(diagonal=start - lo - window + 1)  # the window
-    if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu" and t <= SHORT_ATTENTION:
-        return _attention_fp32(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def rows_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0, tree=None) -> Tensor:
-    """causal_attention with each query row computed alone (kernels.attention): row i's output is bitwise the one-row
-    step's at its position, whatever the window or tree around it. q (1, nh, T, hd), k / v (1, n_kv, start+T, hd) fp32.
-
-    A tree row sees the committed keys and its ancestors, in index order: the keys, in the order, that the plain step
-    at its position sees once its path is accepted (ancestors come before their descendants in a tree's layout)."""
-    t = q.shape[2]
-    mask = None
-    if tree is not None:
-        pos = tree.positions(start)  # (T,)
-        mask = tree.attn_mask(start)  # (T, start + T)
-        if window > 0:
-            mask = mask & ((pos[:, None] - torch.cat([torch.arange(start), pos])[None, :]) < window)
-        hi, lo = start + torch.arange(t), torch.zeros(t, dtype=torch.long)
-    else:
-        hi = start + torch.arange(t)  # (T,) each row's own position: its last key
-        lo = first_keys(hi, window)
-    out = attend_rows(q[0].transpose(0, 1), k, v, torch.zeros(t, dtype=torch.long), lo, hi, mask)  # (T, nh, hd)
-    return out.transpose(0, 1)[None]  # (1, nh, T, hd)
-
-
-def first_keys(pos: Tensor, window: int) -> Tensor:
-    """The oldest key each query at positions `pos` sees: pos - window + 1 with a sliding window (transformers'
-    sliding_window), else 0."""
-    return (pos - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(pos)
-
-
-SHORT_ATTENTION = 64  # query rows up to which bf16 attention is computed by _attention_fp32 (a decode or verify window)
-
-
-def _attention_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(q k^T / sqrt(hd)) v in fp32 for bf16 / fp16 q, k, v (B, nh | n_kv, ., hd) -> (B, nh, T, hd) in q's dtype.
-
-    For a few query rows torch's CPU SDPA in bf16 is several times slower than these three products in fp32 (every
-    decode step, every layer); SDPA accumulates in fp32 too, so the two differ by rounding. Query heads share key
-    heads as enable_gqa does (head h reads h // g)."""
-    b, nh, t, hd = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    rows = q.float().reshape(b, nkv, g * t, hd)  # (B, n_kv, g T, hd): head h = kv * g + j, rows ordered (j, t)
-    w = (rows @ k.float().transpose(-1, -2)) * hd**-0.5  # (B, n_kv, g T, S)
-    if mask is not None:
-        w = w.masked_fill(~mask.repeat(g, 1), float("-inf"))
-    return (torch.softmax(w, dim=-1) @ v.float()).view(b, nh, t, hd).to(q.dtype)
-
-
-def _tree_attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int, tree) -> Tensor:
-    """causal_attention over a token tree's verify window: rows at positions start + depth, each row seeing the
-    committed keys and its ancestors (and, with a sliding window, only those less than `window` positions back)."""
-    gqa = q.shape[1] != k.shape[1]
-    mask = tree.attn_mask(start)  # (T, start + T)
-    if window > 0:
-        q_pos = tree.positions(start)  # (T,)
-        k_pos = torch.cat([torch.arange(start), q_pos])  # (start + T,)
-        mask = mask & ((q_pos[:, None] - k_pos[None, :]) < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
-    """Rotary inverse frequencies (rot/2,) rescaled for long context, as config.json's rope_parameters say.
-
-    linear: every frequency divided by `factor`. llama3 (Llama 3.1+): wavelengths longer than
-    original_max_position_embeddings / low_freq_factor are stretched by `factor`, shorter than
-    original / high_freq_factor kept, and those between interpolated linearly in original / wavelength.
-    """
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind != "llama3":
-        raise ValueError(f"rope type {kind!r} is not implemented")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    stretched = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
-    blended = (1 - smooth) * stretched / factor + smooth * stretched
-    between = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(between, blended, stretched)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

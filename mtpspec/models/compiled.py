@@ -1,19 +1,16 @@
-"""A compiled decode step: the target's forward over T <= k+1 new positions with static shapes.
+"""The compiled decode step: the model's one forward (forward.py) over T <= k+1 new positions, with static shapes.
 
-At batch 1 on CPU an eager step is dispatch-bound: hundreds of small ATen calls, each paying
-Python and dispatcher overhead for a few thousand multiply-adds. This file writes the same forward
-once more as a function of tensors only (positions are a tensor, the KV cache is the preallocated
-buffer, attention reads the whole buffer under a mask, no Python branch depends on a position), so
-torch.compile (inductor, CPU) traces it once per width T and fuses it into a few C++ kernels.
+At batch 1 on CPU an eager step is dispatch-bound: hundreds of small ATen calls, each paying Python and dispatcher
+overhead for a few thousand multiply-adds. The graph entries of forward.py take positions as a tensor (the
+ForwardBatch has no start), the KV cache as the preallocated buffer read under a mask, and no Python branch depends on
+a position, so torch.compile (inductor, CPU) traces the same forward once per width T and fuses it into a few C++
+kernels.
 
-What stays outside the graph is the cache's bookkeeping (hybrid_cache.py): the graph takes each
-Gated DeltaNet layer's conv window and incoming state and returns the widened conv window and the
-state after each of its T positions (the slots rollback selects), computed position by position as
-an exact-mode step does; keys and values are written into the KV buffer in place.
-
-Eager stays the reference: a compiled forward equals the eager one up to float rounding (tests prove
-greedy identity and bound the logits). Prefills, exact mode, fp64 and windows wider than the
-compiled widths run eagerly.
+What stays outside the graph is the cache's bookkeeping (hybrid_cache.py): the graph takes each Gated DeltaNet
+layer's conv window and incoming state and returns the widened conv window and what rebuilds the state after each
+of its T positions; keys and values are written into the KV buffer in place. A compiled forward equals the eager
+one up to float rounding (tests prove greedy identity and bound the logits). Prefills, exact mode, fp64 and windows
+wider than the compiled widths run eagerly.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
 from .hybrid_cache import HybridCache, Window
-from .static import (dense_forward, draft_chain_forward, draft_module_forward, fuse_projections, hybrid_forward,
-                     hybrid_window_forward)
+from .forward import dense_graph, draft_chain_graph, fuse_projections, hybrid_graph, hybrid_window_graph, module_graph
 
 
 def cache_dir() -> Path:
@@ -215,7 +211,7 @@ class CompiledStep(_Compiled):
 
     def __init__(self, model, max_width: int = MAX_WIDTH, backend: str = "inductor") -> None:
         self.hybrid = isinstance(model.new_cache(1), HybridCache)
-        super().__init__(hybrid_forward if self.hybrid else dense_forward, model, max_width, backend)
+        super().__init__(hybrid_graph if self.hybrid else dense_graph, model, max_width, backend)
         # Gated DeltaNet windows of 2+ positions: position by position, returning the state after each (T states per
         # layer written), or, when a layer's state is large, as one exact chunk (gated_deltanet.window_delta_rule)
         # returning what rebuilds any of them (the eager forward's form): at the Qwen3.5-0.8B shape (16 heads of
@@ -227,7 +223,7 @@ class CompiledStep(_Compiled):
         kv = cache.kv if self.hybrid else cache
         # a KV cache that is a slot of the batched engine's storage (a strided view) runs eagerly: graphs are built
         # for the one-sequence buffer's layout
-        return not getattr(cache, "prefill", False) and kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
+        return kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
 
     @torch.inference_mode()
     def prepare(self, widths: range, lo: int, hi: int) -> None:
@@ -238,8 +234,7 @@ class CompiledStep(_Compiled):
         for s, below in spans(lo, hi, kv.max_len):
             start = max(below, 1)  # a window of t <= max_width rows after `start` ends inside the span
             if cache.length < start:
-                cache.prefill = True
-                self.module.forward_tokens(torch.zeros(start - cache.length, dtype=torch.long), cache)
+                self.module.forward_tokens(torch.zeros(start - cache.length, dtype=torch.long), cache, prefill=True)
             snap = cache.snapshot()
             for t in widths:
                 if 1 <= t <= self.max_width and start + t <= s:
@@ -261,10 +256,10 @@ class CompiledStep(_Compiled):
             chunk = self.window_form and t > 1
             logits, hid, pre, hists, slots = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :],
                                                       kv.v[..., :s, :], convs, states,
-                                                      **({"fn": hybrid_window_forward, "extra": ("window",)} if chunk else {}))
+                                                      **({"fn": hybrid_window_graph, "extra": ("window",)} if chunk else {}))
             for i in n:
                 window = Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))  # (gc, k, u) or T states
-                cache.record_window(i, hists[i], [window], None)
+                cache.record_window(i, hists[i], [window])
         else:
             logits, hid, pre = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
         cache.advance(t)
@@ -277,7 +272,7 @@ class CompiledDraftStep(_Compiled):
 
     def __init__(self, module, base, max_width: int = MAX_WIDTH, backend: str = "inductor") -> None:
         # base: the model whose embedding and LM head a draft chain reads (the target, or a trained head's target)
-        super().__init__(draft_module_forward, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens), model=base)
+        super().__init__(module_graph, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens), model=base)
         self.base = base
 
     def handles(self, t: int, cache) -> bool:
@@ -292,8 +287,9 @@ class CompiledDraftStep(_Compiled):
         s = span(start + k - 1, cache.max_len) if k > 1 else span(1, cache.max_len)  # (k = 1 reads no keys)
         vocab = 0 if head is None else head.ids.shape[0]
         pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
-        out = self.run(1, s, cache, self.module, self.base, head, _inference(h), cache.k[..., :s, :], cache.v[..., :s, :],
-                       pos, k, fn=draft_chain_forward, extra=("chain", k, vocab))
+        k_buf, v_buf = cache.buffers(self.module.layers[0].self_attn.kv_index)  # (1, nkv, max_len, hd)
+        out = self.run(1, s, cache, self.module, self.base, head, _inference(h), k_buf[..., :s, :], v_buf[..., :s, :],
+                       pos, k, fn=draft_chain_graph, extra=("chain", k, vocab))
         cache.advance(k - 1)
         return out
 
@@ -325,7 +321,9 @@ class CompiledDraftStep(_Compiled):
             raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
         pos = torch.arange(start, start + t)[None]  # (1, T)
         s = span(start + t, cache.max_len)
-        out = self.run(t, s, cache, self.module, _inference(hidden[None]), _inference(emb[None]), cache.k[..., :s, :], cache.v[..., :s, :], pos, layer)
+        k_buf, v_buf = cache.buffers(self.module.layers[layer].self_attn.kv_index)  # (1, nkv, max_len, hd)
+        out = self.run(t, s, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf[..., :s, :], v_buf[..., :s, :],
+                       pos, layer)
         cache.advance(t)
         return out[0]
 

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..types import TargetOutput
-from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention, rows_attention
+from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU
+from .forward import run
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class DenseConfig:
 
 
 class Attention(nn.Module):
+    """The attention's weights and shape (forward._dense_attention computes it)."""
+
     def __init__(self, cfg: DenseConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
         hd = cfg.hd
@@ -73,25 +76,9 @@ class Attention(nn.Module):
         self.rows = cfg.row_kernels
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
-    def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
-        b, t, _ = x.shape  # (B, T, H)
-        q = self.q_proj(x).view(b, t, self.nh, self.hd)  # (B, T, nh, hd)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd)  # (B, T, nkv, hd)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rope, tree = self.rotary[0], cache.tree
-        pos = None if tree is None else tree.positions(start)  # a token tree: rows at start + depth
-        q = rope(q.transpose(1, 2), start, pos)  # (B, nh, T, hd)
-        k = rope(k.transpose(1, 2), start, pos)  # (B, nkv, T, hd)
-        k_all, v_all = cache.write(self.layer, start, k, v)  # (B, nkv, start+T, hd)
-        attend = rows_attention if self.rows else causal_attention
-        y = attend(q, k_all, v_all, start, self.window, tree)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-
 
 class Block(nn.Module):
-    """Llama layout: x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). With sandwich_norms (Gemma 3)
+    """Llama layout (forward.dense_forward): x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). With sandwich_norms (Gemma 3)
     post_attention_layernorm norms the attention's output, and pre_feedforward_layernorm / post_feedforward_layernorm
     the MLP's input and output."""
 
@@ -106,13 +93,6 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
-
-    def forward(self, x: Tensor, cache: KVCache, start: int) -> Tensor:
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, start))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cache, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DenseBody(nn.Module):
@@ -150,20 +130,7 @@ class DenseLM(CausalLM):
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
 
-    @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False, logits: bool = True) -> TargetOutput:
-        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H).
-
-        exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
-        logits=False: the eager layers skip the LM head (logits None), for a prefill whose logits nobody reads;
-        the compiled step and exact mode's one-position passes return them regardless."""
-        out = self.shortcut(tokens, cache, exact)
-        if out is not None:
-            return out
-        start = cache.length
-        x = self.embed(tokens[None])  # (1, T, H)
-        for layer in self.model.layers:
-            x = layer(x, cache, start)
-        cache.advance(tokens.shape[0])
-        h = self.model.norm(x)[0]  # (T, H) post final norm
-        return TargetOutput(logits=self.head(h) if logits else None, hidden=h, prenorm_hidden=x[0])
+    def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False, logits: bool = True, tree=None,
+                       prefill: bool = False) -> TargetOutput:
+        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H): see forward.run."""
+        return run(self, tokens, cache, exact, logits, tree, prefill)

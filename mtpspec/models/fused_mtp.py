@@ -109,9 +109,9 @@ class FusedAttentionBlock:
             w[:, :, start:] += self.future[:t, :t].repeat_interleave(g, 0)
         return (torch.softmax(w, dim=-1) @ v).view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
-    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, kv: KVCache, start: int, index: list[Tensor]) -> Tensor:
+    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, kv: KVCache, start: int, index: list[Tensor], tree=None) -> Tensor:
         """Block-sparse attention (sparse_attention.py): q (T, nh, hd) pre-scaled; index = the indexer's [q, k, w] rows."""
-        if kv.tree is not None or kv.index is None:
+        if tree is not None or kv.index is None:
             raise ConfigError("sparse attention needs the model's own MTP cache and runs without token trees")
         iq, ik, iw = index
         state = kv.sparse
@@ -137,14 +137,14 @@ class FusedAttentionBlock:
         g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
         return x + self.down(F.silu(g) * u)
 
-    def __call__(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
-        """x (T, H) at positions start.. -> (T, H); writes this layer's keys and values into kv."""
+    def __call__(self, x: Tensor, kv: KVCache, start: int, tree=None) -> Tensor:
+        """x (T, H) at positions start.. (a drafter's token tree: rows at their own positions, each seeing its own path)
+        -> (T, H); writes this layer's keys and values into kv."""
         t, nh = x.shape[0], self.nh
-        tree = kv.tree  # a drafter's token tree: rows at their own positions, each seeing its own path
         qk, gate, v, index = self._qkv(x, slice(start, start + t) if tree is None else tree.positions(start))
-        k_all, v_all = kv.write(self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.transpose(0, 1)[None])
+        k_all, v_all = _write(kv, self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.transpose(0, 1)[None])
         if self.sparse is not None:
-            y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index)
+            y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index, tree)
         else:
             y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
         return self._out(x, y, gate)
@@ -158,7 +158,7 @@ class FusedAttentionBlock:
         qk, gate, v, _ = self._qkv(x, pos)
         ys, r = [], 0
         for kv, s, c in zip(kvs, starts, counts):
-            k_all, v_all = kv.write(self.kv_index, s, qk[r : r + c, nh:].transpose(0, 1)[None], v[r : r + c].transpose(0, 1)[None])
+            k_all, v_all = _write(kv, self.kv_index, s, qk[r : r + c, nh:].transpose(0, 1)[None], v[r : r + c].transpose(0, 1)[None])
             ys.append(self._attend(qk[r : r + c, :nh], k_all[0], v_all[0], s))  # (c, nh hd)
             r += c
         return self._out(x, torch.cat(ys), gate)
@@ -193,8 +193,8 @@ class FusedMTP:
     def _out(self, x: Tensor) -> Tensor:
         return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
 
-    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
-        return self._out(self.layers[layer](self._in(hidden, emb), cache, start))
+    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0, tree=None) -> Tensor:
+        return self._out(self.layers[layer](self._in(hidden, emb), cache, start, tree))
 
     def many(self, hidden: Tensor, emb: Tensor, caches: list[KVCache], counts: list[int], layer: int = 0) -> Tensor:
         """__call__ for several sequences' rows (N, H) each (counts[i] rows of sequence i, at its cache's length, in
@@ -203,6 +203,16 @@ class FusedMTP:
         for c, n in zip(caches, counts):
             c.advance(n)
         return self._out(x)
+
+
+def _write(kv: KVCache, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k, v (1, nkv, T, hd) into the cache's layer buffers at start.. -> the keys and values 0..start+T-1."""
+    end = start + k.shape[2]
+    if end > kv.max_len:
+        raise ConfigError(f"context full: {end} positions exceed the draft module's context of {kv.max_len}")
+    kb, vb = kv.buffers(layer)  # (1, nkv, max_len, hd)
+    kb[:, :, start:end], vb[:, :, start:end] = k, v
+    return kb[:, :, :end], vb[:, :, :end]
 
 
 def _foldable(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ g_t = -exp(A_log) * softplus(a_t + dt_bias). Two exact forms of the same recurre
 - `piece_delta_rule`, for every window that may be cropped: pieces of at most 64 positions, each a
   window as above from its own incoming state, so every slot stays selectable (hybrid_cache.py).
 - `chunked_delta_rule`: 64-position chunks solved with a triangular (UT) system, for a prompt
-  prefill (`cache.prefill`), which is never cropped inside and keeps only its final state.
+  prefill (ForwardBatch.prefill), which is never cropped inside and keeps only its final state.
 
 In exact mode (engine.py) a verify window runs as one-position forwards, each exactly a plain step.
 
@@ -179,6 +179,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """The layer's weights and shapes (forward._delta_net computes it)."""
+
     def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, conv_kernel: int, eps: float, slot: int) -> None:
         super().__init__()
         if nv % nk:
@@ -196,44 +198,3 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(nv).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(dv, eps)
         self.out_proj = Linear(self.value_dim, hidden, bias=False)
-
-    def forward(self, x: Tensor, cache) -> Tensor:
-        """x (B, T, H) -> (B, T, H); reads and records this layer's state in the HybridCache."""
-        b, t, _ = x.shape
-        tree = cache.tree  # a token tree's verify window (tree.py), or None
-        conv_window = cache.conv_window(self.slot, b)  # (B, C, K-1) inputs before this window
-        mixed = self.in_proj_qkv(x)  # (B, T, C)
-        if tree is None:
-            hist = torch.cat([conv_window.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
-            conv = F.silu(causal_conv(hist, self.conv1d.weight)).transpose(1, 2)  # (B, T, C)
-        else:  # gathered by rows (whole rows of C inputs), not by columns of the (B, C, .) layout
-            rows = torch.cat([conv_window.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # (B, K-1+T, C)
-            conv = F.silu(tree_conv(rows, self.conv1d.weight, tree.conv_taps(self.kernel)))  # (B, T, C)
-            hist = rows.transpose(1, 2)  # (B, C, K-1+T)
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        r = self.nv // self.nk  # value heads per key head
-        dt = wide(x.dtype)  # the recurrence runs in at least fp32
-        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, T, dk)
-        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
-        v = v.reshape(b, t, self.nv, self.dv).transpose(1, 2).to(dt)  # (B, nv, T, dv)
-        q = _l2norm(q) * self.dk**-0.5
-        k = _l2norm(k)
-        beta = self.in_proj_b(x).to(dt).sigmoid().transpose(1, 2)  # (B, nv, T)
-        g = (-self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias.to(dt))).transpose(1, 2)
-        s0 = cache.start_state(self.slot, b)  # (B, nv, dk, dv) the state at cache.length
-        prefill = t > SHORT_MAX_T and cache.prefill  # a long prompt prefill: never cropped inside
-        if tree is not None:  # one piece, each row along its own path
-            if t > CHUNK:
-                raise ValueError(f"a token tree of {t} rows: at most {CHUNK} fit one verify window")
-            o, gc, u = window_delta_rule(q, k, v, g, beta, s0, anc=tree.anc)
-            cache.record_window(self.slot, hist, [Window(gc, k, u)], None)
-        elif not prefill:  # decode / verify: keep what rebuilds the state after every position (pieces of <= 64)
-            o, pieces = piece_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, pieces, None)
-        else:  # prefill: chunked, final state only
-            o, final = chunked_delta_rule(q, k, v, g, beta, s0)
-            cache.record_window(self.slot, hist, None, final)
-        o = o.transpose(1, 2).to(x.dtype)  # (B, T, nv, dv)
-        z = self.in_proj_z(x).view(b, t, self.nv, self.dv)
-        y = self.norm(o, z).reshape(b, t, self.value_dim)
-        return self.out_proj(y)

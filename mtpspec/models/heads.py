@@ -12,7 +12,7 @@ head (frozen, not stored with the head):
 - **medusa**: K residual blocks h + SiLU(W_k h + b_k), W_k zero-initialised (so each head starts as
   the target's own next-token head); block k at position i predicts t_{i+1+k}.
 
-MTP and EAGLE have the same interface (forward(hidden, emb, cache, start, layer) -> (T, H)), so one
+MTP and EAGLE run through the same forward (forward.module_forward: (hidden, emb) -> (T, H)), so one
 drafter (drafters/mtp.py) runs both through `AttachedHead`: an MTPSource (mtp_source.py) made of
 the head and its frozen target, as a target with a native MTP module is one.
 
@@ -33,6 +33,7 @@ from ..cache import KVCache
 from ..errors import ConfigError, ModelLoadError
 from .common import Linear, Rotary
 from .mtp_source import MTPSource
+from .forward import module_tokens
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
 
 KINDS = ("mtp", "medusa", "eagle")
@@ -72,14 +73,6 @@ class EagleModule(nn.Module):
         super().__init__()
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([HybridBlock(cfg, "full_attention", 0, rotary, False)])
-
-    def step(self, hidden: Tensor, emb: Tensor, cache, start: int, layer: int = 0) -> Tensor:
-        """Batched: hidden, emb (B, T, H) -> (B, T, H)."""
-        x = self.fc(torch.cat([emb, hidden], dim=-1))
-        return self.layers[layer](x, cache, start)
-
-    def forward(self, hidden: Tensor, emb: Tensor, cache, start: int, layer: int = 0) -> Tensor:
-        return self.step(hidden[None], emb[None], cache, start, layer)[0]
 
 
 class MedusaHeads(nn.Module):
@@ -210,12 +203,8 @@ class AttachedHead(MTPSource):
     def embed(self, tokens: Tensor) -> Tensor:
         return self.target.embed(tokens)
 
-    @torch.inference_mode()
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
-        start = cache.length
-        out = self.mtp(hidden, self.target.embed(tokens), cache, start, layer)
-        cache.advance(tokens.shape[0])
-        return out
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None) -> Tensor:
+        return module_tokens(self.mtp, self.target.embed, hidden, tokens, cache, layer, tree)
 
 
 __all__ = ["DraftHeadConfig", "DraftHead", "MedusaHeads", "EagleModule", "AttachedHead", "save_head", "load_head", "KINDS"]

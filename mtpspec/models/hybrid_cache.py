@@ -18,10 +18,9 @@ The selected slot is materialised (in place over S_0, one pass over the state) w
 starts: one pass per verify instead of D+1 full states written. Decays stay piece-local, so long windows
 keep their precision. In exact mode a window keeps its T states (bitwise those of plain steps).
 
-A prompt prefill is marked by the caller (`cache.prefill = True`, as the engine does): it is never
-cropped inside, so it keeps only its final state and the two ends of its conv window. Any other forward
-keeps its slots, so forgetting the flag costs memory (and, in exact mode, time), never a wrong rollback.
-Cropping inside a prefill raises. The draft length is limited only by the context.
+A prompt's prefill (ForwardBatch.prefill, as the engine runs it) is never cropped inside, so it keeps only
+its final state and the two ends of its conv window. Any other forward keeps its slots. Cropping inside a
+prefill raises. The draft length is limited only by the context.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import torch
 from torch import Tensor
 
 from ..cache import KVCache
-from ..errors import ConfigError
 from .common import wide
 
 
@@ -50,6 +48,12 @@ class Window:
     @property
     def length(self) -> int:
         return len(self.states) if self.states is not None else self.gc.shape[-1]
+
+    def take(self, b: int, t: int) -> "Window":
+        """Sequence b's first t positions of a batched piece (its padding rows come after them)."""
+        if self.states is not None:
+            return Window(states=[s[b : b + 1] for s in self.states[:t]])
+        return Window(self.gc[b : b + 1, :, :t], self.k[b : b + 1, :, :t], self.u[b : b + 1, :, :t])
 
 
 def slot_state(s0: Tensor, w: Window, j: int, in_place: bool = False) -> Tensor:
@@ -108,8 +112,6 @@ class HybridCache:
         self.base: list[Tensor | None] = [None] * n_linear  # (B, nv, dk, dv) >= fp32: state before the last forward
         self.window: list[list[Window] | None] = [None] * n_linear  # pieces of the last forward (not a prefill)
         self.final: list[Tensor | None] = [None] * n_linear  # final state of the last forward if it was a prefill
-        self.prefill = False  # set by the caller before a prompt prefill (final state only); reset by advance()
-        self.tree = None  # a TreeLayout while a forward verifies a token tree (tree.py); also set on self.kv
 
     # -- the interface the layers use -------------------------------------------------------
     def conv_window(self, i: int, batch: int = 1) -> Tensor:
@@ -148,23 +150,18 @@ class HybridCache:
         self.base[i], self.window[i], self.final[i] = s, None, None
         return s
 
-    def record_window(self, i: int, hist: Tensor, window: list[Window] | None, final: Tensor | None) -> None:
-        """After layer i's forward: its widened conv window and its pieces' slots, or a prefill's final state."""
+    def record_window(self, i: int, hist: Tensor, rec: list[Window] | Tensor) -> None:
+        """After layer i's forward: its widened conv window (B, C, K-1+T) and its pieces' slots, or a prefill's final
+        state (a Tensor)."""
+        window, final = (None, rec) if isinstance(rec, Tensor) else (rec, None)
         if final is not None:  # crop can only select the prefill's start or end: keep the conv window's ends
             k1 = self.conv_kernel - 1
             hist = torch.cat([hist[..., :k1], hist[..., hist.shape[-1] - k1 :]], dim=-1)  # (B, C, 2(K-1))
         self.hist[i], self.window[i], self.final[i] = hist, window, final
 
-    def begin(self, t: int) -> int:
-        """Called by the model before a forward of t positions; returns the start position."""
-        if self.length + t > self.max_len:
-            raise ConfigError(f"context full: {self.length + t} positions exceed the model's context of {self.max_len}")
-        return self.length
-
     def advance(self, t: int) -> None:
         self.fwd_start, self.fwd_end = self.length, self.length + t
         self.length += t
-        self.prefill = False
         self.kv.length = self.length
 
     def stitch_begin(self) -> "Stitch":

@@ -17,20 +17,19 @@ Parameter names follow Hugging Face's Qwen3.5 layout, so checkpoints load by nam
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import ConfigError
 from ..types import TargetOutput
-from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, causal_attention, wide
+from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, wide
+from .forward import module_tokens, run
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
-from .sparse_attention import Indexer, IndexKeys, SparseAttentionConfig, SparseState, sparse_attend, window_sparse_attention
+from .sparse_attention import Indexer, IndexKeys, SparseAttentionConfig, SparseState
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -93,7 +92,7 @@ class HybridConfig:
 
 
 class GatedAttention(nn.Module):
-    """Full attention with per-head q/k norm, partial rotary and a sigmoid output gate."""
+    """Full attention with per-head q/k norm, partial rotary and a sigmoid output gate (forward._gated_attention)."""
 
     def __init__(self, cfg: HybridConfig, kv_index: int, rotary: Rotary, sparse: SparseAttentionConfig | None = None) -> None:
         super().__init__()
@@ -109,43 +108,6 @@ class GatedAttention(nn.Module):
         self.sparse = sparse
         if sparse is not None:
             self.indexer = Indexer(cfg.hidden_size, sparse)  # block-sparse attention (sparse_attention.py)
-
-    def forward(self, x: Tensor, kv: KVCache, start: int) -> Tensor:
-        b, t, _ = x.shape  # (B, T, H)
-        q, gate = self.q_proj(x).view(b, t, self.nh, 2 * self.hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        rope, tree = self.rotary[0], kv.tree
-        pos = None if tree is None else tree.positions(start)  # a token tree: rows at start + depth
-        q = rope(self.q_norm(q).transpose(1, 2), start, pos)  # (B, nh, T, hd)
-        k = rope(self.k_norm(k).transpose(1, 2), start, pos)  # (B, nkv, T, hd)
-        k_all, v_all = kv.write(self.kv_index, start, k, v)  # (B, nkv, start+T, hd)
-        if self.sparse is not None:
-            y = self._sparse(x, q, k_all, v_all, kv, start)
-        else:
-            y = causal_attention(q, k_all, v_all, start, tree=tree).transpose(1, 2).reshape(b, t, self.nh * self.hd)
-        return self.o_proj(y * torch.sigmoid(gate.reshape(b, t, -1)))
-
-    def _sparse(self, x: Tensor, q: Tensor, k_all: Tensor, v_all: Tensor, kv: KVCache, start: int) -> Tensor:
-        """Block-sparse attention of one sequence: x (1, T, H) the normed input, q (1, nh, T, hd) -> (1, T, nh hd)."""
-        if not hasattr(kv, "k"):  # training's stateless TrainCache: whole windows from position 0, batched
-            y = window_sparse_attention(self.sparse, self.indexer, x, q, k_all, v_all, 1.0 / math.sqrt(self.hd))
-            return y.transpose(1, 2).flatten(2)
-        if x.shape[0] != 1 or kv.tree is not None:
-            raise ConfigError("sparse attention runs one sequence at a time, without token trees")
-        index = kv.index
-        if index is None:  # a cache made without the model's new_cache (training's TrainCache): keys live for this pass
-            index = kv.index = IndexKeys(kv.k.shape[0], kv.max_len, self.sparse, x.dtype)
-        state = kv.sparse
-        reusing = state is not None and state.reusing(self.kv_index)
-        if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
-            index.write(self.kv_index, start, self.indexer.keys(x[0]))
-        if state is not None and state.dense:  # sparse_select "full": dense causal attention, same weights
-            return causal_attention(q, k_all, v_all, start).transpose(1, 2).flatten(2)
-        queries = None if reusing else self.indexer.queries(x[0])
-        y = sparse_attend(self.sparse, q[0].transpose(0, 1), k_all[0], v_all[0], index, self.kv_index, start, queries, state,
-                          1.0 / math.sqrt(self.hd))
-        return y[None]
 
 
 class SparseMoE(nn.Module):
@@ -192,14 +154,6 @@ class HybridBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
         self.mlp = SparseMoE(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cache, start: int) -> Tensor:
-        h = self.input_layernorm(x)
-        if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, cache)
-        else:
-            x = x + self.self_attn(h, cache.kv if isinstance(cache, HybridCache) else cache, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class HybridBody(nn.Module):
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
@@ -215,7 +169,7 @@ class HybridBody(nn.Module):
 
 
 class MTPModule(nn.Module):
-    """x = fc([norm_e(embedding), norm_h(hidden)]) -> decoder layer(s) -> mtp.norm. Own KV cache."""
+    """x = fc([norm_e(embedding), norm_h(hidden)]) -> decoder layer(s) -> mtp.norm (forward.module_forward). Own KV cache."""
 
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
@@ -228,12 +182,6 @@ class MTPModule(nn.Module):
             for i in range(cfg.mtp_num_layers)
         )
         self.norm = RMSNorm(h, cfg.norm_eps, zero_centred=True)
-
-    def forward(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0) -> Tensor:
-        """hidden, emb (T, H) at MTP positions start.. -> (T, H) after mtp.norm (feed to the LM head)."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))[None]
-        x = self.layers[layer](x, cache, start)
-        return self.norm(x)[0]
 
 
 class HybridLM(CausalLM):
@@ -277,32 +225,15 @@ class HybridLM(CausalLM):
             cache.sparse = SparseState()
         return cache
 
-    @torch.inference_mode()
-    def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False, logits: bool = True) -> TargetOutput:
-        """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post final norm.
+    def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False, logits: bool = True, tree=None,
+                       prefill: bool = False) -> TargetOutput:
+        """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post
+        final norm: see forward.run."""
+        return run(self, tokens, cache, exact, logits, tree, prefill)
 
-        exact=True: one position at a time, each computed as a one-token step computes it (see by_position).
-        logits=False: the eager layers skip the LM head (logits None), for a prefill whose logits nobody reads;
-        the compiled step and exact mode's one-position passes return them regardless."""
-        out = self.shortcut(tokens, cache, exact)
-        if out is not None:
-            return out
-        t = tokens.shape[0]
-        start = cache.begin(t)
-        x = self.embed(tokens[None])  # (1, T, H)
-        for layer in self.model.layers:
-            x = layer(x, cache, start)
-        cache.advance(t)
-        h = self.model.norm(x)[0]  # (T, H)
-        return TargetOutput(logits=self.head(h) if logits else None, hidden=h, prenorm_hidden=x[0])
-
-    @torch.inference_mode()
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0) -> Tensor:
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None) -> Tensor:
         """MTP over pairs (hidden[i], tokens[i]) at positions cache.length..: -> its hidden (T, H); advances."""
-        start = cache.length
-        out = self.mtp(hidden, self.embed(tokens), cache, start, layer)
-        cache.advance(tokens.shape[0])
-        return out
+        return module_tokens(self.mtp, self.embed, hidden, tokens, cache, layer, tree)
 
 
 __all__ = ["HybridConfig", "HybridLM", "HybridCache", "MTPModule", "LAYER_TYPES"]

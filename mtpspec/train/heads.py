@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models.batch import ForwardBatch
+from ..models.forward import module_forward
 from ..models.heads import DraftHead, DraftHeadConfig, save_head
-from .pretrain import TrainCache
 
 
 @dataclass
@@ -134,16 +135,10 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
             parts[f"head_{k}"] = loss.item()
             total = total + cfg.depth_decay ** (k - 1) * loss
         return total, parts
-    cache = TrainCache(head.config.layer_config())
-    m, h = head.mtp, hidden
+    h = hidden
     for k in range(1, cfg.depth + 1):
         e = emb[:, k:]  # (B, T-k, H) e(t_{i+k})
-        h = h[:, : e.shape[1]]
-        if kind == "mtp":
-            x = m.fc(torch.cat([m.pre_fc_norm_embedding(e), m.pre_fc_norm_hidden(h)], dim=-1))
-            h = m.norm(m.layers[0](x, cache, 0))
-        else:
-            h = m.step(h, e, cache, 0)
+        h = module_forward(head.mtp, h[:, : e.shape[1]], e, None, None, ForwardBatch.window(*e.shape[:2]), 0)  # MTP or EAGLE
         loss = _soft_ce(target.head(h), teacher[:, k:])  # position i predicts t_{i+k+1}
         parts[f"ce_{k}"] = loss.item()
         w = cfg.depth_decay ** (k - 1)

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..models.qwen35 import HybridLM
 from . import data as D
-from .pretrain import TrainCache, adamw, hybrid_hidden, losses, mtp_hiddens, optimizer_step, resume, save_state
+from .pretrain import adamw, hybrid_hidden, losses, mtp_hiddens, optimizer_step, resume, save_state
 
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384)  # position bucket edges of the loss table
 
@@ -80,7 +80,7 @@ def position_losses(model: HybridLM, seq: Tensor) -> tuple[Tensor, Tensor]:
     """
     h = hybrid_hidden(model, seq)  # (1, T, H)
     nxt = F.cross_entropy(model.head(h[0, :-1]), seq[0, 1:], reduction="none")  # (T-1,)
-    hk = mtp_hiddens(model.mtp, model.embed, h, seq, 1, TrainCache(model.config))[0]  # (1, T-1, H)
+    hk = mtp_hiddens(model.mtp, model.embed, h, seq, 1)[0]  # (1, T-1, H)
     mtp = F.cross_entropy(model.head(hk[0, :-1]), seq[0, 2:], reduction="none")  # (T-2,)
     return nxt, mtp
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .heads import _soft_ce
-from .pretrain import TrainCache, mtp_hiddens
+from .pretrain import mtp_hiddens
 
 
 def mtp_distill_loss(model, tokens: torch.Tensor, hidden: torch.Tensor, depth: int, decay: float) -> tuple[torch.Tensor, dict]:
@@ -17,7 +17,7 @@ def mtp_distill_loss(model, tokens: torch.Tensor, hidden: torch.Tensor, depth: i
     with torch.no_grad():
         teacher = model.head(hidden)  # (B, T, V) p_i = distribution of t_{i+1}
     total, parts = 0.0, {}
-    for k, h in enumerate(mtp_hiddens(model.mtp, model.embed, hidden, tokens, depth, TrainCache(model.config)), 1):
+    for k, h in enumerate(mtp_hiddens(model.mtp, model.embed, hidden, tokens, depth), 1):
         loss = _soft_ce(model.head(h), teacher[:, k:])  # (B, T-k): position i predicts t_{i+k+1}
         parts[f"ce_{k}"] = round(loss.item(), 4)
         total = total + decay ** (k - 1) * loss

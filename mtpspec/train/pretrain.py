@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..models.batch import ForwardBatch
+from ..models.forward import hybrid_forward, module_forward
 from ..models.qwen35 import HybridConfig, HybridLM
 from . import data as D
 
@@ -75,44 +77,14 @@ class PretrainConfig:
         )
 
 
-class TrainCache:
-    """A stateless stand-in for HybridCache / KVCache: whole windows from position 0, nothing stored.
-
-    Lets the inference layers run batched with autograd (the real caches write into preallocated buffers).
-    """
-
-    exact = False
-    prefill = True  # whole windows, never cropped: the chunked form
-    tree = None  # never a token tree
-
-    def __init__(self, cfg: HybridConfig) -> None:
-        self.conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        self.kernel = cfg.linear_conv_kernel_dim
-        self.state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-
-    def conv_window(self, i: int, batch: int = 1) -> Tensor:
-        return torch.zeros(batch, self.conv_dim, self.kernel - 1)
-
-    def start_state(self, i: int, batch: int = 1) -> Tensor:
-        return torch.zeros(batch, *self.state_shape)
-
-    def record_window(self, *args) -> None:
-        pass
-
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return k, v
-
-
 def hybrid_hidden(model: HybridLM, tokens: Tensor) -> Tensor:
-    """tokens (B, T) -> post-final-norm hidden (B, T, H), with autograd."""
-    cache = TrainCache(model.config)
-    x = model.embed(tokens)  # (B, T, H)
-    for layer in model.model.layers:
-        x = layer(x, cache, 0)
-    return model.model.norm(x)
+    """tokens (B, T) -> post-final-norm hidden (B, T, H), with autograd: the model's forward over B windows from 0."""
+    b, t = tokens.shape
+    _, hid, _, _, _ = hybrid_forward(model, tokens, ForwardBatch.window(b, t), None, None, None, None)
+    return hid.view(b, t, -1)
 
 
-def mtp_hiddens(mtp, embed, hidden: Tensor, tokens: Tensor, depth: int, cache) -> list[Tensor]:
+def mtp_hiddens(mtp, embed, hidden: Tensor, tokens: Tensor, depth: int) -> list[Tensor]:
     """Chained MTP depths over a window. hidden (B, T, H) post-final-norm, tokens (B, T).
 
     Depth k output (B, T-k, H) at position i predicts t_{i+k+1} (fed h^{k-1}_i and e(t_{i+k})).
@@ -122,9 +94,7 @@ def mtp_hiddens(mtp, embed, hidden: Tensor, tokens: Tensor, depth: int, cache) -
     for k in range(1, depth + 1):
         e = emb[:, k:]  # (B, T-k, H) e(t_{i+k})
         h = h[:, : e.shape[1]]
-        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(h)], dim=-1))
-        x = mtp.layers[(k - 1) % len(mtp.layers)](x, cache, 0)
-        h = mtp.norm(x)
+        h = module_forward(mtp, h, e, None, None, ForwardBatch.window(*e.shape[:2]), (k - 1) % len(mtp.layers))
         outs.append(h)
     return outs
 
@@ -135,7 +105,7 @@ def losses(model: HybridLM, tokens: Tensor, depth: int) -> tuple[Tensor, list[Te
     v = model.config.vocab_size
     main = F.cross_entropy(model.head(h[:, :-1]).reshape(-1, v), tokens[:, 1:].reshape(-1))
     mtp = []
-    for k, hk in enumerate(mtp_hiddens(model.mtp, model.embed, h, tokens, depth, TrainCache(model.config)), 1):
+    for k, hk in enumerate(mtp_hiddens(model.mtp, model.embed, h, tokens, depth), 1):
         logits = model.head(hk[:, :-1])  # (B, T-k-1, V) predicts t_{i+k+1}
         mtp.append(F.cross_entropy(logits.reshape(-1, v), tokens[:, k + 1 :].reshape(-1)))
     return main, mtp

@@ -18,7 +18,7 @@ tensors `mtp.layers.N.self_attn.indexer.*`.
    mass) as the ceiling.
 2. Tuning (`steps`): mtp.* except the indexer, by the existing self-distillation objective
    (mtp_distill.py `mtp_distill_loss`: chained depths fitted to the model's own distributions) on the same
-   long windows, the sparse attention on (TrainCache runs window_sparse_attention). The indexer is left
+   long windows, the sparse attention on (training windows run window_sparse_attention). The indexer is left
    out: the block selection is not differentiable, so this loss gives it no gradient; it keeps what
    phase 1 fitted.
 
@@ -39,13 +39,15 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, ModelLoadError
+from ..models.batch import ForwardBatch
+from ..models.forward import module_forward
 from ..models.qwen35 import GatedAttention, HybridLM
 from ..models.sparse_attention import (
     SparseAttentionConfig, attention_mask, block_attention_mass, block_scores, candidates, select_blocks,
 )
 from . import data as D
 from .mtp_distill import mtp_distill_loss
-from .pretrain import TrainCache, hybrid_hidden
+from .pretrain import hybrid_hidden
 
 ROW_CHUNK = 512  # rows of full-attention probabilities computed at once: (heads, 512, T) floats
 
@@ -162,7 +164,7 @@ def mtp_layer_input(model: HybridLM, tokens: Tensor, hidden: Tensor, layer: int)
     """tokens (T,), hidden (T, H) -> the normed input of MTP layer `layer`'s attention at depth layer + 1: (T - layer - 1, H).
 
     Depth k at position i reads h^{k-1}_i and e(t_{i+k}) (pretrain.py mtp_hiddens); earlier depths run layers 0..layer-1."""
-    mtp, cache = model.mtp, TrainCache(model.config)
+    mtp = model.mtp
     emb, h = model.embed(tokens[None]), hidden[None]  # (1, T, H)
     for k in range(1, layer + 2):
         e = emb[:, k:]  # (1, T-k, H)
@@ -170,7 +172,7 @@ def mtp_layer_input(model: HybridLM, tokens: Tensor, hidden: Tensor, layer: int)
         x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(h)], dim=-1))
         if k == layer + 1:
             return mtp.layers[layer].input_layernorm(x)[0]
-        h = mtp.norm(mtp.layers[k - 1](x, cache, 0))
+        h = module_forward(mtp, h, e, None, None, ForwardBatch.window(*e.shape[:2]), k - 1)
     raise AssertionError("unreachable")
 
 

@@ -1,0 +1,393 @@
+"""The one forward of each architecture: dense (Llama / Qwen2 / Qwen3 / Gemma 3), hybrid (Qwen3.5 / Qwen3-Next with
+Gated DeltaNet layers) and the MTP / EAGLE module (a decoder layer of the same code).
+
+Each is a function of the weights (the model's modules, read as containers), the new tokens (B, W), a ForwardBatch
+(batch.py: each row's position, the tree, prefill, which rows are real) and the KV buffers. Eager one-sequence
+decoding, chain and tree verification, exact mode (width-one calls), prefill, batched decoding (batching.py),
+training (B windows, no cache) and the compiled graphs (compiled.py) all call these. Projections, norms and MLPs
+run on the N real rows; attention (attention.py) and the Gated DeltaNet recurrence on the grid.
+
+`forward_tokens` is the one-sequence entry over a cache (CausalLM.forward_tokens); the cache's bookkeeping (its
+length, a Gated DeltaNet layer's slots for rollback, hybrid_cache.py) is kept here and in batching.forward_batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import kernels
+from ..errors import ConfigError
+from ..types import TargetOutput
+from .attention import attend, rope, rotary_at, write
+from .batch import ForwardBatch
+from .common import Linear, SwiGLU, wide
+from .gated_deltanet import CHUNK, SHORT_MAX_T, _l2norm, causal_conv, chunked_delta_rule, piece_delta_rule, tree_conv, window_delta_rule
+from .hybrid_cache import HybridCache, Window
+from .sparse_attention import IndexKeys, sparse_attend, window_sparse_attention
+
+
+def _proj(x: Tensor, *linears) -> list[Tensor]:
+    """Several Linear of the same input as one product -> their outputs, split back.
+
+    The concatenated weight (and bias) is built once by `fuse_projections` and kept on the first module; layers that
+    were not fused run one by one."""
+    fused = linears[0].__dict__.get("fused_with_next")
+    if fused is None:
+        return [lin(x) for lin in linears]
+    w, b, panels = fused
+    y = kernels.packed_linear(x, panels, w.shape[0], b) if panels is not None and kernels.usable(x, w) else F.linear(x, w, b)
+    return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
+
+
+def _fuse(*linears) -> bool:
+    """Concatenate the weights (and biases) of linears that read the same input; stored on the first. False when they
+    stay apart (quantized layers keep their own kernels)."""
+    if not all(isinstance(lin, torch.nn.Linear) for lin in linears):
+        return False
+    with torch.no_grad():
+        w = torch.cat([lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        b = None if all(x is None for x in biases) else torch.cat([
+            bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
+        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and kernels.available() else None
+    linears[0].__dict__["fused_with_next"] = (w, b, panels)
+    return True
+
+
+def fuse_projections(module) -> None:
+    """Build the concatenated projections (attention q/k/v, the DeltaNet's four input projections, SwiGLU gate/up) of
+    every layer of `module`, and every other Linear's panels for the small-row kernel; rebuilt when weights change."""
+    fused: set[int] = set()
+    for m in module.modules():
+        group = ((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a) if hasattr(m, "in_proj_qkv")
+                 else (m.q_proj, m.k_proj, m.v_proj) if hasattr(m, "q_proj") and hasattr(m, "v_proj")
+                 else (m.gate_proj, m.up_proj) if isinstance(m, SwiGLU) else ())
+        if group and _fuse(*group):
+            fused.update(id(lin) for lin in group)
+    for m in module.modules():
+        if isinstance(m, Linear) and id(m) not in fused and m.weight.dtype in kernels.DTYPES and kernels.available():
+            kernels.panels_of(m.__dict__, m.weight)
+
+
+def _mlp(mlp, x: Tensor) -> Tensor:
+    """The gated MLP with gate and up in one projection when fused; a mixture of experts runs as it is."""
+    if not isinstance(mlp, SwiGLU):
+        return mlp(x)
+    g, u = _proj(x, mlp.gate_proj, mlp.up_proj)
+    return mlp.down_proj(mlp.act(g) * u)
+
+
+def _dense_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch) -> Tensor:
+    """Llama / Qwen / Gemma attention: x (N, H) real rows -> (N, H); k_buf / v_buf (B, nkv, S, hd) written in place."""
+    b, t = fb.b, fb.w
+    q, k, v = (fb.grid(y) for y in _proj(x, att.q_proj, att.k_proj, att.v_proj))  # (B, W, .) each
+    q = q.reshape(b, t, att.nh, att.hd)
+    k = k.reshape(b, t, att.nkv, att.hd)
+    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)  # (B, nkv, W, hd)
+    if att.qk_norm:
+        q, k = att.q_norm(q), att.k_norm(k)
+    cos, sin = rotary_at(att.rotary[0], fb, x.dtype)
+    rot = att.rotary[0].rot_dim
+    q = rope(q.transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
+    k = rope(k.transpose(1, 2), cos, sin, rot)  # (B, nkv, W, hd)
+    keys, vals = write(k_buf, v_buf, k, v, fb)
+    y = attend(q, keys, vals, fb, att.window, att.rows)  # (B, nh, W, hd)
+    return att.o_proj(fb.real(y.transpose(1, 2)))
+
+
+def _gated_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch, kv=None) -> Tensor:
+    """Qwen3.5 full attention (per-head q/k norm, partial rotary, a sigmoid output gate packed beside q): x (N, H) ->
+    (N, H). kv: the KVCache whose indexer keys and selection state a block-sparse layer reads (None: training)."""
+    b, t = fb.b, fb.w
+    qg, k, v = (fb.grid(y) for y in _proj(x, att.q_proj, att.k_proj, att.v_proj))
+    q, gate = qg.reshape(b, t, att.nh, 2 * att.hd).chunk(2, dim=-1)  # (B, W, nh, hd) each
+    k = k.reshape(b, t, att.nkv, att.hd)
+    v = v.reshape(b, t, att.nkv, att.hd).transpose(1, 2)
+    cos, sin = rotary_at(att.rotary[0], fb, x.dtype)
+    rot = att.rotary[0].rot_dim
+    q = rope(att.q_norm(q).transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
+    k = rope(att.k_norm(k).transpose(1, 2), cos, sin, rot)
+    keys, vals = write(k_buf, v_buf, k, v, fb)
+    if att.sparse is not None:
+        y = _sparse_attention(att, x, q, keys, vals, fb, kv)  # (B, W, nh hd)
+    else:
+        y = attend(q, keys, vals, fb).transpose(1, 2).reshape(b, t, att.nh * att.hd)
+    return att.o_proj(fb.real(y * torch.sigmoid(gate.reshape(b, t, -1))))
+
+
+def _sparse_attention(att, x: Tensor, q: Tensor, keys: Tensor, vals: Tensor, fb: ForwardBatch, kv) -> Tensor:
+    """Block-sparse attention (sparse_attention.py): x (N, H) the normed input, q (B, nh, W, hd) -> (B, W, nh hd)."""
+    scale = 1.0 / math.sqrt(att.hd)
+    if kv is None:  # training windows from position 0: the indexer selects within each window
+        return window_sparse_attention(att.sparse, att.indexer, fb.grid(x), q, keys, vals, scale).transpose(1, 2).flatten(2)
+    if fb.b != 1 or fb.tree is not None or fb.start is None:
+        raise ConfigError("sparse attention runs one sequence at a time, without token trees")
+    if kv.index is None:  # a cache made without the model's new_cache: the indexer's keys live with it from now on
+        kv.index = IndexKeys(kv.k.shape[0], kv.max_len, att.sparse, x.dtype)
+    state = kv.sparse
+    reusing = state is not None and state.reusing(att.kv_index)
+    if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
+        kv.index.write(att.kv_index, fb.start, att.indexer.keys(x))
+    if state is not None and state.dense:  # sparse_select "full": dense causal attention, same weights
+        return attend(q, keys, vals, fb).transpose(1, 2).flatten(2)
+    queries = None if reusing else att.indexer.queries(x)
+    y = sparse_attend(att.sparse, q[0].transpose(0, 1), keys[0], vals[0], kv.index, att.kv_index, fb.start, queries, state, scale)
+    return y[None]
+
+
+def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch) -> tuple[Tensor, Tensor, list[Window] | Tensor]:
+    """Gated DeltaNet: x (N, H) real rows, conv_window (B, C, K-1) the inputs before the window, s0 (B, nv, dk, dv) the
+    incoming state -> out (N, H), the widened conv window (B, C, K-1+W), and what rebuilds the state after each
+    position (the slots rollback selects, hybrid_cache.py), in the form that suits the forward:
+
+    - a token tree: one exact chunk with each row along its own path (window_delta_rule with the ancestors);
+    - a prompt's prefill longer than SHORT_MAX_T: 64-position chunks, the final state only (a Tensor);
+    - fb.steps (compiled graphs of small states): position by position, the W states;
+    - one position: the state read by two matmuls and the rank-1 write one baddbmm, the state itself;
+    - else: exact chunks of at most 64 positions (piece_delta_rule), each a Window of decays, keys and corrections."""
+    b, t = fb.b, fb.w
+    mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
+    mixed, b_in, a_in = fb.grid(mixed), fb.grid(b_in), fb.grid(a_in)  # (B, W, C), (B, W, nv) x 2
+    if fb.tree is None:
+        hist = torch.cat([conv_window.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+W)
+        conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (B, W, C)
+    else:  # each row reads its own path's inputs: gathered by whole rows of C inputs
+        rows = torch.cat([conv_window.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # (B, K-1+W, C)
+        conv = F.silu(tree_conv(rows, dn.conv1d.weight, fb.tree.conv_taps(dn.kernel)))  # (B, W, C)
+        hist = rows.transpose(1, 2)
+    q, k, v = conv.split([dn.key_dim, dn.key_dim, dn.value_dim], dim=-1)
+    r, dt = dn.nv // dn.nk, wide(x.dtype)  # value heads per key head; the recurrence runs in at least fp32
+    q = q.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)  # (B, nv, W, dk)
+    k = k.reshape(b, t, dn.nk, dn.dk).repeat_interleave(r, dim=2).transpose(1, 2).to(dt)
+    v = v.reshape(b, t, dn.nv, dn.dv).transpose(1, 2).to(dt)  # (B, nv, W, dv)
+    q = _l2norm(q) * dn.dk**-0.5
+    k = _l2norm(k)
+    beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, W)
+    g = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2)  # (B, nv, W) log decay
+    if fb.tree is not None:
+        if t > CHUNK:
+            raise ValueError(f"a token tree of {t} rows: at most {CHUNK} fit one verify window")
+        o, gc, u = window_delta_rule(q, k, v, g, beta, s0, anc=fb.tree.anc)
+        rec: list[Window] | Tensor = [Window(gc, k, u)]
+    elif fb.prefill and t > SHORT_MAX_T:
+        o, rec = chunked_delta_rule(q, k, v, g, beta, s0)
+    elif fb.steps:
+        decay, outs, states, s = g.exp(), [], [], s0
+        for i in range(t):  # unrolled: W is fixed per compiled graph
+            k_i = k[:, :, i, :, None]  # (B, nv, dk, 1)
+            s = s * decay[:, :, i, None, None]
+            s = s + k_i * ((v[:, :, i] - (k_i * s).sum(-2)) * beta[:, :, i, None]).unsqueeze(-2)
+            outs.append((q[:, :, i, :, None] * s).sum(-2))  # (B, nv, dv)
+            states.append(s)
+        o, rec = torch.stack(outs, dim=2), [Window(states=states)]
+    elif t == 1:
+        s = s0 * g.exp()[..., None]  # (B, nv, dk, dv) decayed
+        delta = (v - k @ s) * beta[..., None]  # (B, nv, 1, dv) the correction
+        s = torch.baddbmm(s.view(-1, dn.dk, dn.dv), k.reshape(-1, dn.dk, 1), delta.view(-1, 1, dn.dv)).view_as(s0)
+        o, rec = q @ s, [Window(states=[s])]
+    else:
+        o, rec = piece_delta_rule(q, k, v, g, beta, s0)
+    o = fb.real(o.transpose(1, 2).to(x.dtype)).view(-1, dn.nv, dn.dv)  # (N, nv, dv)
+    out = dn.out_proj(dn.norm(o, z.view(-1, dn.nv, dn.dv)).reshape(-1, dn.value_dim))
+    return out, hist, rec
+
+
+def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None):
+    """DenseLM: tokens (B, W), k_bufs / v_bufs (L, B, nkv, S, hd) (None: training, no cache) -> logits (N, V) (None
+    when fb.logits is False), hidden (N, H) post final norm, prenorm (N, H) of the real rows."""
+    x = fb.real(model.embed(tokens))  # (N, H)
+    for i, layer in enumerate(model.model.layers):
+        k_buf, v_buf = (None, None) if k_bufs is None else (k_bufs[i], v_bufs[i])
+        a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_buf, v_buf, fb)
+        if layer.sandwich:  # Gemma 3: norms after attention and around the MLP
+            x = x + layer.post_attention_layernorm(a)
+            x = x + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(x)))
+        else:
+            x = x + a
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    hid = model.model.norm(x)
+    return (model.head(hid) if fb.logits else None), hid, x
+
+
+def hybrid_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None,
+                   convs: list[Tensor] | None, states: list[Tensor] | None, kv=None):
+    """HybridLM: tokens (B, W), k_bufs / v_bufs (L_full, B, nkv, S, hd), per linear layer its conv window (B, C, K-1) and
+    incoming state (B, nv, dk, dv) (None: training, zeros and no cache), kv: the KVCache a block-sparse layer's indexer
+    reads -> logits (N, V) or None, hidden (N, H), prenorm (N, H), and per linear layer its widened conv window and
+    its slots (see _delta_net)."""
+    x = fb.real(model.embed(tokens))  # (N, H)
+    hists, recs = [], []
+    for layer in model.model.layers:
+        h = layer.input_layernorm(x)
+        if layer.layer_type == "linear_attention":
+            dn = layer.linear_attn
+            if convs is None:
+                conv = h.new_zeros(fb.b, dn.conv_dim, dn.kernel - 1)
+                s0 = torch.zeros(fb.b, dn.nv, dn.dk, dn.dv, dtype=wide(h.dtype))
+            else:
+                conv, s0 = convs[dn.slot], states[dn.slot]
+            o, hist, rec = _delta_net(dn, h, conv, s0, fb)
+            hists.append(hist)
+            recs.append(rec)
+        else:
+            i = layer.self_attn.kv_index
+            o = _gated_attention(layer.self_attn, h, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb, kv)
+        x = x + o
+        x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    hid = model.model.norm(x)
+    return (model.head(hid) if fb.logits else None), hid, x, hists, recs
+
+
+def module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch,
+                   layer: int = 0, kv=None) -> Tensor:
+    """An MTP module (fc([norm(e), norm(h)]) -> decoder layer -> norm) or an EAGLE module (fc([e, h]) with a bias ->
+    decoder layer): hidden, emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV ->
+    (B, W, H), padding rows zero. The decoder layer is the hybrid's full-attention layer, run by the same code."""
+    mtp = hasattr(module, "pre_fc_norm_hidden")
+    hidden, emb = fb.real(hidden), fb.real(emb)  # (N, H)
+    if mtp:
+        x = module.fc(torch.cat([module.pre_fc_norm_embedding(emb), module.pre_fc_norm_hidden(hidden)], dim=-1))
+    else:
+        x = module.fc(torch.cat([emb, hidden], dim=-1))
+    block = module.layers[layer]
+    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf, v_buf, fb, kv)
+    x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
+    return fb.grid(module.norm(x) if mtp else x)  # (B, W, H)
+
+
+def record(cache: HybridCache, hists: list[Tensor], recs: list, b: int = 0, t: int | None = None) -> None:
+    """Sequence b's part (its first t rows) of a forward's Gated DeltaNet records into its cache."""
+    for i, (hist, rec) in enumerate(zip(hists, recs)):
+        if isinstance(rec, Tensor):  # a prefill's final state
+            cache.record_window(i, hist[b : b + 1], rec[b : b + 1])
+        else:
+            cache.record_window(i, hist[b : b + 1], [w.take(b, t) for w in rec] if t is not None else rec)
+
+
+@torch.inference_mode()
+def forward_tokens(model, tokens: Tensor, cache, tree=None, prefill: bool = False, logits: bool = True) -> TargetOutput:
+    """One sequence: tokens (T,) appended at positions cache.length.. (a token tree's rows at start + depth) ->
+    logits (T, V) (None when logits=False), hidden (T, H) post final norm; the cache advances by T."""
+    t, start = tokens.shape[0], cache.length
+    if start + t > cache.max_len:
+        raise ConfigError(f"context full: {start + t} positions exceed the model's context of {cache.max_len}")
+    fb = ForwardBatch.one(start, t, tree, prefill, logits)
+    if isinstance(cache, HybridCache):
+        kv, n = cache.kv, range(cache.n_linear)
+        convs = [cache.conv_window(i) for i in n]  # (1, C, K-1)
+        states = [cache.start_state(i) for i in n]  # (1, nv, dk, dv)
+        lg, hid, pre, hists, recs = hybrid_forward(model, tokens[None], fb, kv.k, kv.v, convs, states, kv)
+        record(cache, hists, recs)
+    else:
+        lg, hid, pre = dense_forward(model, tokens[None], fb, cache.k, cache.v)
+    cache.advance(t)
+    return TargetOutput(logits=lg, hidden=hid, prenorm_hidden=pre)
+
+
+@torch.inference_mode()
+def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, tree=None, prefill: bool = False) -> TargetOutput:
+    """model.forward_tokens: one sequence's forward over tokens (T,) appended to its cache.
+
+    exact (outside a prefill): T one-position forwards (by_position). A window the model's compiled step handles
+    (compiled.compile_model: chains of a batch-1 fp32 / bf16 model) runs its graph. logits=False: the LM head is left
+    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows."""
+    if tree is None and not prefill:
+        if exact and tokens.shape[0] > 1:
+            return by_position(model, tokens, cache)
+        step = model.__dict__.get("compiled_step")
+        if step is not None and step.handles(tokens.shape[0], cache):
+            return step(tokens, cache)
+    return forward_tokens(model, tokens, cache, tree, prefill, logits)
+
+
+def by_position(model, tokens: Tensor, cache) -> TargetOutput:
+    """tokens (T,) as T one-position forwards: exact mode's verify pass.
+
+    Each position is then computed by exactly the code and shapes of a plain decode step, so its logits are bitwise
+    the same whatever else shares the pass: GEMM kernels choose their blocking (and so each dot product's order of
+    summation) by the number of rows, and vectorised elementwise kernels round a scalar tail differently. The pass
+    still rolls back as one forward: a hybrid cache is left holding the state after each position (HybridCache.stitch)."""
+    hybrid = isinstance(cache, HybridCache)
+    stitch = cache.stitch_begin() if hybrid else None
+    outs = []
+    for j in range(tokens.shape[0]):
+        outs.append(run(model, tokens[j : j + 1], cache))
+        if hybrid:
+            cache.stitch_add(stitch)
+    if hybrid:
+        cache.stitch_end(stitch)
+    return TargetOutput.cat(outs)
+
+
+@torch.inference_mode()
+def module_tokens(module, embed, hidden: Tensor, tokens: Tensor, cache, layer: int = 0, tree=None) -> Tensor:
+    """An MTP / EAGLE module over pairs (hidden[i], tokens[i]) (T, H), (T,) at its cache's next positions (a tree's rows
+    at start + depth) -> (T, H); the cache advances by T."""
+    t, start = tokens.shape[0], cache.length
+    if start + t > cache.max_len:
+        raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
+    fb = ForwardBatch.one(start, t, tree)
+    k_buf, v_buf = cache.buffers(module.layers[layer].self_attn.kv_index)
+    out = module_forward(module, hidden[None], embed(tokens)[None], k_buf, v_buf, fb, layer, cache)[0]
+    cache.advance(t)
+    return out
+
+
+def _check_threads(threads: int) -> None:
+    """A Python branch on the thread count: dynamo guards on it, so another count builds its own graph."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+
+
+# The compiled graphs' entries (compiled.py): tensors in, the ForwardBatch built inside (positions as tensors).
+
+def dense_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1):
+    _check_threads(threads)
+    return dense_forward(model, tokens, ForwardBatch(pos), k_bufs, v_bufs)
+
+
+def hybrid_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
+                 states: list[Tensor], threads: int = 1):
+    """Position by position: per linear layer the W states (W, B, nv, dk, dv) (small states)."""
+    _check_threads(threads)
+    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos, steps=True), k_bufs, v_bufs, convs, states)
+    return logits, hid, pre, hists, [torch.stack(r[0].states) for r in recs]
+
+
+def hybrid_window_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
+                        states: list[Tensor], threads: int = 1):
+    """Each window of 2..64 rows as one exact chunk, per linear layer its (gc, k, u) (large states: W states cost more to
+    write than the chunk's triangular solve)."""
+    _check_threads(threads)
+    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos), k_bufs, v_bufs, convs, states)
+    return logits, hid, pre, hists, [(r[0].gc, r[0].k, r[0].u) for r in recs]
+
+
+def module_graph(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, layer: int, threads: int = 1) -> Tensor:
+    _check_threads(threads)
+    return module_forward(module, hidden, emb, k_buf, v_buf, ForwardBatch(pos), layer)
+
+
+def greedy_draft(target, head, h: Tensor) -> Tensor:
+    """h (n, H) draft-module outputs -> (n,) the greedy drafts: the argmax of the target's LM head, or of `head` (a
+    DraftHead: the draft vocabulary) mapped back to token ids."""
+    return target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))
+
+
+def draft_chain_graph(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: int,
+                      threads: int = 1) -> Tensor:
+    """A greedy MTP chain as one graph: from h (1, H), the module's output at the last pending pair, k drafts, each the
+    argmax of the head over the latest output, the first k-1 fed back with their embeddings at positions pos, pos+1, ..
+    (pos (1, 1)), as MTPDrafter.propose does step by step -> the k drafted tokens (k,)."""
+    _check_threads(threads)
+    drafts = []
+    for j in range(k):
+        x = greedy_draft(target, head, h)  # (1,)
+        drafts.append(x)
+        if j + 1 < k:
+            h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos + j), 0)[0]  # (1, H)
+    return torch.cat(drafts)  # (k,)
