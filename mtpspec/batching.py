@@ -28,11 +28,6 @@ from .models.hybrid_cache import HybridCache
 from .types import TargetOutput
 
 
-def kv_of(cache) -> KVCache:
-    """The KVCache inside a target's cache (a HybridCache's full-attention part, or the cache itself)."""
-    return cache.kv if isinstance(cache, HybridCache) else cache
-
-
 class SlotKV:
     """KV memory for up to `slots` sequences of one model; a sequence's KVCache becomes views of one slot."""
 

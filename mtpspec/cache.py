@@ -7,8 +7,30 @@ overwritten by the next forward.
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 from torch import Tensor
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """A sequence's cache, as every caller uses it (KVCache; HybridCache adds the Gated DeltaNet layers' state, which
+    only the forward reads and records). Positions [0, length) are committed; a forward writes from `length` on and
+    advances; rollback is crop (a pointer, or a slot of the last forward's recurrent state)."""
+
+    length: int
+    max_len: int  # the longest context it holds
+    crops_across_forwards: bool  # crop() reaches any earlier length (False: only into the last forward; snapshot first)
+
+    @property
+    def kv(self) -> "KVCache": ...  # the key / value buffers of the attention layers
+
+    def advance(self, t: int) -> None: ...  # after a forward of t positions
+    def crop(self, length: int) -> None: ...  # roll back to the first `length` positions
+    def keep(self, start: int, rows: list[int]) -> None: ...  # after a tree forward from start: its rows `rows` first
+    def snapshot(self) -> Any: ...  # what restore() needs to come back here after any number of forwards
+    def restore(self, snapshot: Any) -> None: ...
 
 
 
@@ -31,6 +53,10 @@ class KVCache:
     crops_across_forwards = True  # crop() reaches any earlier length, however many forwards ago
     index = None  # sparse attention's indexer keys (models/sparse_attention.IndexKeys), position-indexed like k / v
     sparse = None  # sparse attention's selection state (SparseState: recompute, or reuse one row's blocks), or None
+
+    @property
+    def kv(self) -> "KVCache":
+        return self
 
     def buffers(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s key and value buffers (B, n_kv, max_len, hd), written by the forward at its rows' positions."""

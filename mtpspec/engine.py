@@ -24,7 +24,8 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .batching import SlotKV, forward_batch, kv_of
+from .batching import SlotKV, forward_batch
+from .cache import Cache
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
@@ -35,17 +36,6 @@ from .verify import verify, verify_greedy_many
 
 
 @runtime_checkable
-class Cache(Protocol):
-    """A sequence's target cache: `length` committed positions, rolled back by crop (pointer / slot)."""
-
-    length: int
-    max_len: int  # the longest context it holds: a step verifies at most max_len - length positions
-    prefill: bool  # set before a prompt prefill (never cropped inside); reset by the next forward
-
-    def crop(self, length: int) -> None: ...
-
-
-@runtime_checkable
 class Target(Protocol):
     """A causal LM the engine verifies with (DenseLM, HybridLM)."""
 
@@ -53,9 +43,11 @@ class Target(Protocol):
     vocab_size: int
 
     def new_cache(self) -> Cache: ...
-    def forward_tokens(self, tokens: Tensor, cache: Cache, exact: bool = False, logits: bool = True) -> TargetOutput:
-        """tokens (T,) appended at cache.length -> TargetOutput (T rows); logits=False: the logits may be left out (None,
-        the LM head skipped: a prompt's prefill whose logits the drafter does not read)."""
+    def forward_tokens(self, tokens: Tensor, cache: Cache, exact: bool = False, logits: bool = True, tree=None,
+                       prefill: bool = False) -> TargetOutput:
+        """tokens (T,) appended at cache.length -> TargetOutput (T rows) (models/forward.run): exact, one-position
+        forwards; logits=False, the LM head may be skipped (None); tree, a token tree's rows; prefill, a prompt (never
+        cropped inside)."""
         ...
     def head(self, hidden: Tensor) -> Tensor: ...
 
@@ -262,6 +254,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     `storage`: their KV slots 0..B-1 for a batched forward). Returns what a depth policy learns from."""
     t0 = perf_counter()
     drafts, draft_s, batched = propose(seqs, depths)  # 1. draft
+    # a tree's nodes may outnumber its depth: its window is cut to the context left, as a chain's depth is
+    drafts = [d.first(s.max_seq_len - s.cache.length - 1) if d.is_tree else d for d, s in zip(drafts, seqs)]
     t1 = perf_counter()
     starts = [s.cache.length for s in seqs]
     tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence
@@ -399,8 +393,8 @@ class Engine:
             return
         if self.max_batch > 1:
             if self.storage is None:
-                self.storage = SlotKV(kv_of(seq.cache), self.max_batch)
-            self.storage.bind(kv_of(seq.cache), len(self.running))
+                self.storage = SlotKV(seq.cache.kv, self.max_batch)
+            self.storage.bind(seq.cache.kv, len(self.running))
         self.running.append(seq)
 
     def _retire(self) -> None:
@@ -418,7 +412,7 @@ class Engine:
             last = self.running.pop()
             if last is not s:
                 if self.storage is not None:
-                    self.storage.move(kv_of(last.cache), i)
+                    self.storage.move(last.cache.kv, i)
                 self.running[i] = last
             if self.depth is not None:
                 self.depth.drop(s.id)

@@ -38,6 +38,14 @@ class Draft:
     def empty() -> "Draft":
         return Draft(tokens=torch.empty(0, dtype=torch.long))
 
+    def first(self, n: int) -> "Draft":
+        """Its first n tokens: a chain's prefix, or a tree's first n nodes (a node comes after its parent, so they are a
+        tree)."""
+        if self.size <= n:
+            return self
+        cut = slice(0, max(n, 0))
+        return Draft(self.tokens[cut], None if self.q is None else self.q[cut], None if self.parents is None else self.parents[cut])
+
 
 @dataclass(frozen=True)
 class Verdict:

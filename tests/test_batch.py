@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mtpspec
-from mtpspec.batching import SlotKV, forward_batch, kv_of, stack_rows
+from mtpspec.batching import SlotKV, forward_batch, stack_rows
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, Session, generate_tokens
 from mtpspec.errors import ConfigError
@@ -188,11 +188,11 @@ def test_per_sequence_rollback_property_fp64():
     rng = random.Random(0)
     b_n = 3
     caches = [m.new_cache() for _ in range(b_n)]
-    storage = SlotKV(kv_of(caches[0]), b_n)
+    storage = SlotKV(caches[0].kv, b_n)
     kept: list[list[int]] = [[rng.randrange(64)] for _ in range(b_n)]
     rows: list[list[torch.Tensor]] = [[] for _ in range(b_n)]
     for b, c in enumerate(caches):
-        storage.bind(kv_of(c), b)
+        storage.bind(c.kv, b)
     for step in range(12):
         tokens = [torch.tensor([kept[b][-1]] + [rng.randrange(64) for _ in range(rng.randrange(6) if step % 4 < 2 else 0)])
                   for b in range(b_n)]

@@ -337,3 +337,15 @@ def test_tree_auto_measures_chain_and_trees_and_stays_lossless(stories):
         arm = sizer.next()
         sizer.observe(arm, (3, 4, 5, 5)[arm], (1.0, 1.5, 1.2, 2.0)[arm])
     assert TreeSizer.ARMS[sizer.next()] == 8
+
+
+@pytest.mark.parametrize("drafter, head", [("ngram", None), ("mtp", HEADS + "mtp")])
+def test_a_tree_near_the_context_end_is_cut_to_the_room_left(stories, drafter, head):
+    """A token tree whose window would pass the context's end is cut to the positions left (as a chain's depth is):
+    generation stops with finish_reason "context" and plain greedy's tokens, never a context-full error mid-run."""
+    ids = stories.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.") * 20
+    ids = ids[: stories.module.max_seq_len - 40]  # 40 positions left: the last steps have fewer than a tree's nodes
+    plain = stories.generate(ids, drafter="none", max_new_tokens=96)
+    got = stories.generate(ids, drafter=drafter, draft_model=head, k=1, tree=8, max_new_tokens=96)
+    assert got.finish_reason == plain.finish_reason == "context"
+    assert got.tokens == plain.tokens

@@ -220,7 +220,7 @@ class CompiledStep(_Compiled):
         self.window_form = dn is not None and dn.nv * dn.dk * dn.dv >= WINDOW_FORM_STATE
 
     def handles(self, t: int, cache) -> bool:
-        kv = cache.kv if self.hybrid else cache
+        kv = cache.kv
         # a KV cache that is a slot of the batched engine's storage (a strided view) runs eagerly: graphs are built
         # for the one-sequence buffer's layout
         return kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
@@ -230,7 +230,7 @@ class CompiledStep(_Compiled):
         """Build (or load from the disk cache) the graph of every width in `widths` for every span a window ending at
         positions lo..hi falls in, on a scratch cache, so that none is built inside a timed run (mtpspec bench)."""
         cache = self.module.new_cache()
-        kv = cache.kv if self.hybrid else cache
+        kv = cache.kv
         for s, below in spans(lo, hi, kv.max_len):
             start = max(below, 1)  # a window of t <= max_width rows after `start` ends inside the span
             if cache.length < start:
@@ -243,7 +243,7 @@ class CompiledStep(_Compiled):
 
     def __call__(self, tokens: Tensor, cache) -> TargetOutput:
         t = tokens.shape[0]
-        kv = cache.kv if self.hybrid else cache
+        kv = cache.kv
         start = cache.length
         if start + t > kv.max_len:
             raise ConfigError(f"context full: {start + t} positions exceed the model's context of {kv.max_len}")
