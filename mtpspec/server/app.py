@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cli import auto_drafter
 from ..drafters import KNOWN
 from ..errors import ConfigError, MtpspecError
 from .metrics import ServerMetrics
@@ -175,7 +176,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
 
 
 def speculation(served: Served, name: str, options: ServeOptions) -> Speculation:
-    """What model `name` drafts with: --drafter (auto: its own MTP head, else n-gram lookup) and the first
+    """What model `name` drafts with: --drafter (auto: cli.auto_drafter, its own MTP head, else n-gram lookup) and the first
     served draft model or head that fits it; a drafter that fits no served draft model is a start-up error."""
     drafter = options.drafter
     if drafter not in KNOWN + ("auto",):
@@ -183,8 +184,8 @@ def speculation(served: Served, name: str, options: ServeOptions) -> Speculation
     if options.mtp_lookup and drafter not in ("mtp", "auto"):
         raise ConfigError(f"--mtp-lookup is an option of --drafter mtp (or auto), not of --drafter {drafter}")
     menu = {d["name"]: d for d in served.menus[name]}
-    if drafter == "auto":
-        drafter = "mtp" if menu["mtp"]["own"] else "ngram"
+    if drafter == "auto":  # the one rule, shared with `mtpspec generate`
+        drafter = auto_drafter(served.models[name].module)
     opts = (("mtp_lookup", options.mtp_lookup),) if options.mtp_lookup and drafter == "mtp" else ()  # (auto's n-gram: no)
     if drafter in ("none", "ngram") or menu[drafter]["own"]:
         return Speculation(drafter, None, options.k, opts)
