@@ -279,8 +279,9 @@ def validation_message(errors: list[dict], body, rules: dict[str, str]) -> tuple
 
 
 def _plain(msg: str) -> str:
-    """pydantic's sentence with the subject dropped: 'Input should be a valid integer' -> 'must be a valid integer'."""
-    return re.sub(r"^(Input|Value) should", "must", msg)
+    """pydantic's sentence with its subject dropped: 'Input should be a valid integer' -> 'must be a valid integer',
+    'List should have at most 8 items after validation, not 9' -> 'must have at most 8 items, not 9'."""
+    return re.sub(r"^(Input|Value|String|List|Dictionary|Object|Tuple|Set) should", "must", msg).replace(" after validation", "")
 
 
 def _at(body, path: tuple):
