@@ -10,22 +10,50 @@ import json
 import sys
 from typing import Callable
 
-from .errors import MtpspecError
+from .errors import ConfigError, MtpspecError
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
+# Each subcommand's line in `mtpspec --help` (a module may give its own to `command(name, help=...)`).
+HELP: dict[str, str] = {
+    "generate": "generate text after a prompt, with speculative decoding (lossless: the target's own output)",
+    "demo": "run the shipped demo: plain vs speculative decoding on a few TinyStories prompts",
+    "bench": "measure acceptance, speedup and cost per drafter and draft length on a prompt set (JSON, markdown, PNG)",
+    "trace": "draw plain vs speculative decoding of the same prompt as an HTML timeline and a PNG",
+    "train": "train a model (pretrain, long context), a draft head (mtp, eagle, medusa) or a native MTP module; evaluate them",
+    "loadtest": "load-test `mtpspec serve` on loopback: throughput and latency per concurrency and speculation",
+}
 
-def command(name: str):
-    """Register a subcommand: decorate `run(args) -> int`, given `add_args(parser)`."""
+
+def command(name: str, help: str | None = None):  # noqa: A002 - argparse's word
+    """Register a subcommand: decorate `run(args) -> int`, given `add_args(parser)`; `help` is its one line in
+    `mtpspec --help`."""
 
     def deco(add_args):
         def wrap(run):
             COMMANDS[name] = (add_args, run)
+            if help is not None:
+                HELP[name] = help
             return run
 
         return wrap
 
     return deco
+
+
+AUTO_DRAFTER = "the model's own MTP head when it has one, else prompt lookup (ngram)"
+
+
+def auto_drafter(module) -> str:
+    """What `--drafter auto` drafts with, the default of `generate` and `serve`: "mtp" when the model has an MTP
+    module of its own (the mtp drafter builds without a draft model), else "ngram" (needs nothing)."""
+    from .drafters import make_drafter
+
+    try:
+        make_drafter("mtp", module)
+    except MtpspecError:
+        return "ngram"
+    return "mtp"
 
 
 def parse_k(text: str) -> int | str:
@@ -94,7 +122,9 @@ def load_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="none", help="none | ngram | lookahead | suffix | draft | mtp | medusa | eagle")
+    p.add_argument("--drafter", default="auto",
+                   help=f"auto | none | ngram | lookahead | suffix | draft | mtp | medusa | eagle; auto: {AUTO_DRAFTER} "
+                        "(default: %(default)s)")
     p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
     p.add_argument("--k", type=parse_k, default=4, help="draft length D per step (>= 1), or 'auto'")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -168,11 +198,19 @@ def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
     use_threads(args.threads)
+    if args.drafter == "auto" and args.draft_model is not None:
+        raise ConfigError("--draft-model needs --drafter draft, mtp, eagle or medusa (the default, auto, drafts with the "
+                          "model's own MTP head or prompt lookup)")
     model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
+    kwargs = generation_kwargs(args)
+    if args.drafter == "auto":
+        kwargs["drafter"] = auto_drafter(model.module)
+        if kwargs["drafter"] == "ngram":
+            kwargs["mtp_lookup"] = None  # --mtp-lookup is the MTP drafter's: moot when auto chose prompt lookup (as serve)
     on_text, echo = None, _Echo(args.prompt)
     if not args.json:  # the prompt is echoed with the first text: after every setting has been validated
         on_text = echo
-    res = model.generate(args.prompt, on_text=on_text, **generation_kwargs(args))
+    res = model.generate(args.prompt, on_text=on_text, **kwargs)
     if args.json:
         print(json.dumps(res.to_json()))
     else:
@@ -204,10 +242,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     _load_optional_commands()
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="mtpspec", description="Lossless speculative decoding with MTP")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"mtpspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name))
+        add_args(sub.add_parser(name, help=HELP.get(name), description=HELP.get(name)))
     return parser
 
 

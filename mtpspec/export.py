@@ -194,18 +194,42 @@ def export_hf(module, out: str | Path, bos_id: int | None = 1, eos_id: int | lis
     except OSError as e:
         raise ConfigError(f"cannot create the export directory {out}: {e.strerror or e}") from None
     sd = hf_state_dict(module, cfg)
-    _write_json(out / "config.json", cfg)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        _write_json(out / "config.json", cfg)
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        tok_cfg = write_tokenizer(tokenizer, out, module.max_seq_len) if tokenizer is not None else {}
+    except OSError as e:
+        raise ConfigError(f"cannot write the export in {out}: {e.strerror or e}") from None
     stops = list(getattr(tokenizer, "stop_ids", ()) or ())
-    tok_cfg = write_tokenizer(tokenizer, out, module.max_seq_len) if tokenizer is not None else {}
     pad = tok_cfg.get("pad_token")
     if stops and eos_id in stops:  # EOS first, then the other stop ids (llama2.c stops at BOS too)
         stops = [eos_id] + [i for i in stops if i != eos_id]
     gen = {"bos_token_id": bos_id, "eos_token_id": _one_or_list(stops) if stops else eos_id, "do_sample": False}
     if pad is not None:
         gen["pad_token_id"] = tokenizer.to_hf().token_to_id(pad)
-    _write_json(out / "generation_config.json", gen)
+    try:
+        _write_json(out / "generation_config.json", gen)
+    except OSError as e:
+        raise ConfigError(f"cannot write the export in {out}: {e.strerror or e}") from None
     return out
+
+
+HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json")  # what export_hf writes
+
+
+def refuse_overwrite(out: str | Path, fmt: str, force: bool) -> None:
+    """`mtpspec export` never replaces an earlier export unless --force: a GGUF file that exists, or any file of
+    HF_FILES in the output directory, is a ConfigError naming it (checked before the model loads)."""
+    out = Path(out)
+    if fmt == "gguf":
+        taken = [out] if out.exists() and not out.is_dir() else []  # a directory: write_gguf's own error
+    elif out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: --format hf writes a directory")
+    else:
+        taken = [out / f for f in HF_FILES if (out / f).exists()]
+    if taken and not force:
+        raise ConfigError(f"{taken[0]} exists: give --force to overwrite it, or another --out")
 
 
 def write_tokenizer(tokenizer, out: Path, max_len: int) -> dict:
@@ -328,13 +352,16 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="hf: a Hugging Face checkpoint directory (default); gguf: one GGUF file for llama.cpp")
     p.add_argument("--outtype", default=None, help="GGUF tensor type: f32 (default), f16, bf16 or q8_0 (--format gguf only)")
     p.add_argument("--no-check", action="store_true", help="skip the logits and tokenizer checks against transformers (hf)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing GGUF file, or an earlier export's files in the --out directory (default: refuse)")
 
 
 CHECK_TEXTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside.",
                "def parse_args(argv):\n    \"\"\"Parse the command line.\"\"\"\n    return argv[1:]  # caf\u00e9 \u2713"]
 
 
-@command("export")(_args)
+@command("export", help="write a model as a Hugging Face checkpoint directory (--format hf) or one GGUF file for "
+                        "llama.cpp (--format gguf)")(_args)
 def run_export(args: argparse.Namespace) -> int:
     from .api import load
 
@@ -345,6 +372,7 @@ def run_export(args: argparse.Namespace) -> int:
         return _run_export_gguf(args, path)
     if args.outtype is not None:
         raise ConfigError("--outtype sets the GGUF tensor type: use it with --format gguf")
+    refuse_overwrite(args.out, "hf", args.force)
     model = load(path, args.tokenizer, "fp32")
     out = export_hf(model.module, args.out, *special_ids(model.tokenizer), tokenizer=model.tokenizer)
     print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir() if p.is_file())))
@@ -373,6 +401,7 @@ def _run_export_gguf(args: argparse.Namespace, path: str) -> int:
     outtype = args.outtype or "f32"
     if outtype not in OUTTYPES:
         raise ConfigError(f"--outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    refuse_overwrite(args.out, "gguf", args.force)
     model = load(path, args.tokenizer, "fp32")
     done = write_gguf(model.module, model.tokenizer, args.out, outtype)
     note = f"; {len(done.fallback_f16)} matrices f16 (rows not a multiple of 32)" if done.fallback_f16 else ""

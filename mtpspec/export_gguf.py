@@ -123,10 +123,12 @@ def write_gguf(module, tokenizer, out: str | Path, outtype: str = "f32") -> GGUF
         if qtype != t.qtype:
             fallback.append(t.name)
         writer.add_tensor(t.name, data, raw_dtype=_QTYPE(gguf)[qtype])
-    try:
+    try:  # the file is opened here (GGUFWriter opens it on the first write)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+    except OSError as e:
+        raise ConfigError(f"cannot write the GGUF file {out}: {e.strerror or e}") from None
     finally:
         writer.close()
     return GGUFExport(path=out, arch=arch, tensors=len(tensors), bytes=out.stat().st_size, fallback_f16=tuple(fallback))

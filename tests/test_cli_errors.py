@@ -286,3 +286,42 @@ def test_a_reader_that_goes_away_is_no_traceback(assets, monkeypatch, capsys):
         rc = main(["generate", "Once upon a time", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
                    "--max-new-tokens", "8"])
     assert rc == 141 and "Traceback" not in capsys.readouterr().err
+
+
+def test_version_and_every_subcommand_described(capsys):
+    from mtpspec.cli import COMMANDS, HELP
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"mtpspec {mtpspec.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert set(COMMANDS) >= {"generate", "serve", "export", "demo", "bench", "trace", "train", "loadtest"}
+    for name in COMMANDS:  # each listed with its one line (argparse may wrap it: compare the first words)
+        assert HELP.get(name), name
+        assert f"{name}  " in out and " ".join(HELP[name].split()[:3]) in " ".join(out.split()), name
+
+
+def test_generate_and_serve_default_to_the_same_drafter(capsys, model_args, stories):
+    """One rule (cli.auto_drafter): the model's own MTP head, else prompt lookup; generate's default speculates, and
+    its greedy text is plain decoding's."""
+    import json
+
+    from mtpspec.cli import auto_drafter, build_parser
+    from mtpspec.server.options import ServeOptions
+
+    demo = mtpspec.load("demo")
+    assert auto_drafter(demo.module) == "mtp" and auto_drafter(stories.module) == "ngram"
+    assert build_parser().parse_args(["generate", "x", "--model", "m"]).drafter == "auto" == ServeOptions().drafter
+    rc, out, err = run_out(capsys, "generate", "Once upon a time", *model_args, "--max-new-tokens", "40", "--json")
+    res = json.loads(out)
+    assert rc == 0 and res["stats"]["draft_tokens"] > 0
+    assert res["tokens"] == stories.generate("Once upon a time", max_new_tokens=40).tokens
+    rc, out, err = run_out(capsys, "generate", "def f():", "--model", "demo", "--max-new-tokens", "8", "--json",
+                           "--mtp-lookup", "4")
+    assert rc == 0 and json.loads(out)["tokens"] == demo.generate("def f():", max_new_tokens=8).tokens
+    rc, out, err = run_out(capsys, "generate", "hi", *model_args, "--max-new-tokens", "4", "--mtp-lookup", "4")
+    assert rc == 0  # auto chose prompt lookup: the MTP drafter's option is moot, as serve takes it
+    rc, out, err = run_out(capsys, "generate", "hi", *model_args, "--draft-model", str(HEADS / "stories260K-mtp"))
+    assert rc == 2 and "--draft-model needs --drafter" in err and out == ""

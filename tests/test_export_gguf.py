@@ -395,6 +395,33 @@ def test_cli(capsys, assets, tmp_path):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_cli_refuses_to_overwrite_and_names_an_unwritable_path(capsys, assets, tmp_path):
+    """An existing file (GGUF) or an earlier export's files (hf) are kept unless --force; a path that cannot be
+    written is one line, exit 2, no traceback."""
+    m = assets / "models"
+    model = ["--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin")]
+    out = tmp_path / "s.gguf"
+    out.write_bytes(b"keep me")
+    assert main(["export", *model, "--format", "gguf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtpspec: error: ") and str(out) in err and "--force" in err and err.count("\n") == 1
+    assert out.read_bytes() == b"keep me"
+    assert main(["export", *model, "--format", "gguf", "--out", str(out), "--force"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert main(["export", *model, "--out", str(hf), "--no-check"]) == 2
+    err = capsys.readouterr().err
+    assert str(hf / "config.json") in err and "--force" in err and (hf / "config.json").read_text() == "{}"
+    assert main(["export", *model, "--out", str(out), "--no-check"]) == 2  # a file, not a directory
+    assert "is a file" in capsys.readouterr().err
+    if Path("/proc").is_dir():
+        assert main(["export", *model, "--format", "gguf", "--out", "/proc/mtpspec-export-test"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mtpspec: error: cannot write the GGUF file /proc/mtpspec-export-test") and err.count("\n") == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # llama.cpp itself (slow; skipped without its binaries)
 

@@ -9,7 +9,7 @@ def test_golden_greedy_through_cli(assets, capsys):
     m = assets / "models"
     golden = (m / "stories260K_greedy_golden.txt").read_bytes()
     rc = main(["generate", "", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
-               "--temperature", "0", "--max-new-tokens", "256"])
+               "--temperature", "0", "--max-new-tokens", "256", "--drafter", "none"])
     assert rc == 0
     out = capsys.readouterr().out
     assert out.encode("utf-8").rstrip(b"\n") == golden
@@ -18,7 +18,7 @@ def test_golden_greedy_through_cli(assets, capsys):
 def test_golden_json_and_every_drafter(assets, capsys):
     m = assets / "models"
     golden = (m / "stories260K_greedy_golden.txt").read_text(encoding="utf-8")
-    for extra in ([], ["--drafter", "ngram", "--k", "4"], ["--drafter", "draft", "--draft-model", str(m / "stories260K_q80.bin"), "--k", "5"]):
+    for extra in (["--drafter", "none"], [], ["--drafter", "ngram", "--k", "4"], ["--drafter", "draft", "--draft-model", str(m / "stories260K_q80.bin"), "--k", "5"]):
         rc = main(["generate", "", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
                    "--max-new-tokens", "256", "--json", *extra])
         assert rc == 0

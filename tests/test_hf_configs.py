@@ -187,7 +187,7 @@ def test_greedy_equals_transformers_and_drafting_is_lossless(ckpt, capsys):
     ids = torch.tensor([tok.encode("w3 w5 w7 w9 w11")])
     with torch.no_grad():
         hf = ref.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
-    plain = _generate(capsys, d)["tokens"]
+    plain = _generate(capsys, d, "--drafter", "none")["tokens"]
     assert plain == hf[0, ids.shape[1]:].tolist(), kind
     for mode in ([], ["--exact"]):
         res = _generate(capsys, d, "--drafter", "ngram", "--k", "4", *mode)

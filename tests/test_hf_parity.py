@@ -199,7 +199,7 @@ def _same_up_to_a_tie(ours: list[int], theirs: list[int], prompt: torch.Tensor, 
 def test_cli_greedy_equals_transformers_generate(ckpt, fp64, capsys):
     kind, d, ref, _, tok = ckpt
     ulps = TIE_ULPS["hybrid" if kind in HYBRID else "dense"]
-    res = _generate_json(capsys, d)
+    res = _generate_json(capsys, d, "--drafter", "none")
     ids = torch.tensor([tok.encode("w3 w5 w7 w9 w11")])
     assert res["prompt_tokens"] == ids[0].tolist()
     with torch.no_grad():

@@ -87,7 +87,7 @@ def test_fp64_end_to_end_every_drafter_identical(assets, capsys):
     base = ["generate", PROMPTS[0], "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
             "--dtype", "fp64", "--max-new-tokens", "48", "--json"]
     runs = {}
-    for extra in ([], ["--drafter", "ngram", "--k", "3"], ["--drafter", "draft", "--draft-model", str(m / "stories260K_q80.bin"), "--k", "4"]):
+    for extra in (["--drafter", "none"], ["--drafter", "ngram", "--k", "3"], ["--drafter", "draft", "--draft-model", str(m / "stories260K_q80.bin"), "--k", "4"]):
         assert main(base + extra) == 0
         runs[" ".join(extra)] = json.loads(capsys.readouterr().out)["tokens"]
     assert len(set(map(tuple, runs.values()))) == 1, runs

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import re
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Annotated
@@ -28,10 +30,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cli import auto_drafter
 from ..drafters import KNOWN
 from ..errors import ConfigError, MtpspecError
 from .metrics import ServerMetrics
-from .openai_api import Busy, create_router, error_body, unicode_text as _unicode
+from .openai_api import RULES, Busy, create_router, error_body, unicode_text as _unicode
 from .options import ServeOptions
 from .registry import Served
 from .scheduler import Scheduler, Speculation
@@ -101,9 +104,12 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
     app = FastAPI(title="mtpspec", description="Lossless speculative decoding: an OpenAI-compatible API and the verify page.",
                   lifespan=lifespan)
     app.state.schedulers, app.state.metrics, app.state.options = schedulers, metrics, options
-    app.add_middleware(RequestCounter, metrics=metrics)
+    # outermost last: every answer is counted (401, 413 and 415 too), the size is checked before the key, the key
+    # before the content type
+    app.add_middleware(JsonOnly)
     app.add_middleware(ApiKey, key=options.api_key)
     app.add_middleware(BodyLimit, limit=MAX_BODY)
+    app.add_middleware(RequestCounter, metrics=metrics)
     _error_handlers(app)
     app.include_router(create_router(served, schedulers, options))
 
@@ -170,7 +176,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
 
 
 def speculation(served: Served, name: str, options: ServeOptions) -> Speculation:
-    """What model `name` drafts with: --drafter (auto: its own MTP head, else n-gram lookup) and the first
+    """What model `name` drafts with: --drafter (auto: cli.auto_drafter, its own MTP head, else n-gram lookup) and the first
     served draft model or head that fits it; a drafter that fits no served draft model is a start-up error."""
     drafter = options.drafter
     if drafter not in KNOWN + ("auto",):
@@ -178,8 +184,8 @@ def speculation(served: Served, name: str, options: ServeOptions) -> Speculation
     if options.mtp_lookup and drafter not in ("mtp", "auto"):
         raise ConfigError(f"--mtp-lookup is an option of --drafter mtp (or auto), not of --drafter {drafter}")
     menu = {d["name"]: d for d in served.menus[name]}
-    if drafter == "auto":
-        drafter = "mtp" if menu["mtp"]["own"] else "ngram"
+    if drafter == "auto":  # the one rule, shared with `mtpspec generate`
+        drafter = auto_drafter(served.models[name].module)
     opts = (("mtp_lookup", options.mtp_lookup),) if options.mtp_lookup and drafter == "mtp" else ()  # (auto's n-gram: no)
     if drafter in ("none", "ngram") or menu[drafter]["own"]:
         return Speculation(drafter, None, options.k, opts)
@@ -196,7 +202,7 @@ def _one_line(text: str, limit: int = 500) -> str:
 
 
 _KIND = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+         413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def _error(message: str, status: int, headers: dict | None = None, param: str | None = None) -> JSONResponse:
@@ -217,9 +223,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        param = ".".join(str(x) for x in errors[0].get("loc", ())[1:]) or None if errors else None
-        return _error("; ".join(_validation_message(e) for e in errors) or "invalid request", 400, param=param)
+        message, param = validation_message(exc.errors(), exc.body, RULES.get(request.url.path, {}))
+        return _error(message, 400, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -233,12 +238,74 @@ def _error_handlers(app: FastAPI) -> None:
         return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
 
-def _validation_message(e: dict) -> str:
-    """'field: what is wrong' from one pydantic error (loc = ('body', field, ...))."""
-    if e.get("type") == "json_invalid":
-        return f"body: invalid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
-    where = ".".join(str(x) for x in e.get("loc", ())[1:]) or "body"
-    return f"{where}: {e.get('msg')}"
+_BRANCH = re.compile(r"^(str|int|float|bool|list|dict|none)$|[^a-z0-9_]")  # a union branch's tag in a loc, not a field
+
+
+def validation_message(errors: list[dict], body, rules: dict[str, str]) -> tuple[str, str | None]:
+    """(message, param) of a 400 from pydantic's errors, in the client's words: param is the top-level field as
+    sent; the message, one per field, "FIELD: [where] must be ..., got VALUE" from `rules` (field -> "must be ...",
+    or a whole message that starts with the field's name: an unsupported parameter), else pydantic's sentence
+    without its union branches and character offsets."""
+    fields: dict[object, list[dict]] = {}
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return f"body: invalid JSON ({e.get('ctx', {}).get('error', 'decode error')})", None
+        loc = tuple(e.get("loc", ()))[1:]  # loc[0] is "body"
+        fields.setdefault(loc[0] if loc else None, []).append(e)
+    parts = []
+    for field, errs in fields.items():
+        if field is None:
+            parts.append("body: required: send a JSON object" if errs[0].get("type") == "missing" else "body: must be a JSON object")
+            continue
+        whole = rules.get(field, "")
+        if whole.startswith((f"{field} ", f"{field}:")):
+            parts.append(whole)
+            continue
+        e = next((e for e in errs if e.get("type") == "value_error"), errs[0])  # our own validators' words first
+        path = tuple(x for x in tuple(e.get("loc", ()))[2:] if isinstance(x, int) or not _BRANCH.search(str(x)))
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".")
+        rule = rules.get(([field] + [x for x in path if isinstance(x, str)])[-1])
+        kind = e.get("type")
+        if kind == "extra_forbidden":
+            what = "is an unknown field" if path else "unknown parameter"
+        elif kind == "missing":
+            what = "is required" if path else "required"
+        elif kind == "value_error":
+            what = str(e.get("msg", "")).removeprefix("Value error, ")
+        else:
+            what = f"{rule or _plain(e.get('msg', 'invalid'))}, got {_shown(_at(body, (field, *path)))}"
+        parts.append(f"{field}: {where + ' ' if where else ''}{what}")
+    return "; ".join(parts) or "invalid request", next((f for f in fields if f is not None), None)
+
+
+def _plain(msg: str) -> str:
+    """pydantic's sentence with its subject dropped: 'Input should be a valid integer' -> 'must be a valid integer',
+    'List should have at most 8 items after validation, not 9' -> 'must have at most 8 items, not 9'."""
+    return re.sub(r"^(Input|Value|String|List|Dictionary|Object|Tuple|Set) should", "must", msg).replace(" after validation", "")
+
+
+def _at(body, path: tuple):
+    """The value at `path` in the request body (what the client sent), or a marker when it is not there."""
+    for key in path:
+        try:
+            body = body[key]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return body
+
+
+_MISSING = object()
+
+
+def _shown(value) -> str:
+    """A short JSON rendering of a value the client sent (its type shows: "8" is a string, 8 a number)."""
+    if value is _MISSING:
+        return "something else"
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class BodyLimit:
@@ -297,8 +364,29 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+class JsonOnly:
+    """ASGI middleware: a POST body on an API route must say `Content-Type: application/json`, else 415.
+
+    415 rather than parsing whatever came: the header is the client's word on what it sent, and reading a form body
+    (what `curl -d` sends) as JSON would hide that mistake from the next client that sends a real form."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in POST_ROUTES:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+        if given.split(";")[0].strip().lower() != "application/json":
+            got = f"got {given[:80]!r}" if given else "no Content-Type was given"
+            return await _error(f"body: send a JSON object with the header 'Content-Type: application/json' ({got}; "
+                                "curl: --json BODY, or -H 'Content-Type: application/json' -d BODY)", 415)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class RequestCounter:
-    """ASGI middleware: every answered request counted by route and status (mtpspec_requests_total)."""
+    """ASGI middleware, the outermost: every answer counted by route and status (mtpspec_requests_total), the
+    middlewares' own (401, 413, 415) and an unhandled error's 500 included."""
 
     def __init__(self, app, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -308,14 +396,23 @@ class RequestCounter:
             return await self.app(scope, receive, send)
         path = scope["path"]
         route = path if path in ROUTES else "other"
+        started = False
 
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.request(route, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:  # Starlette's outermost handler answers it 500 (the `Exception` handler above)
+                self.metrics.request(route, 500)
+            raise
 
 
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
           "/api/health", "/api/models", "/api/load", "/api/verify", "/api/step")
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/api/load", "/api/verify", "/api/step")

@@ -10,7 +10,7 @@ import argparse
 import os
 import socket
 
-from ..cli import add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
+from ..cli import AUTO_DRAFTER, add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
 from ..errors import ConfigError
 from ..heap import frozen_heap
 
@@ -25,7 +25,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="a draft model (drafter 'draft') or a trained head folder (mtp / eagle / medusa) to serve (repeatable): "
                         "the verify page offers each; --drafter uses the first that fits each model")
     p.add_argument("--drafter", default="auto",
-                   help="what generation drafts with: auto (default: the model's own MTP head, else ngram), none (no "
+                   help=f"what generation drafts with: auto (default, as `mtpspec generate`: {AUTO_DRAFTER}), none (no "
                         "speculation), ngram, mtp, draft, eagle or medusa (these three need a fitting --draft-model)")
     p.add_argument("--k", default="auto", metavar="N|auto",
                    help="draft length D, or auto (default): chosen per sequence from acceptance and the whole batch's "
@@ -52,7 +52,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
 
 
-@command("serve")(_serve_args)
+@command("serve", help="serve models over HTTP: an OpenAI-compatible API with speculative decoding, the live verify "
+                       "page, Prometheus metrics")(_serve_args)
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 

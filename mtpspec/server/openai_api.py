@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, AfterValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ..api import Model
 from ..engine import TokenLogprob
@@ -34,6 +34,7 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 200
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
+DISCONNECT_POLL_S = 0.25  # how often a request in flight checks that its client is still connected
 
 
 def unicode_text(text: str) -> str:
@@ -50,19 +51,23 @@ Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)
 
 
 class Body(BaseModel):
-    """Unknown fields are errors (a misspelt `max_token` is not silently ignored)."""
+    """Strict JSON types (no "8" for 8, no true for 1, no 1 for true); unknown fields are errors (a misspelt
+    `max_token` is not silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Body):
     include_usage: bool = False
 
 
-class Sampling(Body):
-    """The fields both endpoints share."""
+NOT_NULLABLE = ("model", "prompt", "messages")  # required by OpenAI (model too), so a null there is a client's bug
 
-    model: Annotated[str, StringConstraints(max_length=200)] | None = Field(None, description="a served model (GET /v1/models); default: the first")
+
+class Sampling(Body):
+    """The fields both endpoints share. An explicit null is "not given" (OpenAI's rule), except in NOT_NULLABLE."""
+
+    model: Annotated[str, StringConstraints(max_length=200)] = Field(None, description="a served model (GET /v1/models); omitted: the first")
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's, clipped by the context)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (equals `mtpspec generate`)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -77,6 +82,13 @@ class Sampling(Body):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not supported: only empty")
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in NOT_NULLABLE}
+        return data
 
 
 class CompletionRequest(Sampling):
@@ -100,6 +112,50 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# What a request's field must be, in plain words, for the 400 that names it (app.validation_message): the
+# validation library's own wording (union branches, "should be <= 0") is not the client's vocabulary.
+_SHARED_RULES = {
+    "model": "must be a served model's name, a string (GET /v1/models lists them); omit it for the server's first",
+    "max_tokens": "must be an integer >= 1",
+    "temperature": "must be a number in [0, 2]",
+    "top_p": "must be a number in (0, 1]",
+    "top_k": "must be an integer >= -1 (0 or -1: off)",
+    "stream": "must be true or false",
+    "stream_options": 'must be an object {"include_usage": true or false}',
+    "include_usage": "must be true or false",
+    "stop": f"must be a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOPS} such strings",
+    "stop_token_ids": f"must be a list of at most {MAX_STOPS} token ids (integers)",
+    "seed": "must be an integer in [0, 2**63)",
+    "user": "must be a string of at most 256 characters",
+    "n": "n: only 1 is supported (one choice per request); send 1 or omit it",
+    "presence_penalty": "presence_penalty is not supported yet; send 0 or omit it",
+    "frequency_penalty": "frequency_penalty is not supported yet; send 0 or omit it",
+    "logit_bias": "logit_bias is not supported yet; send {} or omit it",
+}
+RULES = {  # route -> field -> "must be ..." (said after the field's name) or a whole message (it starts with the name)
+    "/v1/completions": {
+        **_SHARED_RULES,
+        "prompt": "must be a string, a list of token ids (integers) or a list holding one string",
+        "logprobs": f"must be an integer in [0, {MAX_LOGPROBS}]",
+        "echo": "echo is not supported yet; send false or omit it",
+        "best_of": "best_of: only 1 is supported; send 1 or omit it",
+        "suffix": "suffix is not supported; omit it",
+    },
+    "/v1/chat/completions": {
+        **_SHARED_RULES,
+        "messages": f"must be a list of 1 to {MAX_MESSAGES} messages, each an object {{role, content}}",
+        "role": "must be one of system, user, assistant, tool, developer",
+        "content": 'must be a string, a list of {"type": "text", "text": ...} parts, or null',
+        "name": "must be a string of at most 200 characters",
+        "tool_call_id": "must be a string of at most 200 characters",
+        "tool_calls": "must be a list of at most 64 objects",
+        "max_completion_tokens": "must be an integer >= 1",
+        "logprobs": "must be true or false",
+        "top_logprobs": f"must be an integer in [0, {MAX_LOGPROBS}]",
+    },
+}
 
 
 @dataclass
@@ -156,6 +212,13 @@ class Output:
         self.text += out
         return out
 
+    def rows(self, final: bool) -> int:
+        """Log-prob rows of the text released so far: the tokens whose text starts in it (a held-back token may
+        turn out to be part of a stop string; then it is never sent), and at the end without a stop, all."""
+        if final and not self.stopped:
+            return len(self.logprobs)
+        return sum(1 for _, _, offset in self.logprobs if offset < len(self.text))  # offsets never decrease
+
 
 def _stops(stop) -> tuple[str, ...]:
     if stop is None:
@@ -176,20 +239,20 @@ def _finish_reason(out: Output, reason: str) -> str:
     return "stop" if out.stopped or reason == "stop" else "length"
 
 
-def _completion_logprobs(out: Output, start: int) -> dict | None:
+def _completion_logprobs(out: Output, start: int, end: int) -> dict | None:
     if not out.want_logprobs:
         return None
-    rows = [r for r in out.logprobs[start:] if r[2] < len(out.text) or not out.stopped]
+    rows = out.logprobs[start:end]
     tok = out.model.tokenizer
     return {"tokens": [text for _, text, _ in rows], "token_logprobs": [lp.logprob for lp, _, _ in rows],
             "top_logprobs": [{tok.decode([i], prev=None): v for i, v in lp.top} for lp, _, _ in rows],
             "text_offset": [off for _, _, off in rows]}
 
 
-def _chat_logprobs(out: Output, start: int) -> dict | None:
+def _chat_logprobs(out: Output, start: int, end: int) -> dict | None:
     if not out.want_logprobs:
         return None
-    rows = [r for r in out.logprobs[start:] if r[2] < len(out.text) or not out.stopped]
+    rows = out.logprobs[start:end]
     tok = out.model.tokenizer
 
     def entry(text: str, lp: float) -> dict:
@@ -230,6 +293,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs)
 
     async def run(request: Request, req: Sampling, name: str, model: Model, sched: Scheduler, gen: GenRequest, chat: bool):
+        if req.stream_options is not None and not req.stream:
+            raise FieldError("stream_options", "only with stream: true (send stream: true, or omit stream_options)")
         try:
             handle = sched.submit(gen)
         except QueueFull as e:
@@ -289,14 +354,21 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         return {"status": "ok", "models": {n: {"running": len(s.engine.running), "waiting": s.queue_length()} for n, s in schedulers.items()}}
 
     async def _events(request: Request, handle: Handle):
-        """The request's events; a disconnected client cancels its sequence (checked while waiting)."""
+        """The request's events; a disconnected client cancels its sequence. The connection is checked every
+        DISCONNECT_POLL_S whether events come or not: a long answer emits a chunk every step, never a quiet moment."""
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_POLL_S
         while True:
             try:
-                event = await asyncio.wait_for(handle.events.get(), timeout=0.25)
+                event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if loop.time() >= check_at:
                 if await request.is_disconnected():
                     handle.cancel()
                     return
+                check_at = loop.time() + DISCONNECT_POLL_S
+            if event is None:
                 continue
             yield event
             if isinstance(event, (Finished, Failed)):
@@ -323,21 +395,22 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         reason = _finish_reason(out, result.reason)
         body = {"id": rid, "created": created, "model": name, "usage": _usage(out), "mtpspec": stats_field(result.result, sched.spec)}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": _chat_logprobs(out, 0), "finish_reason": reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": _chat_logprobs(out, 0, out.rows(True)),
+                      "finish_reason": reason}
             return {"object": "chat.completion", **body, "choices": [choice]}
-        choice = {"index": 0, "text": out.text, "logprobs": _completion_logprobs(out, 0), "finish_reason": reason}
+        choice = {"index": 0, "text": out.text, "logprobs": _completion_logprobs(out, 0, out.rows(True)), "finish_reason": reason}
         return {"object": "text_completion", **body, "choices": [choice]}
 
     async def _stream(request, handle, out: Output, sched, rid, created, name, chat, req):
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": name}
 
-        def chunk(text: str, start: int, reason=None, extra=None) -> bytes:
+        def chunk(text: str, start: int, end: int, reason=None, extra=None) -> bytes:
             if chat:
                 choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
-                          "logprobs": _chat_logprobs(out, start), "finish_reason": reason}
+                          "logprobs": _chat_logprobs(out, start, end), "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(out, start), "finish_reason": reason}
+                choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(out, start, end), "finish_reason": reason}
             return _sse({**head, "choices": [choice], **(extra or {})})
 
         done = False
@@ -350,9 +423,10 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
                     text = out.push(event)
                     if out.stopped:
                         handle.cancel()
-                    if text:
-                        yield chunk(text, sent)
-                        sent = len(out.logprobs)
+                    if text:  # the rows of the text sent, no more: the whole answer's rows, chunk by chunk
+                        end = out.rows(False)
+                        yield chunk(text, sent, end)
+                        sent = end
                 elif isinstance(event, Failed):
                     yield _sse(error_body(f"generation failed: {event.message}", "server_error"))
                     done = True
@@ -362,7 +436,7 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
                     extra = {"mtpspec": stats_field(event.result, sched.spec)}
                     if not (req.stream_options and req.stream_options.include_usage):
                         extra["usage"] = _usage(out)
-                    yield chunk(text, sent, _finish_reason(out, event.reason), extra)
+                    yield chunk(text, sent, out.rows(True), _finish_reason(out, event.reason), extra)
                     if req.stream_options and req.stream_options.include_usage:
                         yield _sse({**head, "choices": [], "usage": _usage(out)})
                     yield b"data: [DONE]\n\n"

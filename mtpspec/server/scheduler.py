@@ -33,7 +33,7 @@ AUTO_K_MAX = 8  # the deepest draft `--k auto` may choose
 
 
 class QueueFull(Exception):
-    """More requests wait than the server's --max-queue: the client should retry later (429)."""
+    """--max-queue requests already wait for a slot (every slot taken): the client should retry later (429)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Scheduler:
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[int, Handle] = {}
         self.seqs: dict[int, Sequence] = {}
-        self._adds = 0  # submitted, not yet in the engine
+        self._admitted = 0  # requests submitted and not yet answered (Finished or Failed posted): slots + queue
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"mtpspec-engine-{name}", daemon=True)
         self._thread.start()
@@ -118,15 +118,16 @@ class Scheduler:
     # ---- the event loop's side
 
     def queue_length(self) -> int:
-        """Requests waiting for a slot: submitted but not yet decoding."""
-        return self._adds + len(self.engine.waiting)
+        """Requests waiting for a slot: those admitted beyond the --max-batch that have one (a request that joins
+        a free slot, its prompt still prefilling, does not wait)."""
+        return max(0, self._admitted - self.max_batch)
 
     def submit(self, req: GenRequest) -> Handle:
-        """Queue a generation (QueueFull when --max-queue requests already wait)."""
+        """Queue a generation (QueueFull when every slot is taken and --max-queue requests already wait)."""
         with self._lock:
-            if self.queue_length() >= self.max_queue:
+            if self._admitted >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.queue_length()} requests are waiting for model {self.name!r} (the server's --max-queue)")
-            self._adds += 1
+            self._admitted += 1
         loop = asyncio.get_running_loop()
         handle = Handle(self, asyncio.Queue(), loop)
         self.inbox.put(("add", handle, req))
@@ -174,10 +175,8 @@ class Scheduler:
             try:
                 self._add(handle, req)
             except Exception as e:  # checked by the HTTP layer first: this is a bug, reported to the one client
+                self._answered(1)
                 handle.post(Failed(f"{type(e).__name__}: {e}"))
-            finally:
-                with self._lock:
-                    self._adds -= 1
         elif kind == "cancel":
             handle = item[1]
             if handle.sid is not None and handle.sid in self.handles:
@@ -217,6 +216,11 @@ class Scheduler:
         self.metrics.generated(len(toks))
         handle.post(Chunk(list(toks), list(seq.pending_logprobs)))
 
+    def _answered(self, n: int) -> None:
+        """n requests left the server's slots and queue (a client told of its end may send the next one at once)."""
+        with self._lock:
+            self._admitted -= n
+
     def _step(self) -> None:
         if self.model.threads and torch.get_num_threads() != self.model.threads:
             apply_threads(self.model.threads)
@@ -237,11 +241,13 @@ class Scheduler:
             handle = self.handles.pop(sid, None)
             self.seqs.pop(sid, None)
             if handle is not None:
+                self._answered(1)
                 handle.post(Finished(seq.finish_reason or "length", seq.result()))
 
     def _fail_all(self, message: str) -> None:
         """Every request in flight fails (the engine is replaced, or the server stops: it is not touched here, it may
         be the one that just raised)."""
+        self._answered(len(self.handles))
         for handle in self.handles.values():
             handle.post(Failed(message))
         self.handles.clear()
