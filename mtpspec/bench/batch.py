@@ -26,10 +26,8 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from ..heap import frozen_heap
-from .cli_shared import parse_counts, progress_bar
+from .common import log2_axis, median, parse_counts, progress_bar, pyplot, quantile, save, section, target, targets_md
 from .harness import K_MAX_AUTO
-from .report import pyplot, save, section, target, targets_md
-from .timing import quantile
 
 
 def parse_batches(text: str) -> list[int]:
@@ -42,13 +40,12 @@ class BatchMethod:
     drafter: str  # "none" = plain decoding
     k: int | str  # draft depth D, or "auto"
     tree: int | None = None  # a token tree of this many nodes (depth <= k), else a chain
-    beam: int | None = None  # a tree's nodes expanded per level (tree_beam; None: the drafter's default)
 
     @property
     def label(self) -> str:
         if self.drafter == "none":
             return "plain"
-        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}") + ("" if self.beam is None else f"/beam{self.beam}")
+        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}")
 
 
 @dataclass
@@ -110,7 +107,7 @@ class _Run:
         self.sids, params = [], SamplingParams(temperature=temperature)
         for i, ids in enumerate(prompts):
             drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter),
-                                   tree=method.tree, tree_beam=method.beam)
+                                   tree=method.tree)
             self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k,
                                              max_new_tokens, model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
@@ -223,11 +220,6 @@ METRICS = ("tokens_per_second", "cpu_tokens_per_second", "full_tokens_per_second
            "mean_depth", "tokens_per_forward", "decode_tokens")
 
 
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[int], greedy: bool) -> dict:
     """Medians per (method, B), speedups over plain, auto against the best of plain and the fixed depths, identity
     with plain (each sequence that differs, with its first differing position), and plain across batch sizes."""
@@ -244,7 +236,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
                         first = next((j for j, (x, y) in enumerate(zip(a, p)) if x != y), min(len(a), len(p)))
                         bad.append({"method": r.method, "batch": b_n, "round": r.round, "sequence": i, "first_difference": first})
             mismatches += bad
-            cell = {k: _median(getattr(r, k) for r in rs) for k in METRICS}
+            cell = {k: median(getattr(r, k) for r in rs) for k in METRICS}
             n = len(rs[0].tokens) if rs else b_n
             table[m.label][str(b_n)] = cell | {"identical": f"{n - len({x['sequence'] for x in bad})}/{n}" if greedy else "-"}
     for row in table.values():
@@ -305,11 +297,11 @@ def _held_out(runs: list[BatchRun], num: str, rivals: list[str], b: int, key: st
         return None
     ratios = []
     for rnd in rounds:
-        others = {lab: _median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
+        others = {lab: median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
         others = {lab: v for lab, v in others.items() if v is not None and (lab, rnd) in by}
         if others:
             ratios.append(_over(by[num, rnd], by[max(others, key=others.get), rnd]))
-    return _median(ratios)
+    return median(ratios)
 
 
 def _by_round(runs: list[BatchRun], b: int, key: str) -> dict[tuple[str, int], float]:
@@ -324,7 +316,7 @@ def _over(a: float, b: float) -> float | None:
 def _paired(runs: list[BatchRun], num: str, den: str, b: int, key: str) -> float | None:
     """The median over rounds of method `num`'s `key` over method `den`'s in the same round, at batch size b."""
     by = _by_round(runs, b, key)
-    return _median(_over(by[num, rnd], by[den, rnd]) for m, rnd in by if m == num and (den, rnd) in by)
+    return median(_over(by[num, rnd], by[den, rnd]) for m, rnd in by if m == num and (den, rnd) in by)
 
 
 def check_targets(summary: dict, model_name: str) -> list[dict]:
@@ -408,9 +400,7 @@ def plot(result: dict, path: Path) -> Path:
         a.plot(bs, [row[str(x)]["tokens_per_second"] for x in bs], marker="o", label=lab)
         b.plot(bs, [row[str(x)]["speedup"] or 0.0 for x in bs], marker="o", label=lab)
     for ax, yl in ((a, "tokens/s (all sequences, decode)"), (b, "speedup over plain at the same B")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(bs, [str(x) for x in bs])
-        ax.set(xlabel="batch size B", ylabel=yl)
+        log2_axis(ax, bs, "batch size B", yl)
         ax.legend(fontsize=7)
     b.axhline(1.0, color="k", lw=0.8)
     fig.suptitle(f"{result['config']['model_name']}: throughput against batch size")

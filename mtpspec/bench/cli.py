@@ -25,7 +25,7 @@ import torch
 from ..cli import add_model_args, add_threads_arg, command, parse_k, use_threads
 from ..errors import ConfigError
 from ..loading import parse_dtype
-from .cli_shared import parse_counts, progress_bar
+from .common import parse_counts, progress_bar
 
 
 def _list(text: str) -> list[str]:

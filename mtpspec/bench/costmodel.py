@@ -19,7 +19,7 @@ from time import perf_counter
 
 import torch
 
-from .timing import quantile, rounds
+from .common import quantile, rounds
 
 
 @dataclass

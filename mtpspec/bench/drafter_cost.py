@@ -21,7 +21,7 @@ import torch
 
 from ..engine import Session
 from ..sampling import Sampler, SamplingParams
-from .timing import quantile, rounds
+from .common import quantile, rounds
 
 
 @dataclass(frozen=True)

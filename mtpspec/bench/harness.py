@@ -2,7 +2,7 @@
 
 Every prompt goes through every method (alternate.py: an order shuffled per prompt and round), and
 our methods of one prompt run in a Lockstep rotation, a few milliseconds of each in turn
-(lockstep.py), so they share the machine's drift step by step: speedups are ratios from the same
+(common.Lockstep), so they share the machine's drift step by step: speedups are ratios from the same
 stretch of the machine. Plain decoding (ours) is always included: the reference for speedup and for
 the lossless check (greedy output equal to it).
 """
@@ -23,7 +23,7 @@ from ..heap import frozen_heap
 from ..metrics import Acceptance
 from ..prompts import Prompt, fit_prompt
 from .costmodel import CostModel
-from .lockstep import Lockstep, Turn
+from .common import Lockstep, Turn
 
 
 @dataclass(frozen=True)

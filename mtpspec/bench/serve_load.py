@@ -1,15 +1,9 @@
 """`mtpspec loadtest`: a bounded load test of `mtpspec serve` on loopback (docs/serving.md, "Load test").
 
-    mtpspec loadtest --model demo --concurrency 1,4,16 --spec off,fixed:3,auto --requests 32 \\
-        --max-tokens 64 --time-limit 120 --prompts humaneval --out build/serve_load.json \\
-        --md build/serve_load.md --png build/serve_load.png --threads 1
-
-Per speculation config, a real server subprocess (killed at the end, also on an error or Ctrl-C); per
-concurrency C, C workers stream POST /v1/completions (greedy) over a fixed number of requests after an
-uncounted warm-up, within a time limit (requests in flight then are `cut`, those never sent `not_started`).
-Per request: TTFT, inter-token latencies (a chunk of n tokens shares its gap among them) and tokens; every
-response is checked against a greedy reference computed in this process, and no request is dropped from
-the counts: ok, mismatch, error, cut or not_started.
+Per speculation config a real server subprocess (always killed at the end); per concurrency C, C workers stream
+POST /v1/completions (greedy) over a fixed number of requests after an uncounted warm-up, within a time limit. Per
+request: TTFT, inter-token latencies and tokens; every response is checked against a greedy reference computed in this
+process, and every request is counted: ok, mismatch, error, cut (in flight at the time limit) or not_started.
 """
 
 from __future__ import annotations
@@ -87,7 +81,7 @@ def parse_specs(text: str) -> list[SpecConfig]:
 
 def parse_concurrency(text: str) -> list[int]:
     """--concurrency "1,4,16" -> [1, 4, 16] (sorted, each once)."""
-    from .cli_shared import parse_counts
+    from .common import parse_counts
 
     return parse_counts(text, "--concurrency", "concurrencies", "1,4,16")
 
@@ -514,7 +508,6 @@ def _die_with_parent() -> None:
     """In the server's process, before exec: on Linux, SIGTERM it when the load test dies (even by SIGKILL)."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -590,10 +583,6 @@ def check_targets(cells: list[dict]) -> list[dict]:
     return out
 
 
-def _per_forward(cell: CellResult) -> str:
-    return f"{cell.tokens_per_forward:.2f} tokens per target forward, " if cell.tokens_per_forward else ""
-
-
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
@@ -649,33 +638,20 @@ def markdown_report(result: dict) -> str:
 
 def write_plot(result: dict, path: str | Path) -> Path:
     """Throughput against concurrency per config, and p50 ITL against concurrency per config."""
-    import matplotlib
+    from .common import log2_axis, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells, cs = result["cells"], result["config"]["concurrency"]
-    specs = list(dict.fromkeys(c["spec"] for c in cells))
+    cells, cs, cfg = result["cells"], result["config"]["concurrency"], result["config"]
     m = _cell_map(cells)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for s in specs:
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(11, 4))
+    for s in dict.fromkeys(c["spec"] for c in cells):
         a.plot(cs, [m[(s, c)]["tokens_per_second"] for c in cs], marker="o", label=s)
         b.plot(cs, [(m[(s, c)]["itl_p50"] or 0.0) * 1000 for c in cs], marker="o", label=s)
     for ax, yl in ((a, "completion tokens/s (all requests, wall)"), (b, "p50 inter-token latency (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrent clients C")
-        ax.set_ylabel(yl)
+        log2_axis(ax, cs, "concurrent clients C", yl)
         ax.legend(fontsize=8)
-    cfg = result["config"]
     rounds = f", {cfg['rounds']} rounds (tok/s: their median)" if cfg.get("rounds", 1) > 1 else ""
     fig.suptitle(f"mtpspec serve, {cfg['model']}: {cfg['requests']} requests x {cfg['max_tokens']} tokens per run{rounds}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, Path(path))
 
 
 # --- the whole load test ------------------------------------------------------------------------
@@ -728,7 +704,7 @@ def run_loadtest(model: str = "demo", concurrency: list[int] = (1, 4, 16), specs
                                                 c if warmup is None else warmup, warmup_tokens, r))
                     runs[(spec.label, c)].append(cell)
                     log(f"loadtest: {spec.label} C={c}: {cell.tokens_per_second:.1f} tok/s, ITL p50 {_ms(cell.itl_p50)} ms, "
-                        f"TTFT p50 {_ms(cell.ttft_p50)} ms, {_per_forward(cell)}{cell.ok}/{cell.requests} ok, load {cell.load1[0]:.2f}"
+                        f"TTFT p50 {_ms(cell.ttft_p50)} ms, {cell.ok}/{cell.requests} ok, load {cell.load1[0]:.2f}"
                         + (" (time limit)" if cell.time_limited else ""))
     cell_json = [merge_rounds(runs[(s.label, c)]).to_json() for s in specs for c in concurrency]
     result = {
