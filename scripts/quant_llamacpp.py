@@ -6,7 +6,7 @@ against llama-bench on the same files: the same bytes on both sides.
 The demo model is exported as an f32 GGUF (mtpspec.export_gguf); llama-quantize makes Q8_0 and Q4_0 from it;
 llama-bench times token generation (-n, one token per forward) after a `--cache`-token context (-d), one
 thread, alternating round by round with our T(1) of the same weights quantized by mtpspec.quant (fp32 / bf16
-against F32 / BF16, int8 against Q8_0, int4 g64 against Q4_0). --big does the same for the Qwen3.5-0.8B-shaped random hybrid of scripts/threads_t1.py (bf16 GGUF).
+against F32 / BF16, int8 against Q8_0, int4 g64 against Q4_0). --big does the same for the Qwen3.5-0.8B-shaped random hybrid (bf16 GGUF).
 
     MTPSPEC_LLAMACPP_BIN_DIR=.../build/bin python scripts/quant_llamacpp.py [--big] [--reps 5] [--threads 1]
 """
@@ -17,8 +17,28 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
+
+import torch
+
+
+def qwen35_08b(layers: int = 24):
+    """Our hybrid with the Qwen3.5-0.8B text shape, random weights (seed 0), bf16, no MTP layer."""
+    from mtpspec.loading.hf import build_empty, config_from_hf
+
+    hf = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+              tie_word_embeddings=True, max_position_embeddings=262144,
+              layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)],
+              rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
+    model = build_empty(config_from_hf(hf, "qwen3.5-0.8b-shaped", mtp_layers=0, max_seq_len=2048)[0], torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # matrices N(0, 0.02), zero-centred norms, A_log / dt_bias uniform
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.ndim > 1 else torch.zeros(p.shape) if "norm" in name
+                    else torch.rand(p.shape, generator=g))
+    return model
 
 
 def t1_ms(bench: Path, gguf: Path, threads: int, reps: int, cache: int, n: int) -> float:
@@ -50,14 +70,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     demo = mtpspec.load(shipped_demo_dir())
     todo = [("demo", demo.module, "f32", 64)]
-    sys.path.insert(0, str(Path(__file__).parent))
     if args.big:
-        from threads_t1 import qwen35_08b
-
-        todo.append(("qwen35-0.8b-shaped", qwen35_08b(24, torch.bfloat16, mtp=0), "bf16", 16))
+        todo.append(("qwen35-0.8b-shaped", qwen35_08b(), "bf16", 16))
+    from mtpspec.bench.costmodel import time_forwards
     from mtpspec.quant import quantize
-
-    from threads_t1 import t1_by_threads
 
     print(f"T(1) ms: llama-bench (tg after a {args.cache}-token context) and ours (one-token forward over a {args.cache}-token "
           f"cache), {args.threads} thread(s), {args.rounds} alternating rounds (each llama-bench run: median of {args.reps})")
@@ -86,7 +102,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for q, f, kind, m in pairs:
                 theirs[q].append(t1_ms(bench, f, args.threads, args.reps, args.cache, n))
-                ours[q].append(t1_by_threads(m, threads=(args.threads,), reps=args.reps, cache=args.cache)[args.threads] * 1e3)
+                ours[q].append(time_forwards(m, [1], args.cache, repeat=args.reps, q=0.5, min_repeat=args.reps)[0] * 1e3)
         for q, f, kind, m in pairs:
             a, b = statistics.median(theirs[q]), statistics.median(ours[q])
             print(f"| {name} | {q} | {f.stat().st_size / 1e6:.0f} | {a:.2f} | {kind} | {b:.2f} | {b / a:.1f}x |", flush=True)
