@@ -1,11 +1,20 @@
 """What the bench commands share: quantiles and timing rounds, strict count lists, a progress bar, jobs run in turn a
-few milliseconds at a time (Lockstep), and the markdown / plot helpers of every report."""
+few milliseconds at a time (Lockstep), a server subprocess, and the markdown / plot helpers of every report."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter, process_time
@@ -114,6 +123,81 @@ class Lockstep:
             live = [g for g in live if not g.dead]
             order = self.rng.sample(live, len(live))
         return results
+
+
+class ServerProcess:
+    """A server on a free loopback port (`argv_for_port(port)`, its output to a log): ready once GET /health answers 200,
+    stopped on exit; on Linux it gets SIGTERM when this process dies, however it dies."""
+
+    name = "the server"
+
+    def __init__(self, argv_for_port: Callable[[int], list[str]], timeout: float = 120.0) -> None:
+        self.argv_for_port, self.timeout, self.proc = argv_for_port, timeout, None
+        self.log = tempfile.NamedTemporaryFile(prefix="mtpspec-server-", suffix=".log", delete=False)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def log_tail(self, n: int = 15) -> str:
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+
+    def start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.args, self.url, t0 = self.argv_for_port(self.port), f"http://127.0.0.1:{self.port}/", time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
+        while time.monotonic() - t0 < self.timeout:
+            if self.proc.poll() is not None:
+                self._fail(f"exited with status {self.proc.returncode} at start")
+            try:
+                with urllib.request.urlopen(self.url + "health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_seconds = time.monotonic() - t0
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or 503 while loading
+            time.sleep(0.05)
+        self._fail(f"not ready after {self.timeout:.0f} s")
+
+    def _fail(self, what: str) -> None:
+        tail = self.log_tail()
+        self.close()
+        raise ConfigError(f"{self.name} {what} ({' '.join(map(str, self.args))}); its output ends:\n{tail}")
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+        """POST `body` as JSON to an endpoint (GET without a body) -> the JSON answer."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path.lstrip("/"), data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ConfigError(f"{self.name} {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+        except (urllib.error.URLError, ConnectionError) as e:
+            raise ConfigError(f"{self.name} {path} failed ({e}):\n{self.log_tail()}") from None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 # --- reports ---------------------------------------------------------------------------------
