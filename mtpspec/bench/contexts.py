@@ -1,20 +1,10 @@
 """`mtpspec bench --contexts 512,...,16384 --sparse-model S`: full-attention vs sparse MTP against context length.
 
-For each context length L, prompts of exactly L tokens are cut from held-out text (default: the demo's held-out
-stdlib modules, never training text) at offsets spread over it, and each is decoded greedily at D = k by:
-
-    plain             --model, no drafter: the reference for speedup and greedy identity
-    mtp               --model's MTP module attending its whole context
-    sparse-full       --sparse-model's MTP weights attending their whole context (sparsity ablated, same weights)
-    sparse-recompute  --sparse-model's sparse MTP, its indexer run on every draft step
-    sparse-reuse      --sparse-model's sparse MTP, the indexer run on the round's first row, its blocks reused
-
-Both checkpoints must hold the same target (config and every tensor outside mtp.* equal, checked before any run),
-so every method's greedy tokens must equal plain's. The methods of a prompt take turns as bench's do (alternate.py:
-an order shuffled per prompt; with one torch thread, interleaved every 5 ms by common.Lockstep). No stop token: every
-run decodes max-new-tokens. Timing is decode only: wall - prefill (the prompt pass and the MTP module's catch-up
-over it) - time away in the rotation. An MTP drafter's module forwards are timed apart: the round's first (the
-catch-up over the accepted pairs, where a sparse module's indexer chooses) and the chained ones (D - 1 per round).
+At each length L, prompts of exactly L tokens of held-out text are decoded greedily at D = k by plain (the reference),
+mtp (--model's module, full attention), sparse-full (--sparse-model's weights attending fully), sparse-recompute (its
+indexer run on every draft step) and sparse-reuse (run on the round's first row, its blocks reused). Both checkpoints
+must hold the same target, so every method's tokens must equal plain's. The methods of a prompt take turns as bench's
+do; timing is decode only, and an MTP drafter's module forwards are timed apart (the round's first, the chained ones).
 """
 
 from __future__ import annotations

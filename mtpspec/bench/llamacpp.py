@@ -1,17 +1,9 @@
 """llama.cpp as a peer: llama-server on the same weights (a GGUF), the same prompt ids, decode-only time.
 
-Speculation is a llama-server setting, so each method gets its own server (started on first use on a
-free loopback port, kept until the runner closes; an idle one takes no CPU). Methods map to its flags:
-
-    plain        (no --spec-type)
-    mtp@k        --spec-type draft-mtp --spec-draft-n-max k        (the GGUF's nextn layer drafts)
-    ngram@k      --spec-type ngram-simple, lookup n = min(3, k), draft m = k   (ours: n = 3..1, k drafts)
-    ngram        --spec-type ngram-simple with llama.cpp's defaults (n = 12, m = 48)
-    draft@k      --spec-type draft-simple -md DRAFT.gguf --spec-draft-n-max k
-
-Requests send our prompt ids (BOS included), greedy, no prompt cache. Decode time is llama.cpp's own
-predicted_ms, which pays for predicted_n - 1 tokens (its prompt pass samples the first), as ours excludes
-prefill. It keeps a final end-of-generation token, ours stops before it: that token is dropped before comparing.
+Each method gets its own server (started on first use, kept until the runner closes), with its speculation flags
+(spec_args: mtp -> draft-mtp, ngram@k -> ngram-simple with n = min(3, k), m = k, draft -> draft-simple). Decode time is
+llama.cpp's predicted_ms (its prompt pass samples the first token), as ours excludes prefill; the final
+end-of-generation token it keeps is dropped before comparing.
 """
 
 from __future__ import annotations

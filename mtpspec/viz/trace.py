@@ -333,12 +333,14 @@ def render_html(groups: list[TraceGroup], title: str = "mtpspec trace", meta: st
 
 def render_png(groups: list[TraceGroup], path: str | Path, width_in: float = 12.0) -> None:
     """The same timelines (the same boxes) as a PNG: one row per run, one shared time axis in ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
-    from ..bench.common import pyplot
-
-    plt, runs = pyplot(), [(g, r) for g in groups for r in g.runs]
+    runs = [(g, r) for g in groups for r in g.runs]
     heights = [1.2 + 0.18 * max([len(s.cells) for s in r.steps] + [1]) for _, r in runs]
     fig, axes = plt.subplots(len(runs), 1, figsize=(width_in, sum(heights) * 0.62 + 1.0), sharex=True,
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
