@@ -217,7 +217,7 @@ class Proposed:
 
     parents: list[int]
     ranks: list[int]
-    logq: list[float]  # the drafter's log q of each node's token after its parent (scripts/tree_leaf_value.py reads it)
+    logq: list[float]  # the drafter's log q of each node's token after its parent
 
 
 def top_guesses(logits: Tensor, branch: int) -> tuple[Tensor, Tensor]:

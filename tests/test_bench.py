@@ -285,11 +285,11 @@ class FakeClock:
 
 
 def test_lockstep_takes_turns_and_does_not_count_time_away(monkeypatch):
-    from mtpspec.bench import lockstep
-    from mtpspec.bench.lockstep import Lockstep
+    from mtpspec.bench import common
+    from mtpspec.bench.common import Lockstep
 
     clock = FakeClock()
-    monkeypatch.setattr(lockstep, "perf_counter", clock)
+    monkeypatch.setattr(common, "perf_counter", clock)
     log = []
 
     def job(name, steps, work):

@@ -74,6 +74,9 @@ def test_a_layer_violation_and_a_package_cycle_are_found(tmp_path):
         adj.setdefault(a, set()).add(b)
         adj.setdefault(b, set())
     assert graph_mod.find_cycles(adj) == [["drafters", "models", "drafters"]]
+    sideways = _tree(tmp_path / "v", {"__init__.py": "", "bench/__init__.py": "", "bench/x.py": "from ..train import y\n",
+                                      "train/__init__.py": "", "train/y.py": ""})
+    assert graph_mod.main(["--quiet", "--root", str(sideways)]) == 1  # a layer violation alone fails the script
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

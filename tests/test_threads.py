@@ -1,6 +1,6 @@
 """The thread rule (mtpspec.threads): its choices by model size and machine load, the API's threads argument,
 and every command's --threads default going through it. No timings here: the measurements behind the rule are
-in mtpspec/threads.py and scripts/threads_t1.py."""
+in docs/decisions.md ("Default thread count")."""
 
 import pytest
 import torch

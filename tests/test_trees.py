@@ -246,7 +246,7 @@ def test_best_first_order_and_chain_shaped_expansions():
 
 
 def test_kept_tree_carries_each_nodes_rank_and_log_q(stories):
-    """Proposed (what a drafter keeps of its tree to learn from the verdict; scripts/tree_leaf_value.py reads it):
+    """Proposed (what a drafter keeps of its tree to learn from the verdict):
     per kept node, in draft order, its rank among its parent's guesses and the drafter's log q of it, which is
     log_softmax of the head at the parent (ranks 0 and 1 of the same parent: the top two guesses there)."""
     from mtpspec.tree import keep_best

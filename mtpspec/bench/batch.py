@@ -1,19 +1,10 @@
 """`mtpspec bench --batch 1,2,4,8`: throughput and per-sequence latency of B sequences decoding together.
 
-Every batch size decodes the same prompts: the whole set (cycled up to B when it has fewer), all queued at once in one
-Engine(max_batch=B), which keeps B of them decoding (one joins as another leaves: continuous batching, as a server
-runs); once per method: plain,
-each fixed depth D of each drafter, and `--k auto` (one ByBatchSize policy per auto method for the whole bench,
-as a server keeps one: what it learns at B=1 on one prompt it still knows at the next). Within a round every
-method's engine runs at once, stepped in turn (one step each, the order rotating by round); each method's clock is
-the sum of its own steps' durations, decode only (the steps that prefilled a prompt are not counted); beside it, the
-throughput over the steps that decoded B sequences (every slot busy: the queue's end, as the batch drains, left out).
-Each figure is the median over the rounds, and each ratio of two methods the median over rounds of the ratio within
-a round (they ran side by side); what each one means: docs/benchmarks.md, "Batches".
-
-Plain at B over plain at B = 1 is measured twice: across phases (each B's plain against the B = 1 phase's, minutes
-apart) and beside (at each B > 1, one sequence decoding plain is stepped after each of plain's steps, and each round's
-ratio is taken against it: a shared machine's speed drifts between phases, not between two adjacent steps).
+At each B every method (plain, each drafter at each fixed depth and auto, one depth policy per auto method for the
+whole run, as a server keeps one) decodes the whole prompt set in one Engine(max_batch=B) (continuous batching); the
+methods' engines are stepped in turn, each timed by its own decode steps. Figures are medians over rounds, a ratio of
+two methods the median of its rounds' ratios; plain's scaling is also taken against one sequence stepped beside it
+(docs/benchmarks.md, "Batches").
 """
 
 from __future__ import annotations
@@ -26,10 +17,8 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from ..heap import frozen_heap
-from .cli_shared import parse_counts, progress_bar
+from .common import log2_axis, median, parse_counts, progress_bar, pyplot, quantile, save, section, target, targets_md
 from .harness import K_MAX_AUTO
-from .report import pyplot, save, section, target, targets_md
-from .timing import quantile
 
 
 def parse_batches(text: str) -> list[int]:
@@ -42,13 +31,12 @@ class BatchMethod:
     drafter: str  # "none" = plain decoding
     k: int | str  # draft depth D, or "auto"
     tree: int | None = None  # a token tree of this many nodes (depth <= k), else a chain
-    beam: int | None = None  # a tree's nodes expanded per level (tree_beam; None: the drafter's default)
 
     @property
     def label(self) -> str:
         if self.drafter == "none":
             return "plain"
-        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}") + ("" if self.beam is None else f"/beam{self.beam}")
+        return f"{self.drafter}@{self.k}" + ("" if self.tree is None else f"/tree{self.tree}")
 
 
 @dataclass
@@ -87,9 +75,7 @@ class BatchRun:
 
 
 class _Run:
-    """One method's engine in a round: every prompt queued at once in one Engine(max_batch=B), which keeps B of them
-    decoding (one joins as another leaves: continuous batching) until the queue runs dry; its own clock is the sum of
-    its decode steps' durations."""
+    """One method's engine in a round: every prompt queued in one Engine(max_batch=B); its clock: its decode steps."""
 
     def __init__(self, model, method: BatchMethod, prompts: list[list[int]], b: int, max_new_tokens: int, draft_models: dict,
                  temperature: float, seed: int, policy=None) -> None:
@@ -110,7 +96,7 @@ class _Run:
         self.sids, params = [], SamplingParams(temperature=temperature)
         for i, ids in enumerate(prompts):
             drafter = make_drafter(method.drafter, model.module, draft_model=draft_models.get(method.drafter),
-                                   tree=method.tree, tree_beam=method.beam)
+                                   tree=method.tree)
             self.sids.append(self.engine.add(ids, drafter, Sampler(params, seed + i), k,
                                              max_new_tokens, model.tokenizer.stop_ids,
                                              lambda toks, i=i: self.got.__setitem__(i, self.got.get(i, 0) + len(toks))))
@@ -171,12 +157,9 @@ def cycled(ids: list[list[int]], b: int) -> list[list[int]]:
 def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_new_tokens: int, draft_models: dict,
               temperature: float = 0.0, seed: int = 0, round_: int = 0, batch: int | None = None,
               policies: dict | None = None, beside: bool = False) -> list[BatchRun]:
-    """Every method's engine over the same `prompts` (`batch` of them decoding at a time, default all; cycled up to
-    `batch`), stepped in turn (one step each, order rotating by round), so the machine's drift falls on every method
-    alike, step by step; each method is timed by its own steps only. `policies`: the depth policy of each auto method
-    (label -> policy), kept by the caller. `beside` (methods include plain, batch > 1): one sequence at a time decodes
-    plain, one step after each of plain's steps, over the same prompts; its run is returned last, labelled BESIDE, with
-    this round's batch size."""
+    """Every method's engine over `prompts` (cycled up to `batch`), stepped in turn (the order rotating by round).
+    `policies`: label -> the depth policy of each auto method, kept by the caller. `beside` (batch > 1): one sequence
+    decoding plain, a step after each of plain's, returned last as BESIDE."""
     from ..adaptive import ByBatchSize
 
     b = batch or len(prompts)
@@ -204,8 +187,7 @@ def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_n
 
 def measure(model, methods: list[BatchMethod], ids: list[list[int]], batches: list[int], max_new_tokens: int,
             draft_models: dict, rounds: int = 3, temperature: float = 0.0, seed: int = 0, tick=None) -> list[BatchRun]:
-    """Every method at every batch size, over every prompt (B at a time), `rounds` times, the methods interleaved step
-    by step (run_round); each auto method keeps one policy throughout."""
+    """Every method at every batch size, `rounds` times (run_round, after an untimed warm-up at each B)."""
     runs, policies = [], {}
     with frozen_heap():
         for b_n in batches:
@@ -223,14 +205,8 @@ METRICS = ("tokens_per_second", "cpu_tokens_per_second", "full_tokens_per_second
            "mean_depth", "tokens_per_forward", "decode_tokens")
 
 
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[int], greedy: bool) -> dict:
-    """Medians per (method, B), speedups over plain, auto against the best of plain and the fixed depths, identity
-    with plain (each sequence that differs, with its first differing position), and plain across batch sizes."""
+    """Medians per (method, B), speedups over plain, auto against the best rival, greedy identity with plain."""
     table: dict[str, dict[str, dict]] = {m.label: {} for m in methods}
     mismatches = []
     for b_n in batches:
@@ -244,7 +220,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
                         first = next((j for j, (x, y) in enumerate(zip(a, p)) if x != y), min(len(a), len(p)))
                         bad.append({"method": r.method, "batch": b_n, "round": r.round, "sequence": i, "first_difference": first})
             mismatches += bad
-            cell = {k: _median(getattr(r, k) for r in rs) for k in METRICS}
+            cell = {k: median(getattr(r, k) for r in rs) for k in METRICS}
             n = len(rs[0].tokens) if rs else b_n
             table[m.label][str(b_n)] = cell | {"identical": f"{n - len({x['sequence'] for x in bad})}/{n}" if greedy else "-"}
     for row in table.values():
@@ -263,8 +239,7 @@ def summarize(runs: list[BatchRun], methods: list[BatchMethod], batches: list[in
 
 
 def _beside(runs: list[BatchRun], batches: list[int], key: str) -> dict:
-    """Plain at each B > 1 over the one-sequence plain run stepped beside it (BESIDE), the median over rounds of each
-    round's ratio; B = 1: 1.0 (plain itself is the one sequence)."""
+    """Plain at each B over the one sequence stepped beside it (per round; B = 1: 1.0)."""
     out = {}
     for b in batches:
         r = 1.0 if b == 1 else _paired(runs, "plain", BESIDE, b, key)
@@ -274,14 +249,9 @@ def _beside(runs: list[BatchRun], batches: list[int], key: str) -> dict:
 
 
 def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batches: list[int], key: str) -> dict:
-    """By throughput `key`: each auto method over plain and over the best of plain and its drafter's fixed depths
-    at each B; plain at each B over plain at B = 1 (across phases). The best is the one of highest median; each ratio
-    is the median over rounds of that round's ratio (the methods ran side by side within a round, not across rounds: a
-    ratio of medians can pair one round's auto with another's rival), with the ratio of the medians beside it.
-    `ratio_to_held_out`: each round's auto over the rival best in the other rounds. Picked and judged on the same
-    rounds, the best of several rivals within the noise of each other is the luckiest of them (fixed depths that tie
-    within the noise take turns being best in a round), so auto's ratio to it reads low even where auto ties each; picked on
-    other rounds, the rival's luck in the judged round is its own. Not the target: beside it."""
+    """By throughput `key`: each auto method over plain and over the best (highest median) of plain and its drafter's
+    fixed depths, paired round by round; beside it the ratio of medians and `ratio_to_held_out` (the rival picked on
+    the other rounds: picked and judged on the same rounds, the best of tied rivals is the luckiest); plain over B = 1."""
     auto = {}
     for m in [m for m in methods if m.k == "auto"]:
         rivals = ["plain"] + [x.label for x in methods if x.drafter == m.drafter and x.k != "auto"]
@@ -297,19 +267,18 @@ def _ratios(table: dict, runs: list[BatchRun], methods: list[BatchMethod], batch
 
 
 def _held_out(runs: list[BatchRun], num: str, rivals: list[str], b: int, key: str) -> float | None:
-    """The median over rounds of `num`'s `key` over that of the rival with the highest median in the other rounds
-    (None under 2 rounds)."""
+    """Per round, `num` over the rival with the highest median in the other rounds; their median (None under 2 rounds)."""
     by = _by_round(runs, b, key)
     rounds = sorted({rnd for m, rnd in by if m == num})
     if len(rounds) < 2:
         return None
     ratios = []
     for rnd in rounds:
-        others = {lab: _median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
+        others = {lab: median(v for (m, q), v in by.items() if m == lab and q != rnd) for lab in rivals}
         others = {lab: v for lab, v in others.items() if v is not None and (lab, rnd) in by}
         if others:
             ratios.append(_over(by[num, rnd], by[max(others, key=others.get), rnd]))
-    return _median(ratios)
+    return median(ratios)
 
 
 def _by_round(runs: list[BatchRun], b: int, key: str) -> dict[tuple[str, int], float]:
@@ -324,12 +293,11 @@ def _over(a: float, b: float) -> float | None:
 def _paired(runs: list[BatchRun], num: str, den: str, b: int, key: str) -> float | None:
     """The median over rounds of method `num`'s `key` over method `den`'s in the same round, at batch size b."""
     by = _by_round(runs, b, key)
-    return _median(_over(by[num, rnd], by[den, rnd]) for m, rnd in by if m == num and (den, rnd) in by)
+    return median(_over(by[num, rnd], by[den, rnd]) for m, rnd in by if m == num and (den, rnd) in by)
 
 
 def check_targets(summary: dict, model_name: str) -> list[dict]:
-    """The batch targets that this run measured, by wall time (the detail: the same by CPU time).
-    The auto >= 1.3x plain target is stated for the demo model."""
+    """The batch targets this run measured, by wall time (the detail: by CPU time)."""
     wall, cpu = summary, summary["cpu"]
     out = []
     if "8" in wall["plain_scaling_beside"]:
@@ -408,9 +376,7 @@ def plot(result: dict, path: Path) -> Path:
         a.plot(bs, [row[str(x)]["tokens_per_second"] for x in bs], marker="o", label=lab)
         b.plot(bs, [row[str(x)]["speedup"] or 0.0 for x in bs], marker="o", label=lab)
     for ax, yl in ((a, "tokens/s (all sequences, decode)"), (b, "speedup over plain at the same B")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(bs, [str(x) for x in bs])
-        ax.set(xlabel="batch size B", ylabel=yl)
+        log2_axis(ax, bs, "batch size B", yl)
         ax.legend(fontsize=7)
     b.axhline(1.0, color="k", lw=0.8)
     fig.suptitle(f"{result['config']['model_name']}: throughput against batch size")

@@ -1,15 +1,10 @@
 """`mtpspec bench`: acceptance, speedup, cost model and peers on a prompt set; JSON + markdown + PNG.
 
-    mtpspec bench --model stories260K.bin --tokenizer tok512.bin --prompts spec_bench \\
-        --drafters none,ngram,draft --draft-model stories260K_q80.bin --k 1,2,4,auto \\
-        --limit 20 --max-new-tokens 128 --peers --out bench_out
+    mtpspec bench --model stories260K.bin --tokenizer tok512.bin --prompts spec_bench --drafters none,ngram,draft \\
+        --draft-model stories260K_q80.bin --k 1,2,4,auto --limit 20 --max-new-tokens 128 --peers --out bench_out
 
-With --batch 1,2,4,8 it measures instead throughput and per-sequence latency of B sequences decoding
-together (plain, each fixed depth, auto; bench/batch.py), into OUT/batch.json, batch.md and a plot.
-
-With --contexts 512,...,16384 --sparse-model S it measures instead full-attention MTP (--model) against sparse MTP
-(S: the same target, a sparse MTP module; indexer recomputed or reused) at one depth --k against context length,
-on prompts of exactly L tokens of held-out text (bench/contexts.py), into OUT/contexts.json, contexts.md and plots.
+--batch 1,2,4,8 measures B sequences decoding together instead (batch.py); --contexts L,... --sparse-model S full-attention
+against sparse MTP by context length (contexts.py).
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import torch
 from ..cli import add_model_args, add_threads_arg, command, parse_k, use_threads
 from ..errors import ConfigError
 from ..loading import parse_dtype
-from .cli_shared import parse_counts, progress_bar
+from .common import parse_counts, progress_bar
 
 
 def _list(text: str) -> list[str]:

@@ -1,27 +1,15 @@
 """`mtpspec bench --contexts 512,...,16384 --sparse-model S`: full-attention vs sparse MTP against context length.
 
-For each context length L, prompts of exactly L tokens are cut from held-out text (default: the demo's held-out
-stdlib modules, never training text) at offsets spread over it, and each is decoded greedily at D = k by:
-
-    plain             --model, no drafter: the reference for speedup and greedy identity
-    mtp               --model's MTP module attending its whole context
-    sparse-full       --sparse-model's MTP weights attending their whole context (sparsity ablated, same weights)
-    sparse-recompute  --sparse-model's sparse MTP, its indexer run on every draft step
-    sparse-reuse      --sparse-model's sparse MTP, the indexer run on the round's first row, its blocks reused
-
-Both checkpoints must hold the same target (config and every tensor outside mtp.* equal, checked before any run),
-so every method's greedy tokens must equal plain's. The methods of a prompt take turns as bench's do (alternate.py:
-an order shuffled per prompt; with one torch thread, interleaved every 5 ms by lockstep.py). No stop token: every
-run decodes max-new-tokens. Timing is decode only: wall - prefill (the prompt pass and the MTP module's catch-up
-over it) - time away in the rotation. An MTP drafter's module forwards are timed apart: the round's first (the
-catch-up over the accepted pairs, where a sparse module's indexer chooses) and the chained ones (D - 1 per round).
+At each length L, prompts of exactly L tokens of held-out text are decoded greedily at D = k by plain (the reference),
+mtp (--model's module, full attention), sparse-full (--sparse-model's weights attending fully), sparse-recompute (its
+indexer run on every draft step) and sparse-reuse (run on the round's first row, its blocks reused). Both checkpoints
+must hold the same target, so every method's tokens must equal plain's. The methods of a prompt take turns as bench's
+do; timing is decode only, and an MTP drafter's module forwards are timed apart (the round's first, the chained ones).
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from itertools import count
@@ -34,8 +22,7 @@ from ..alternate import alternate
 from ..errors import ConfigError
 from ..heap import frozen_heap
 from ..metrics import Acceptance
-from .cli_shared import parse_counts
-from .report import _f
+from .common import Lockstep, fmt as _f, log2_axis, parse_counts, progress_bar, pyplot, save
 
 METHODS = ("plain", "mtp", "sparse-full", "sparse-recompute", "sparse-reuse")
 
@@ -199,11 +186,6 @@ def markdown(result: dict, images: list[str]) -> str:
 
 def plots(result: dict, out: Path, prefix: str) -> list[Path]:
     """Acceptance, decode tokens/s and draft times against context: a line per method (one colour each)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s, k = result["summary"], result["config"]["k"]
     xs = [int(L) for L in s]
     get = lambda key, i=None: lambda a: a[key] if i is None else (a[key] or [None] * k)[i]  # noqa: E731
@@ -214,21 +196,17 @@ def plots(result: dict, out: Path, prefix: str) -> list[Path]:
                             ("draft ms per drafted token (all of propose)", get("draft_ms_per_drafted_token"))]}
     paths = []
     for name, panels in figures.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-        fig.subplots_adjust(left=0.06 if len(panels) > 1 else 0.15, right=0.98, bottom=0.15, top=0.9, wspace=0.25)
+        fig, axes = pyplot().subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
         for ax, (title, value) in zip(axes[0], panels):
             for c, m in enumerate(METHODS):
                 ys = [value(s[str(L)][m]) for L in xs]
                 if any(y is not None for y in ys):
                     ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", color=f"C{c}", label=m)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs], fontsize=7)
-            ax.set(xlabel="context (tokens)", ylim=(0, None))
+            log2_axis(ax, xs, "context (tokens)")
+            ax.set_ylim(0, None)
             ax.set_title(title, fontsize=9)
         axes[0][0].legend(fontsize=7)
-        paths.append(out / f"{prefix}contexts_{name}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, out / f"{prefix}contexts_{name}.png"))
     return paths
 
 
@@ -239,7 +217,6 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
     plots at the end). limit: prompts per context (default 4 up to 2k tokens, then 8192 // L: prefill grows with L)."""
     from ..api import load
     from ..engine import check_count
-    from .lockstep import Lockstep
 
     t_start, out, contexts = perf_counter(), Path(out), sorted(contexts)
     k, max_new_tokens = check_count("--k (with --contexts)", k, 1), check_count("--max-new-tokens", max_new_tokens, 1)
@@ -256,26 +233,18 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
     prompts = {L: [(L, o, ids) for o, ids in context_prompts(stream, bos, L, limit or min(4, max(1, 8192 // L)))] for L in contexts}
     torch.set_num_threads(full.threads)
     step = full.threads == 1  # lockstep needs one thread: waiting jobs' OpenMP pools would spin
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(map(len, prompts.values())) * len(METHODS), desc="contexts", unit="run", file=sys.stderr)
+    tick, turns = None, count()
 
     def run(method: str, prompt, turn=None) -> ContextRun:
         r = run_method(models, method, k, max_new_tokens, prompt, turn)
-        if bar is not None:
-            bar.update(1)
+        if tick is not None:
+            tick(f"L={prompt[0]} offset {prompt[1]}")
         return r
 
-    turns = count()
-
     def together(ms: list[str], prompt) -> list[ContextRun]:
-        if bar is not None:
-            bar.set_postfix_str(f"L={prompt[0]} offset {prompt[1]}")
         if not step:
             return [run(m, prompt) for m in ms]
-        with torch.inference_mode():  # one mode for all jobs (lockstep.py)
+        with torch.inference_mode():  # one mode for all jobs (common.Lockstep)
             return Lockstep(seed=f"{seed}/{next(turns)}").run([partial(run, m, prompt) for m in ms])
 
     L0, o0, ids0 = prompts[contexts[0]][0]
@@ -291,7 +260,7 @@ def run_contexts(model_path: str, sparse_path: str, contexts: list[int], out: st
               "summary": {}, "runs": []}
     out.mkdir(parents=True, exist_ok=True)
     # the loaded models set aside: a full collection would land inside one timed run; the bar closed however it ends
-    with frozen_heap(), bar if bar is not None else nullcontext():
+    with frozen_heap(), progress_bar(progress, sum(map(len, prompts.values())) * len(METHODS), "contexts", "run") as tick:
         for L in contexts:
             got = alternate(METHODS, prompts[L], run, 1, f"{seed}/{L}", together)  # got[method][prompt][round]
             per = {m: [got[j][i][0] for i in range(len(prompts[L]))] for j, m in enumerate(METHODS)}

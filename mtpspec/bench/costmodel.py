@@ -1,15 +1,11 @@
 """Cost model: what a step costs on this machine, and the speedup that measured acceptance predicts.
 
-Measured once per model (docs/benchmarks.md, "Cost model"): T(k), a raw target forward over k new
-tokens (k timed round-robin, lower quartile, made non-decreasing), and per drafter, from its
-steady-state loop (drafter_cost.py), C_draft(d) (propose + commit), the in-situ verify forward V(d)
-(V(0): the loop's plain steps) and its prompt catch-up f relative to the target's prefill P. A run's
-steps then predict
+T(k), a raw target forward over k new tokens (lower quartile, made non-decreasing), and per drafter, from its own
+loop (drafter_cost.py), C_draft(d), the in-situ verify V(d) and its prompt catch-up f relative to the prefill P:
 
     speedup = (P + new_tokens * V(0)) / (P (1 + f) + sum over steps (C_draft(d) + V(d)))
 
-and the gap to the measured speedup is the engine's own overhead (and the machine's drift).
-Timing rounds stop once the estimates are stable or a time budget is spent (`rounds`).
+The gap to the measured speedup is the engine's own overhead (and the machine's drift). docs/benchmarks.md, "Cost model".
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from time import perf_counter
 
 import torch
 
-from .timing import quantile, rounds
+from .common import quantile, rounds
 
 
 @dataclass

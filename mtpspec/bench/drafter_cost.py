@@ -1,14 +1,8 @@
-"""What a drafter costs per step, measured on the real drafter object in steady state.
+"""What a drafter costs per step, measured in steady state by the engine's own step (engine.Session).
 
-Every drafter is timed by the engine's own step (engine.Session): a prefilled context, then
-`Session.step(depth=d)` drafts d tokens, verifies them for real, rolls back and commits; its StepRecord
-gives the draft seconds (propose + commit) and the verify seconds (the target forward over d + 1 tokens,
-acceptance, rollback), timed inside the drafter's loop where a forward costs more than back to back.
-The context is a real prompt, tiled (random ids otherwise), so what a step keeps is what verification
-accepts on text of that kind. It is held within a window around the requested length: past it a fresh
-Session is prefilled (untimed); its first step, which catches the drafter up on the prompt, gives the
-prefill ratio, and `settle` more steps run untimed (the first forwards after a prefill run slower).
-Plain steps (d = 0) are interleaved with the drafted ones, each after an untimed one, as in plain decoding.
+On a real prompt (tiled) held within a window around the requested context length, `Session.step(depth=d)` drafts,
+verifies, rolls back and commits; its StepRecord gives the draft and the verify seconds. Past the window a fresh Session
+is prefilled (untimed): its first step's catch-up on the prompt gives the prefill ratio. Plain steps are interleaved.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ import torch
 
 from ..engine import Session
 from ..sampling import Sampler, SamplingParams
-from .timing import quantile, rounds
+from .common import quantile, rounds
 
 
 @dataclass(frozen=True)

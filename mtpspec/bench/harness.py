@@ -1,10 +1,8 @@
 """Run a prompt set through plain decoding and every requested drafter / depth, alternating runs.
 
-Every prompt goes through every method (alternate.py: an order shuffled per prompt and round), and
-our methods of one prompt run in a Lockstep rotation, a few milliseconds of each in turn
-(lockstep.py), so they share the machine's drift step by step: speedups are ratios from the same
-stretch of the machine. Plain decoding (ours) is always included: the reference for speedup and for
-the lossless check (greedy output equal to it).
+Every prompt goes through every method in a shuffled order (alternate.py); our methods of one prompt take turns a few
+milliseconds at a time (common.Lockstep), so speedups are ratios from the same stretch of the machine. Plain decoding
+(ours) is the reference for speedup and for the lossless check.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from ..heap import frozen_heap
 from ..metrics import Acceptance
 from ..prompts import Prompt, fit_prompt
 from .costmodel import CostModel
-from .lockstep import Lockstep, Turn
+from .common import Lockstep, Turn
 
 
 @dataclass(frozen=True)
@@ -144,13 +142,8 @@ def run_bench(methods: list[Method], prompts: list[Prompt], ids: list[list[int]]
               interleave: str = "step", keep: str = "mean") -> list[Run]:
     """Every prompt through every method (after `warm_up`), `repeat` alternating rounds; lossless flags filled in.
 
-    runners: engine name -> runner with .run(method, prompt, ids, ...). Our methods run as one block,
-    interleaved step by step (interleave="step": a Lockstep rotation, one torch thread only) or run by
-    run ("run"), and the peers after it, each prompt's block opening with a short untimed plain run (a
-    transformers run leaves caches and the allocator in another state). keep="mean" averages the rounds'
-    times (which keeps the pairing of methods that went through the same stretch of the machine),
-    keep="best" keeps each one's fastest.
-    """
+    Ours run as one block, interleaved step by step (interleave="step", one torch thread) or run by run, then the peers
+    after a short untimed plain run. keep="mean" averages the rounds' times (keeping the pairing), "best" the fastest."""
     if PLAIN not in methods:
         methods = [PLAIN, *methods]
     turns = count()

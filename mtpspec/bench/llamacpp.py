@@ -1,34 +1,20 @@
 """llama.cpp as a peer: llama-server on the same weights (a GGUF), the same prompt ids, decode-only time.
 
-Speculation is a llama-server setting, so each method gets its own server (started on first use on a
-free loopback port, kept until the runner closes; an idle one takes no CPU). Methods map to its flags:
-
-    plain        (no --spec-type)
-    mtp@k        --spec-type draft-mtp --spec-draft-n-max k        (the GGUF's nextn layer drafts)
-    ngram@k      --spec-type ngram-simple, lookup n = min(3, k), draft m = k   (ours: n = 3..1, k drafts)
-    ngram        --spec-type ngram-simple with llama.cpp's defaults (n = 12, m = 48)
-    draft@k      --spec-type draft-simple -md DRAFT.gguf --spec-draft-n-max k
-
-Requests send our prompt ids (BOS included), greedy, no prompt cache. Decode time is llama.cpp's own
-predicted_ms, which pays for predicted_n - 1 tokens (its prompt pass samples the first), as ours excludes
-prefill. It keeps a final end-of-generation token, ours stops before it: that token is dropped before comparing.
+Each method gets its own server (started on first use, kept until the runner closes), with its speculation flags
+(spec_args: mtp -> draft-mtp, ngram@k -> ngram-simple with n = min(3, k), m = k, draft -> draft-simple). Decode time is
+llama.cpp's predicted_ms (its prompt pass samples the first token), as ours excludes prefill; the final
+end-of-generation token it keeps is dropped before comparing.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..prompts import Prompt
+from .common import ServerProcess
 from .harness import Method, Run
 
 BIN_ENV = "MTPSPEC_LLAMACPP_BIN_DIR"
@@ -116,78 +102,14 @@ def parse_completion(js: dict) -> Completion:
         raise ConfigError(f"llama-server answered without {e} in its /completion response: {str(js)[:300]}") from None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class LlamaServer(ServerProcess):
+    """One llama-server process (common.ServerProcess); `cpu_seconds()`: its CPU time so far, from /proc."""
 
-
-class LlamaServer:
-    """One llama-server process: started and ready (/health) on enter, stopped on exit."""
-
-    def __init__(self, args_for_port, timeout: float = 120.0) -> None:
-        self.args_for_port, self.timeout = args_for_port, timeout  # args_for_port(port) -> command line
-        self.proc: subprocess.Popen | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-
-    def __enter__(self) -> LlamaServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def log_tail(self, n: int = 15) -> str:
-        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
-
-    def start(self) -> None:
-        self.port = free_port()
-        self.args = self.args_for_port(self.port)
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ConfigError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(self.args)}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet, or 503 while loading
-            time.sleep(0.05)
-        self.close()
-        raise ConfigError(f"llama-server not ready after {self.timeout:.0f} s ({' '.join(self.args)}):\n{self.log_tail()}")
-
-    def complete(self, body: dict, timeout: float = 600.0) -> dict:
-        return self.post("/completion", body, timeout)
-
-    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        """POST `body` as JSON to one of its endpoints (/completion, /tokenize, ...) -> the JSON answer."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise ConfigError(f"llama-server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
-        except (urllib.error.URLError, ConnectionError) as e:
-            raise ConfigError(f"llama-server {path} failed ({e}):\n{self.log_tail()}") from None
+    name = "llama-server"
 
     def cpu_seconds(self) -> float:
-        """The server process's CPU time so far (user + system, from /proc)."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: llama-server shuts down its slots and exits
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        Path(self.log.name).unlink(missing_ok=True)
 
 
 def has_mtp_layer(gguf: Path) -> bool:
@@ -249,7 +171,7 @@ class LlamaCppRunner:
         return self.servers[method]
 
     def generate(self, method: Method, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> Completion:
-        c = parse_completion(self.server(method).complete(request_body(ids, max_new_tokens, temperature, seed)))
+        c = parse_completion(self.server(method).post("/completion", request_body(ids, max_new_tokens, temperature, seed)))
         if c.prompt_n != len(ids):
             raise ConfigError(f"llama-server evaluated {c.prompt_n} prompt tokens for {len(ids)} ids")
         return c

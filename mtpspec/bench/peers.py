@@ -1,12 +1,7 @@
 """Peers on the same weights: Hugging Face transformers' generate() (plain, prompt lookup, assisted).
 
-A model transformers can load directly (an HF directory) is used as it is; a llama2.c checkpoint or
-a project checkpoint (the demo hybrid) is exported first (`mtpspec export`: Llama or Qwen3.5 text,
-checked by equal logits) so both engines run the same function; transformers loads each with the
-class its config.json names (AutoModelForCausalLM).
-Prompts are the same token ids as ours. transformers stops at the token it emits from
-eos_token_id and keeps it; ours stops *before* its stop ids (BOS and EOS for llama2.c models), so
-generate() is given the same stop ids and a trailing stop token is dropped before comparing.
+An HF directory is used as it is; any other model is exported first (`mtpspec export`, checked by equal logits). The
+prompts are our token ids; generate() gets our stop ids, and a trailing stop token is dropped before comparing.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..metrics import Acceptance
+from .common import fmt as _f, pyplot, save, section, target, targets_md
 from .costmodel import CostModel
 from .harness import PLAIN, Method, Run
 
@@ -85,11 +86,6 @@ def summarize(runs: list[Run], methods: list[Method], cost: CostModel | None) ->
             "by_category": {c: group([r for r in runs if r.category == c]) for c in cats}}
 
 
-def target(name: str, measured: float, goal: float, detail: str = "") -> dict:
-    """One benchmark target, with its measured number and whether it is met."""
-    return {"target": name, "measured": round(measured, 3), "goal": goal, "met": measured >= goal, "detail": detail}
-
-
 def _best(values: dict[str, float | None], prefix: str) -> tuple[float, str]:
     return max((v, k) for k, v in values.items() if k.startswith(prefix) and v)
 
@@ -136,24 +132,6 @@ def check_targets(summary: dict, elapsed_seconds: float | None = None) -> list[d
 
 
 # --- markdown --------------------------------------------------------------------------------
-
-
-def _f(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def section(title: str | None, header: list, rows: list[list]) -> list[str]:
-    """A markdown table after a blank line (and its title), as lines: the first column left-aligned (names), the rest
-    right-aligned (figures)."""
-    head = ["", title, ""] if title else [""]
-    rule = "|---" + "|---:" * (len(header) - 1) + "|"
-    return head + ["| " + " | ".join(map(str, header)) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-
-
-def targets_md(targets: list[dict]) -> list[str]:
-    rows = [[t["target"] + (f" ({t['detail']})" if t.get("detail") else ""), t["measured"], t["goal"], "yes" if t["met"] else "**no**"]
-            for t in targets]
-    return section("Targets:", ["target", "measured", "goal", "met"], rows) if rows else ["", "Targets: none measured here."]
 
 
 def _speedup_mal(a: dict) -> str:
@@ -228,22 +206,6 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
 
 
 # --- plots -----------------------------------------------------------------------------------
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
 
 
 def plots(result: dict, out_dir: Path, prefix: str = "bench_") -> list[Path]:

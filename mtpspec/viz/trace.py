@@ -194,67 +194,52 @@ def trace_prompts(
 
 # --------------------------------------------------------------------------------------------- SVG
 
-ROW_Y, BOX_H, CELL_H, CELL_GAP, AXIS_H, LEFT, RIGHT = 6, 22, 9, 1, 26, 22, 24
+BOX_H, CELL_H, AXIS_H, LEFT, RIGHT = 22, 10, 26, 22, 24  # pixels; a cell row is CELL_H high, a 1-pixel gap included
 
 
-def _fmt_p(p: float | None) -> str:
+def _boxes(run: TraceRun):
+    """Every box of a run's timeline, as (class, start s, width s, top row, rows high, colour, tooltip, attributes):
+    row 0-2 the prefill / draft / forward band (2 rows of BOX_H / 2 each, a draft inset), rows 3.. a forward's cells."""
+    pre = run.result.stats.prefill_seconds
+    yield "prefill", 0.0, pre, 0, 2, BOX_COLOURS["prefill"], f"prefill: {pre * 1e3:.2f} ms", ""
+    for i, st in enumerate(run.steps):
+        r = st.record
+        if r.draft:
+            yield ("draft", st.draft_start, r.draft_seconds, 0.35, 1.3, BOX_COLOURS["draft"],
+                   f"step {i}: drafting {len(r.draft)} tokens, {r.draft_seconds * 1e3:.3f} ms", "")
+        yield ("forward", st.verify_start, r.verify_seconds, 0, 2, BOX_COLOURS["verify"],
+               f"step {i}: target forward over {len(r.draft) + 1} positions, {r.verify_seconds * 1e3:.3f} ms; drafted "
+               f"{len(r.draft)}, accepted {r.num_accepted}, emitted {len(r.emitted)}", f' data-step="{i}"')
+        for j, c in enumerate(st.cells):
+            yield (f"cell {c.kind}", st.verify_start, r.verify_seconds, 2.3 + 1.1 * j, 1, KIND_COLOURS[c.kind],
+                   f"{c.text!r} (id {c.token}): {c.kind}, target p = {_p(c.p)}", f' data-token="{c.token}"')
+
+
+def _p(p: float | None) -> str:
     return "n/a" if p is None else f"{p:.3f}"
 
 
 def render_svg(run: TraceRun, t_max: float, width: int = 1100) -> str:
     """One run's timeline as an <svg class="timeline"> on a time axis of [0, t_max] seconds."""
-    plot_w = width - LEFT - RIGHT
-    scale = plot_w / t_max if t_max > 0 else 1.0
-    x = lambda t: LEFT + t * scale  # noqa: E731
-    max_cells = max([len(s.cells) for s in run.steps] + [1])
-    cells_top = ROW_Y + BOX_H + 3
-    height = cells_top + max_cells * (CELL_H + CELL_GAP) + AXIS_H
+    scale, row = (width - LEFT - RIGHT) / t_max if t_max > 0 else 1.0, BOX_H / 2
+    height = int(BOX_H + 6 + 1.1 * row * max([len(st.cells) for st in run.steps] + [1]) + AXIS_H)
     s = run.summary()
-    attrs = {
-        "class": "timeline", "width": width, "height": height, "viewBox": f"0 0 {width} {height}",
-        "xmlns": "http://www.w3.org/2000/svg", "role": "img",
-        "data-label": run.label, "data-drafter": run.drafter, "data-k": run.k,
-        "data-new-tokens": s["new_tokens"], "data-target-forwards": s["target_forwards"],
-        "data-tokens-per-forward": f"{s['tokens_per_forward']:.6f}", "data-wall-seconds": f"{s['wall_seconds']:.6f}",
-        "data-speedup": f"{s['speedup']:.6f}", "data-steps": len(run.steps),
-    }
-    out = ["<svg " + " ".join(f'{k}="{html.escape(str(v))}"' for k, v in attrs.items()) + ">"]
-    out.append(f"<title>{html.escape(run.label)}</title>")
-    pre = run.result.stats.prefill_seconds
-    out.append(
-        f'<rect class="prefill" x="{x(0):.2f}" y="{ROW_Y}" width="{max(pre * scale, 0.5):.2f}" height="{BOX_H}" '
-        f'fill="{BOX_COLOURS["prefill"]}"><title>prefill: {pre * 1e3:.2f} ms</title></rect>'
-    )
-    for i, st in enumerate(run.steps):
-        r = st.record
-        if r.draft:
-            out.append(
-                f'<rect class="draft" x="{x(st.draft_start):.2f}" y="{ROW_Y + 4}" width="{max(r.draft_seconds * scale, 0.5):.2f}" '
-                f'height="{BOX_H - 8}" fill="{BOX_COLOURS["draft"]}"><title>step {i}: drafting {len(r.draft)} tokens, '
-                f"{r.draft_seconds * 1e3:.3f} ms</title></rect>"
-            )
-        vw = max(r.verify_seconds * scale, 0.8)
-        vx = x(st.verify_start)
-        out.append(
-            f'<rect class="forward" x="{vx:.2f}" y="{ROW_Y}" width="{vw:.2f}" height="{BOX_H}" fill="{BOX_COLOURS["verify"]}" '
-            f'stroke="#fff" stroke-width="0.4" data-step="{i}"><title>step {i}: target forward over {len(r.draft) + 1} '
-            f"positions, {r.verify_seconds * 1e3:.3f} ms; drafted {len(r.draft)}, accepted {r.num_accepted}, "
-            f"emitted {len(r.emitted)}</title></rect>"
-        )
-        for j, c in enumerate(st.cells):
-            cy = cells_top + j * (CELL_H + CELL_GAP)
-            out.append(
-                f'<rect class="cell {c.kind}" x="{vx:.2f}" y="{cy}" width="{vw:.2f}" height="{CELL_H}" '
-                f'fill="{KIND_COLOURS[c.kind]}" data-token="{c.token}"><title>{html.escape(repr(c.text))} (id {c.token}): '
-                f"{c.kind}, target p = {_fmt_p(c.p)}</title></rect>"
-            )
-    axis_y = height - AXIS_H + 6
-    out.append(f'<line x1="{LEFT}" y1="{axis_y}" x2="{LEFT + plot_w}" y2="{axis_y}" stroke="#555" stroke-width="0.8"/>')
+    attrs = {"class": "timeline", "width": width, "height": height, "viewBox": f"0 0 {width} {height}", "role": "img",
+             "xmlns": "http://www.w3.org/2000/svg", "data-label": run.label, "data-drafter": run.drafter, "data-k": run.k,
+             "data-new-tokens": s["new_tokens"], "data-target-forwards": s["target_forwards"], "data-steps": len(run.steps),
+             "data-tokens-per-forward": f"{s['tokens_per_forward']:.6f}", "data-wall-seconds": f"{s['wall_seconds']:.6f}",
+             "data-speedup": f"{s['speedup']:.6f}"}
+    out = ["<svg " + " ".join(f'{k}="{html.escape(str(v))}"' for k, v in attrs.items()) + f"><title>{html.escape(run.label)}</title>"]
+    for cls, t, w, top, rows, colour, tip, extra in _boxes(run):
+        out.append(f'<rect class="{cls}" x="{LEFT + t * scale:.2f}" y="{6 + top * row:.2f}" width="{max(w * scale, 0.5):.2f}" '
+                   f'height="{rows * row - (cls.startswith("cell")):.0f}" fill="{colour}"{extra}><title>{html.escape(tip)}</title></rect>')
+    axis = height - AXIS_H + 6
+    out.append(f'<line x1="{LEFT}" y1="{axis}" x2="{width - RIGHT}" y2="{axis}" stroke="#555" stroke-width="0.8"/>')
     for t in _ticks(t_max):
-        out.append(f'<line x1="{x(t):.2f}" y1="{axis_y}" x2="{x(t):.2f}" y2="{axis_y + 4}" stroke="#555"/>')
-        out.append(f'<text x="{x(t):.2f}" y="{axis_y + 15}" font-size="10" text-anchor="middle" fill="#333">{t * 1e3:g} ms</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+        x = LEFT + t * scale
+        out.append(f'<line x1="{x:.2f}" y1="{axis}" x2="{x:.2f}" y2="{axis + 4}" stroke="#555"/><text x="{x:.2f}" y="{axis + 15}" '
+                   f'font-size="10" text-anchor="middle" fill="#333">{t * 1e3:g} ms</text>')
+    return "\n".join(out + ["</svg>"])
 
 
 def _ticks(t_max: float, n: int = 10) -> list[float]:
@@ -293,7 +278,7 @@ def _token_strip(run: TraceRun, prompt: str) -> str:
             if c.kind in ("recovered",) and rejected:
                 parts.append(f'<s title="rejected draft">{html.escape(rejected)}</s>')
             bg = "" if c.kind == "target" else f"background:{KIND_COLOURS[c.kind]}33"
-            parts.append(f'<span style="{bg}" title="{c.kind}, id {c.token}, p = {_fmt_p(c.p)}">{html.escape(c.text)}</span>')
+            parts.append(f'<span style="{bg}" title="{c.kind}, id {c.token}, p = {_p(c.p)}">{html.escape(c.text)}</span>')
     return f'<div class="tokens">{"".join(parts)}</div>'
 
 
@@ -347,7 +332,7 @@ def render_html(groups: list[TraceGroup], title: str = "mtpspec trace", meta: st
 # --------------------------------------------------------------------------------------------- PNG
 
 def render_png(groups: list[TraceGroup], path: str | Path, width_in: float = 12.0) -> None:
-    """The same timelines as a PNG (matplotlib, Agg): one row per run, one shared time axis."""
+    """The same timelines (the same boxes) as a PNG: one row per run, one shared time axis in ms."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,38 +341,26 @@ def render_png(groups: list[TraceGroup], path: str | Path, width_in: float = 12.
     from matplotlib.patches import Patch, Rectangle
 
     runs = [(g, r) for g in groups for r in g.runs]
-    t_max = max(r.end for _, r in runs) * 1.01 * 1e3  # ms
     heights = [1.2 + 0.18 * max([len(s.cells) for s in r.steps] + [1]) for _, r in runs]
     fig, axes = plt.subplots(len(runs), 1, figsize=(width_in, sum(heights) * 0.62 + 1.0), sharex=True,
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, (gi, (g, run)) in zip(axes[:, 0], enumerate(runs)):
-        rects, colours = [], []
-        pre = run.result.stats.prefill_seconds * 1e3
-        rects.append(Rectangle((0, 0), pre, 1)); colours.append(BOX_COLOURS["prefill"])
-        for st in run.steps:
-            r = st.record
-            vx, vw = st.verify_start * 1e3, r.verify_seconds * 1e3
-            if r.draft:
-                rects.append(Rectangle((st.draft_start * 1e3, 0.15), r.draft_seconds * 1e3, 0.7)); colours.append(BOX_COLOURS["draft"])
-            rects.append(Rectangle((vx, 0), vw, 1)); colours.append(BOX_COLOURS["verify"])
-            for j, c in enumerate(st.cells):
-                rects.append(Rectangle((vx, -0.35 - 0.42 * j), vw, 0.36)); colours.append(KIND_COLOURS[c.kind])
-        ax.add_collection(PatchCollection(rects, facecolor=colours, edgecolor="white", linewidth=0.15))
-        depth = max([len(s.cells) for s in run.steps] + [1])
-        ax.set_ylim(-0.4 - 0.42 * depth, 1.1)
+    for ax, (g, run) in zip(axes[:, 0], runs):
+        boxes = list(_boxes(run))
+        ax.add_collection(PatchCollection([Rectangle((t * 1e3, -top), max(w * 1e3, 1e-3), -rows) for _, t, w, top, rows, *_ in boxes],
+                                          facecolor=[b[5] for b in boxes], edgecolor="white", linewidth=0.15))
+        ax.set_ylim(-max(top + rows for _, _, _, top, rows, *_ in boxes) - 0.2, 0.2)
         ax.set_yticks([])
-        s = run.summary()
-        prompt = g.prompt if len(g.prompt) <= 40 else g.prompt[:37] + "..."
+        s, prompt = run.summary(), g.prompt if len(g.prompt) <= 40 else g.prompt[:37] + "..."
         ax.set_title(f"{run.label}  [{prompt!r}]: {s['new_tokens']} tokens in {s['target_forwards']} forwards "
                      f"({s['tokens_per_forward']:.2f}/forward), {s['tokens_per_second']:.0f} tok/s, {s['speedup']:.2f}x",
                      fontsize=9, loc="left")
         for side in ("top", "right", "left"):
             ax.spines[side].set_visible(False)
-    axes[-1, 0].set_xlim(0, t_max)
+    axes[-1, 0].set_xlim(0, max(r.end for _, r in runs) * 1.01e3)
     axes[-1, 0].set_xlabel("time since start (ms), measured")
-    handles = [Patch(color=BOX_COLOURS["draft"], label="drafting"), Patch(color=BOX_COLOURS["verify"], label="target forward")]
-    handles += [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    handles = [Patch(color=BOX_COLOURS[k], label=n) for k, n in (("draft", "drafting"), ("verify", "target forward"))]
+    fig.legend(handles=handles + [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()], loc="lower center",
+               ncol=len(handles) + len(KIND_COLOURS), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
