@@ -227,7 +227,7 @@ def _parse(path: Path, mm, size: int) -> GGUFFile:
         if key in metadata:
             raise _Bad(f"duplicate metadata key {key}")
         vtype = cur.u32(f"type of {key}")
-        metadata[key] = _value(cur, vtype, key, depth=0)
+        metadata[key] = _value(cur, vtype, key)
 
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
@@ -282,7 +282,7 @@ def _parse(path: Path, mm, size: int) -> GGUFFile:
     return GGUFFile(path, version, alignment, metadata, tensors, data_offset)
 
 
-def _value(cur: _Cursor, vtype: int, key: str, depth: int):
+def _value(cur: _Cursor, vtype: int, key: str):
     if vtype in _SCALAR:
         fmt, width = _SCALAR[vtype]
         v = cur.scalar(fmt, width, key)
@@ -294,8 +294,6 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int):
     if vtype == 8:
         return cur.string(key)
     if vtype == 9:
-        if depth:
-            raise _Bad(f"metadata key {key}: nested arrays are not supported")
         etype = cur.u32(f"element type of {key}")
         n = cur.u64(f"length of {key}")
         if etype in _NP:
