@@ -22,20 +22,13 @@ from .errors import ConfigError
 from .types import BatchStep
 
 
-# a forward's cost over a batch's drafting widths is a line unless a bend up halves the weighted residual: measured,
-# it runs straight or bends down, and a bend fitted to one slow narrow width flattened the low end
-# (docs/decisions.md#forward-cost-curve-penalty)
-CURVE_PENALTY = 2.0
-
-# forwards per size whose median, in seconds, is that size's usual cost: the yardstick of the machine's speed. In
-# seconds, not in the speed's own units: there a shared machine's noise (it only adds time) ratcheted the speed up
-# step by step and priced widths not run lately too high (docs/decisions.md#machine-speed-yardstick)
-ANCHOR = 63
+CURVE_PENALTY = 2.0  # the cost curve is a line unless a bend halves the residual (docs/decisions.md#forward-cost-curve-penalty)
+ANCHOR = 63  # forwards per size whose median in seconds is the machine-speed yardstick (docs/decisions.md#machine-speed-yardstick)
 
 
 def _least_squares(x: list[list[float]], y: list[float], w: list[float]) -> list[float] | None:
-    """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations, None if singular. Plain Python (at most 3
-    columns), as the rest of the policy's per-step arithmetic: numpy's lstsq costs more per call than it saves."""
+    """argmin_b sum_i w_i (x_i . b - y_i)^2 by the normal equations, None if singular (plain Python: at most 3 columns,
+    where numpy's per-call cost outweighs the work)."""
     m = len(x[0])
     a = [[sum(wi * xi[r] * xi[c] for xi, wi in zip(x, w)) for c in range(m)]
          + [sum(wi * xi[r] * yi for xi, yi, wi in zip(x, y, w))] for r in range(m)]
@@ -54,19 +47,17 @@ def _least_squares(x: list[list[float]], y: list[float], w: list[float]) -> list
 class ForwardCost:
     """T(size): seconds of one target forward over `size` positions, learned, non-decreasing in size.
 
-    Kept in units of the machine's current speed: every forward of a size already seen 3 times updates a
-    running factor (its seconds over that size's median), and each forward is stored divided by it. A slow spell
-    of a shared machine slows every size alike; stored in seconds, the widths measured during one would look
-    dearer than the others and the chosen width would wander."""
+    Stored in units of the machine's current speed (a running factor: a forward's seconds over its size's median,
+    once seen 3 times), so that a slow spell of a shared machine does not make the widths it ran look dearer."""
 
     def __init__(self, prior: Sequence[float] | None = None, t1: float | None = None, smooth: bool = False) -> None:
         self.prior = list(prior) if prior else ([1.0] if t1 is not None else [])  # prior[n-1] = T(n)/T(1)
-        self.smooth = smooth  # read T off one rising curve through every drafting size seen (see _build, _quadratic)
-        self.window = 15 if smooth else 5  # forwards per size whose median is its T (smooth: the curve follows changes)
+        self.smooth = smooth  # read T off one rising curve through every drafting size seen (_quadratic)
+        self.window = 15 if smooth else 5  # forwards per size whose median is its T
         self.scale = t1  # T(1) of the prior curve: given, else learned from the sizes inside the curve
         self.speed = 1.0  # the machine's current slowness: seconds = stored value x speed
         self.mean, self.count = {}, {}  # size -> the median of its last `window` forwards (stored units), and how many seen
-        self.recent: dict[int, list[float]] = {}  # size -> its last `window` forwards (a spike of the machine is one of them)
+        self.recent: dict[int, list[float]] = {}  # size -> its last `window` forwards
         self.raw: dict[int, list[float]] = {}  # size -> its last ANCHOR forwards in seconds: the speed's yardstick
         self.seen: dict[int, int] = {}  # size -> the observation count (of all sizes) when it was last seen
         self.plain: set[int] = set()  # sizes seen as plain forwards: kept out of the curve (see _build)
@@ -83,7 +74,7 @@ class ForwardCost:
         if size not in self.count or self._changes >= 8:
             self._table, self._changes = [], 0
         raw = self.raw.get(size, [])
-        if len(raw) >= 3:  # the machine's speed: this forward against its size's usual seconds (a size well known)
+        if len(raw) >= 3:  # the machine's speed: this forward against its size's usual seconds
             self.speed = 0.9 * self.speed + 0.1 * min(max(seconds / sorted(raw)[len(raw) // 2], 0.5), 2.0)
         self.raw[size] = (raw + [seconds])[-ANCHOR:]
         x = seconds / self.speed
@@ -91,9 +82,7 @@ class ForwardCost:
         self.recent[size], self.count[size] = last, self.count.get(size, 0) + 1
         self.mean[size] = sorted(last)[(len(last) - 1) // 2]  # the (lower) median: other jobs only ever add time
         if plain and size in self._fitted and abs(self.mean[size] - self._fitted[size]) > 0.1 * self.mean[size]:
-            # a plain forward's T is its own median: refitted now, not up to 8 steps later (a stale, low plain price
-            # makes drafting look dear and keeps the batch plain)
-            self._table = []
+            self._table = []  # a plain T that moved 10% refits now (docs/decisions.md: "A plain forward's T refitted")
         self.n += 1
         self.seen[size] = self.n
         s = x / (self.prior[min(size, len(self.prior)) - 1] if self.prior else 1.0)  # a T(1)
@@ -120,9 +109,7 @@ class ForwardCost:
     def _build(self, upto: int) -> None:
         self._fitted = {n: self.mean[n] for n in self.plain if n in self.mean}
         knots = sorted(set(range(1, len(self.prior) + 1)) | set(self.mean))
-        # at least through every size seen: the curve's narrowest drafting size may lie past `upto` (a batch class whose
-        # warm-up drafted at several widths, its sequences near their budgets, before any step asked for a wide table)
-        upto = self._upto = max(upto, knots[-1])
+        upto = self._upto = max(upto, knots[-1])  # through every size seen (the narrowest drafting one may lie past upto)
         blocks: list[list[float]] = []  # [value, weight, knots]: pool adjacent violators -> non-decreasing
         for n in knots:
             w0, w = (1.0 if n <= len(self.prior) else 0.0), min(self.count.get(n, 0), 10)  # the prior: one step
@@ -146,36 +133,30 @@ class ForwardCost:
                 mid = (knots[i] + knots[i + 1]) / 2
                 t = fit[i] + (fit[i + 1] - fit[i]) * max(n - mid, 0.0) / (knots[i + 1] - mid)
             self._table.append(t)
-        # the curve only through drafting forwards, from the smallest on: a plain forward (one row per sequence) takes
-        # the DeltaNet's recurrent step, a drafting one its chunk form and per-position rollback states, so the first
-        # draft position costs a step. A fit through both flattened that step: the running max lifted plain to the
-        # level of the widths above it, so those widths looked free and depth grew
+        # the curve only through drafting forwards: a plain one takes another kernel path (the DeltaNet's recurrent
+        # step), and a joint fit made the first draft positions look free (docs/decisions.md: "Plain forwards priced apart")
         drafting = [n for n in knots if n not in self.plain]
         q = self._quadratic(drafting) if self.smooth else None
         if q is not None:  # from the smallest drafting size on: the curve, made non-decreasing
             n0 = drafting[0]
             first = q[0] + q[1] * n0 + q[2] * n0 * n0
-            for n in range(1, n0):  # below it, a plain forward: no dearer than the narrowest drafting one (a batch's
-                # plain forwards are few, its cold first decode step among them: one slow one must not lift the curve)
+            for n in range(1, n0):  # a plain forward: no dearer than the narrowest drafting one (one slow cold step)
                 self._table[n - 1] = min(self._table[n - 1], first)
             top, last = self._table[n0 - 2] if n0 > 1 else 0.0, max(n for n in drafting if n in self.mean)
-            tangent = q[1] + 2 * q[2] * last  # past the widest drafting size: a line, the curve's slope there (a
-            # bend run on past the data is no evidence: it priced the wider widths far too high)
+            tangent = q[1] + 2 * q[2] * last  # past the widest drafting size: a line, the curve's slope there
             for n in range(n0, upto + 1):
                 m = min(n, last)
                 top = max(top, q[0] + q[1] * m + q[2] * m * m + tangent * (n - m))
                 self._table[n - 1] = top
 
     def _quadratic(self, knots: list[int]) -> tuple[float, float, float] | None:
-        """T(n) = a + b n + c n^2, rising from the smallest knot n0 (T'(n0) >= 0, c >= 0; a line unless the bend pays,
-        CURVE_PENALTY), by least squares through every size's median weighted by its forwards seen (up to 10); None
-        under 3 sizes. One curve through all sizes: a size's own median wanders by as much as a draft position adds
-        to a batch's forward, and the chosen width with it. Rising from n0, not only convex: a convex fit whose vertex
-        fell inside the range was flattened by the running max, and the widths there looked free."""
+        """T(n) = a + b n + c n^2 rising from the smallest knot n0 (b, c >= 0 in n - n0; a line unless the bend pays,
+        CURVE_PENALTY), least squares through each size's median weighted by its count (up to 10); None under 3
+        sizes. One curve, because a size's own median wanders as much as a draft position adds."""
         pts = [(n, self.mean[n], float(min(self.count[n], 10))) for n in knots if n in self.mean]
         if len(pts) < 3:
             return None
-        # a bend is judged on 4 sizes or more: through 3 it fits exactly, so it would always "halve the residual"
+        # a bend needs 4 sizes: through 3 it fits exactly
         shapes = ((0, 1, 2), (0, 2), (0, 1), (0,)) if len(pts) >= 4 else ((0, 1), (0,))
         n0, top = pts[0][0], max(n for n, _, _ in pts)
         data = [((n - n0) / (top - n0), v, w) for n, v, w in pts]  # u: 0 at n0, 1 at the largest size
@@ -199,9 +180,8 @@ class ForwardCost:
 
 
 class AcceptancePool:
-    """Acceptance by draft position over every sequence a policy has served (decayed: about 500 sequence steps of
-    memory): the prior of each new sequence, and how each position runs against a sequence's average. A fixed
-    prior under-priced a good drafter, and in a server each new request started plain and stayed so until a probe."""
+    """Acceptance by draft position over every sequence served (decayed: ~500 sequence steps of memory): each new
+    sequence's prior, and how each position runs against a sequence's average."""
 
     def __init__(self, k: int, prior: float, decay: float = 0.998) -> None:
         self.passed, self.reached = [0.0] * k, [0.0] * k  # decayed counts per position
@@ -222,9 +202,8 @@ class AcceptancePool:
         return (sum(self.passed) + 2.0 * self.prior) / (sum(self.reached) + 2.0)
 
     def shape(self) -> list[float]:
-        """Position j's acceptance over what the sequences that reached it accept on average (1 where unseen: each
-        shrunk toward 1 by 2 observations). Against the sequences' own averages, not the pool's: deep positions are
-        reached mostly by the sequences that accept well, and a ratio to the pool's average priced that in twice."""
+        """Position j's acceptance over the average acceptance of the sequences that reached it (not the pool's: deep
+        positions are reached mostly by good sequences), shrunk toward 1 by 2 observations."""
         return [(p + 2.0) / (e + 2.0) for p, e in zip(self.passed, self.expected)]
 
 
@@ -247,8 +226,8 @@ class SeqAcceptance:
         pooled acceptance times `shape[j]` (how position j runs against the average, over every sequence)."""
         if self._gains is None or self._version != version or len(self._gains) < min(d, len(self.passed)):
             pooled, self._gains, run, self._version = self.pool_passed / self.pool_reached, [], 1.0, version
-            for j, (p, r) in enumerate(zip(self.passed[:d], self.reached[:d])):  # only as deep as asked (recomputed
-                run *= (p + shrink * min(pooled * (shape[j] if shape else 1.0), 1.0)) / (r + shrink)  # after each step)
+            for j, (p, r) in enumerate(zip(self.passed[:d], self.reached[:d])):  # only as deep as asked
+                run *= (p + shrink * min(pooled * (shape[j] if shape else 1.0), 1.0)) / (r + shrink)
                 self._gains.append(run)
         return self._gains[:d]
 
@@ -323,15 +302,13 @@ class AdaptiveDepth:
         target_cost: float | None = None,  # prior seconds of a one-position target forward T(1) (None: learn)
         decay: float = 0.97,  # weight of the past in the acceptance estimates (about 30 steps of memory)
         prior_acceptance: float = 0.6,  # a new sequence's acceptance until the pool has seen drafts
-        # pseudo-observations pulling each a_j toward the sequence's pooled acceptance times the pool's shape: one
-        # sequence's count at one position is a few dozen decayed checks, mostly noise (docs/decisions.md#acceptance-shrink)
-        shrink: float = 32.0,
+        shrink: float = 32.0,  # pseudo-observations pulling a_j toward pooled x shape (docs/decisions.md#acceptance-shrink)
         forget: float = 0.98,  # per plain step, acceptance evidence fades toward its long-run level
         explore: float = 0.02,  # share of time that probing may cost
         probe_min: int = 4,  # fewest plain steps between probes
         margin: float = 0.03,  # speculation must promise this much over plain decoding to be chosen ...
         cost_margin: float = 0.1,  # ... plus this times c / T(1): a costly drafter's hidden costs
-        padded: bool = True,  # price a forward by its grid, B x its widest rows (measured: the batched forward's cost follows it)
+        padded: bool = True,  # price a forward by its grid, B x its widest rows
         batch_probe: int = 16,  # after this many all-plain steps of a batch (B > 1), one step where every sequence drafts 1
         width_probe: int = 16,  # padded: a grid width beside the chosen one, unseen for this many steps, is run once
         warmup_depth: int = 3,  # the depth of the drafting steps before the drafter's cost is known
@@ -347,10 +324,7 @@ class AdaptiveDepth:
         # prior drafter cost relative to T(1), scaled by the learned T(1) until drafts are seen
         self.c_ratio = draft_cost / target_cost if (draft_cost is not None and target_cost) else None
         self.c_prior = draft_cost if self.c_ratio is None else None  # seconds per drafted token, given without a T(1)
-        # drafter cost per drafted token as observed, in units of a plain step's forward at the batch size it was
-        # seen at: a batched drafter's step grows with the batch about as the target's forward does, so a cost
-        # learned at one batch size holds, scaled, at another (in seconds it would not)
-        self.c: float | None = None
+        self.c: float | None = None  # drafter cost per drafted token in plain forwards at its batch size (holds across sizes)
         self.slope: float | None = None  # its marginal part (see _marginal), from decayed sums of 1, u, u^2, y, u y
         self._line = [0.0] * 5
         self.o = 0.0  # engine overhead seconds per step
@@ -376,9 +350,8 @@ class AdaptiveDepth:
 
     def _marginal(self) -> float:
         """What one more draft position costs, in plain forwards: the slope of drafting seconds over drafting units
-        once steps of different widths were seen, else their ratio. A drafting step also has a part that does not
-        grow with depth (the drafter's catch-up on the tokens just kept), paid whatever the depth (going plain only
-        defers it); priced per position it made a position look dearer than it is, and the batch stayed shallow."""
+        once different widths were seen, else their ratio (a step's fixed part, the drafter's catch-up, is paid
+        whatever the depth, so it must not be priced per position)."""
         c = self._c()
         return min(max(self.slope, 0.25 * c), c) if self.slope is not None and self.c is not None else c
 
@@ -404,11 +377,9 @@ class AdaptiveDepth:
         return ds
 
     def _start(self, ds: list[int], states: list[SeqAcceptance], caps: list[int]) -> list[int]:
-        """A new sequence's first `start_steps` drafting steps in a batch, whatever its estimates say: warmup_depth deep
-        where the whole batch is new, else as deep as the batch's others draft, never deeper (one start must not widen a
-        batch's grid). Its estimates are a prior and a check or two, and a sequence's first tokens are the hardest to
-        draft. Not in a step the policy left plain, nor in a batch probe, nor for a lone sequence (it widens no one's
-        grid: its estimates decide). Measured: docs/decisions.md#start-rule."""
+        """A new sequence's first `start_steps` drafting steps in a batch: warmup_depth deep where the whole batch is
+        new, else as deep as the others draft, never deeper (its estimates are still a prior). Not in a plain step, a
+        batch probe, or for a lone sequence (docs/decisions.md#start-rule)."""
         new = [st.drafts < self.start_steps for st in states]
         if not any(ds) or not any(new) or len(states) == 1:
             return ds
@@ -416,11 +387,8 @@ class AdaptiveDepth:
         return [min(max(d, min(self.warmup_depth, top)), top, cap) if n else d for d, n, cap in zip(ds, new, caps)]
 
     def _probe_batch(self, ds: list[int], caps: list[int]) -> list[int]:
-        """A batch that has stepped plain `batch_probe` times in a row drafts one token everywhere for one step: the
-        costs that kept it plain (the forward over 2B rows, the drafter's, both learned at other batch sizes or
-        times) are measured again at this batch size. A one-sequence probe cannot do that: it widens the grid for
-        one sequence's gain and is judged by it. It lasts two steps: in the first the drafter catches up on the plain
-        steps, so only the second measures drafting."""
+        """A batch plain `batch_probe` steps in a row drafts one token everywhere for two steps (the first is the
+        drafter's catch-up), so the costs that kept it plain are measured again at this batch size."""
         if self._probe_left and len(ds) >= 2 and max(caps) >= 1:
             self._probe_left -= 1
             return [max(d, min(1, cap)) for d, cap in zip(ds, caps)]
@@ -441,9 +409,7 @@ class AdaptiveDepth:
                  zip(states, caps)]
         T = self.T.table(B * (max(caps) + 2))  # T[size - 1]
         c = self._marginal() * T[B - 1]  # seconds per drafted token at this batch size
-        # per drafting sequence. The cost part is only for the share paid per sequence (1 - phi: a draft model, whose
-        # catch-up is unseen here), not for what a batched drafter (MTP, EAGLE) pays once for the batch: against a
-        # batch's extrapolated T(1) = T(B) / B that share reached the cap and kept a large batch plain where drafting paid
+        # per drafting sequence; the cost part only for the share paid per sequence (1 - phi), not a batched drafter's
         margin = (self.margin + self.cost_margin * (1.0 - phi) * min(c / T[0], 1.0)) / B
         allocate = allocate_padded if self.padded else allocate_ragged
         ds, tokens, rate = allocate(gains, B, c, phi, o, margin, T)
@@ -453,7 +419,7 @@ class AdaptiveDepth:
             forward = T[B * max(width, d + 1) - 1] if self.padded else T[rows + d - 1]
             return forward + c * (phi * max(width - 1, d) + (1 - phi) * (drafted + d)) + o
 
-        # steps between probes so that they cost `explore` (padded: any probe serves every sequence, see below)
+        # steps between probes so that they cost `explore` (padded: any probe serves every sequence)
         share = (1 if self.padded else B) * (step(1) - step(0)) / step(0)
         self._probe_base = max(self.probe_min, int(share / self.explore + 0.5))
         pays: dict[int, bool] = {}
@@ -462,9 +428,7 @@ class AdaptiveDepth:
                 st.plain_run = 0
                 continue
             if not st.probing:  # drafts that could not pay even if all accepted: no fading, no probe
-                # ragged: the best allocation with it drafting `cap`, all accepted; padded: with every sequence so
-                # (one sequence alone never pays for a grid B rows wider: asked alone, no sequence of a plain batch
-                # would fade or probe, and the batch would stay plain on stale estimates until a batch probe)
+                # (padded: asked with every sequence drafting, as one alone never pays for a grid B rows wider)
                 key = -1 if self.padded else caps[i]
                 if key not in pays:
                     perfect = [[1.0] * k for k in caps] if self.padded else gains[:i] + [[1.0] * caps[i]] + gains[i + 1 :]
@@ -490,9 +454,8 @@ class AdaptiveDepth:
         return ds
 
     def _probe_width(self, ds: list[int], caps: list[int], B: int) -> list[int]:
-        """The grid's width is chosen against T at the widths beside it, each as measured when it last ran. One not
-        run for `width_probe` steps runs once: one draft position more for the deepest sequences that may, or one
-        less; so a slow spell of the machine that priced a width too high does not keep it out for good."""
+        """A grid width beside the chosen one not run for `width_probe` steps runs once (one draft position more for
+        the deepest sequences that may, or one less), so a price set in a slow spell does not keep it out for good."""
         w = max(ds)  # the deepest draft: the grid is w + 1 wide
 
         def stale(size: int) -> bool:  # a width seen once or twice is seen again sooner: one sample may be a spike
@@ -509,19 +472,15 @@ class AdaptiveDepth:
     def observe(self, step: BatchStep) -> None:
         """After each engine step: learn T, c, o and each sequence's acceptance."""
         self.T.observe(len(step.seqs) * step.width if self.padded else step.rows, step.forward_seconds, step.width == 1)
-        # a pause (a full garbage collection) clipped at 4x the running overhead: unclipped, one such step would price
-        # the next ten steps as slow as it
-        o = step.overhead_seconds
+        o = step.overhead_seconds  # a pause (a full collection) clipped at 4x the running overhead
         self.o = o if self._steps == 0 else 0.8 * self.o + 0.2 * min(o, 4 * self.o + 1e-5)
         self._width_seen = max(self._width_seen, step.width)
         self._steps += 1
         n, levels = sum(s.drafted for s in step.seqs), max((s.drafted for s in step.seqs), default=0)
         t_plain = self.T.at(len(step.seqs))  # a plain step's forward at this batch size
-        # drafting seconds = c (phi levels + (1 - phi) n), in plain forwards at this batch size: phi is the share a
-        # batched drafter pays once; learned only where a plain forward at this size was seen (an unseen size's T is
-        # a guess, and a cost divided by it comes out too high) and only from steps whose drafting sequences all
-        # drafted in their last step too: after plain steps (or the prompt) a drafter first catches up on the tokens
-        # it did not see, inside the same call, which would price drafting far above its cost
+        # drafting seconds = c (phi levels + (1 - phi) n) in plain forwards at this batch size; learned only where
+        # that plain forward was seen, and only from steps whose drafting sequences also drafted in their last step
+        # (after plain steps a drafter first catches up on the tokens it missed, inside the same call)
         clean = all(s.drafted == 0 or (s.seq in self.seqs and self.seqs[s.seq].drafted_last) for s in step.seqs)
         if n > 0 and clean and len(step.seqs) in self.T.count:
             y = sum(s.draft_seconds for s in step.seqs if s.drafted > 0) / t_plain  # in plain forwards
@@ -569,10 +528,8 @@ class AdaptiveDepth:
 
 
 class ByBatchSize:
-    """A DepthPolicy for a batch whose size wanders (a server): one AdaptiveDepth per batch-size class (1, 2-3,
-    4-7, 8-15, 16-31, ...), each learning its own costs; a sequence's acceptance is learned by the class it runs in.
-    What a draft position and a forward cost moves with the batch size, in seconds and in plain forwards alike, so
-    one policy carried a small batch's costs into a large one (docs/decisions.md#one-depth-policy-per-batch-size-class)."""
+    """A DepthPolicy for a batch whose size wanders (a server): one AdaptiveDepth per batch-size class (1, 2-3, 4-7,
+    ...), each learning its own costs, all sharing one AcceptancePool (docs/decisions.md#one-depth-policy-per-batch-size-class)."""
 
     def __init__(self, **options) -> None:
         self.options, self.policies = options, {}

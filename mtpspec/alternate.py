@@ -1,10 +1,6 @@
-"""Run configurations alternately over prompts: the one loop the demo, the model-card table
-(train/evaluate.py), the trace and the bench use (here, below all of them).
-
-Round after round, every prompt is run by every configuration before the next prompt starts, in an
-order shuffled afresh (seeded) for every (round, prompt): slow drift of the machine falls on all
-configurations alike, and none always follows the same other one. Every round's result comes back;
-what to keep of them is the caller's choice.
+"""Run configurations alternately over prompts (the demo, train/evaluate.py, the trace and the bench): each prompt
+by every configuration before the next, in an order shuffled (seeded) per (round, prompt), so a machine's drift
+falls on all alike. Every round's result comes back; what to keep is the caller's choice.
 """
 
 from __future__ import annotations

@@ -70,11 +70,8 @@ class Model:
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
 
-        config: a GenerationConfig (drafter, k, sampling, limits, exact, trace, threads); keyword arguments
-        override its fields, and keywords that are not fields are drafter options (ngram_min, draft_vocab, ...).
-        trace=True fills each StepRecord's timing and target probabilities. on_text gets each step's new text,
-        on_tokens its new token ids. Threads are set process-wide for the call (torch.set_num_threads is global).
-        """
+        Keyword arguments override `config`'s fields; those that are not fields are drafter options (ngram_min,
+        draft_vocab, ...). on_text gets each step's new text, on_tokens its new ids. Threads are set process-wide."""
         cfg = (config or GenerationConfig()).with_overrides(**overrides)
         for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
             if f is not None and not callable(f):
@@ -137,13 +134,10 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
          threads: int | None = None, quant: str | None = None, group_size: int = 64, compile: bool = False) -> Model:
     """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
 
-    threads: torch threads for this model's generate() calls (None = mtpspec.threads.default_threads: 1 for
-    small models run eagerly or a busy machine, else the idle cores); applied now too (process-wide).
-    quant: None, "int8" or "int4" (group_size 32 / 64 / 128), or a GGUF block type "q8_0", "q4_0", "q5_0", "q4_k",
-    "q5_k", "q6_k": weight-only quantization of the linear layers (mtpspec.quant); the quantized model is the
-    target that generation is lossless to.
-    compile: run decode and verify windows (and the MTP module's steps) through torch.compile'd static-shape
-    graphs (mtpspec.models.compiled): built on first use of each width, kernels cached on disk across runs.
+    threads: torch threads for generate() (None: mtpspec.threads.default_threads), applied now too (process-wide).
+    quant: None, "int8", "int4" (group_size 32 / 64 / 128) or a GGUF block type ("q8_0", "q4_0", "q5_0", "q4_k",
+    "q5_k", "q6_k"): weight-only quantization (mtpspec.quant); generation is lossless to the quantized model.
+    compile: decode and verify windows through torch.compile'd graphs (mtpspec.models.compiled), cached on disk.
     """
     check_threads(threads)
     if not isinstance(compile, bool):

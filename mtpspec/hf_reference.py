@@ -1,17 +1,11 @@
 """transformers' models as a float64 reference: the one way mtpspec runs them in fp64.
 
-Why: transformers' modeling files cast to float32 in fixed places whatever the model's dtype (RMSNorms, the causal
-conv and gated-delta-rule fallbacks, rotary tables and rope scaling, the MoE router and eager attention softmax,
-A_log / softplus in the DeltaNet), so a `.double()`d model still rounds to fp32 there, and parity "in fp64" would
-measure that rounding, not the function.
-
-How: an fp64 twin of a modeling module is its own source, compiled again from its syntax tree with exactly three
-rewrites and executed as a separate module (`<name>_fp64`): `torch.float32` / `torch.float` read `torch.float64`;
-`<expr>.float(...)` reads `<expr>.double(...)`; `from ...modeling_rope_utils import ...` imports that module's twin
-(scaled rotary frequencies in fp64 too; the rotary buffers are the twinned modules' own, _rotary_in_fp64). Every
-operation, its order, every eps and constant stays transformers' code. A source that names float32 any other way
-(an alias, a string dtype) is refused (ModelLoadError), and the tests watch a twin's forward for any float32 result
-(float32_ops). Nothing is patched: transformers' own modules, `torch` and `torch.Tensor` are untouched.
+transformers' modeling files cast to float32 in fixed places whatever the model's dtype (norms, rotary tables, the
+DeltaNet's fallbacks, softmaxes), so a `.double()`d model still rounds to fp32 there. An fp64 twin of a modeling
+module is its own source recompiled with three rewrites, as `<name>_fp64`: `torch.float32` / `torch.float` ->
+`torch.float64`; `<expr>.float(...)` -> `<expr>.double(...)`; `from ...modeling_rope_utils import` -> that
+module's twin. Every operation, eps and constant stays transformers' code; a source naming float32 any other way is
+refused, and the tests watch a twin's forward for float32 results (float32_ops). Nothing is patched.
 """
 
 from __future__ import annotations
@@ -85,10 +79,8 @@ def _ready(model):
 
 
 def _rotary_in_fp64(rotary) -> None:
-    """Give a twin's rotary module the inverse frequencies its own (twinned) __init__ computes, in fp64.
-
-    transformers' PreTrainedModel._init_weights (modeling_utils, not twinned) recomputes them after
-    construction with the original rope-scaling functions, in fp32: that result is replaced."""
+    """Give a twin's rotary module the fp64 inverse frequencies its own __init__ computes (transformers'
+    _init_weights, not twinned, recomputes them in fp32)."""
     try:
         fresh = type(rotary)(config=rotary.config)
     except Exception as e:  # noqa: BLE001 - another transformers version's rotary module

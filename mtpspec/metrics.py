@@ -4,14 +4,11 @@ Definitions (as vLLM's spec-decode metrics; every other module reports these, no
 
 - a step = one target forward over [last, d1..dD] (D = drafted, 0..k), of which n = accepted drafts
   survive, plus one recovered or bonus token.
-- mean accepted length = tokens per target forward = 1 + accepted / forwards (1.0 for plain
-  decoding, 0.0 when no step ran). It counts what verification kept, not what was emitted: when a
-  stop token cuts the last step (the stop token and the verified tokens after it are not emitted),
-  emitted / forwards is lower, but the step still verified n + 1 tokens, so a drafter is not charged
-  for where the output ended. (The engine never drafts past the token budget, so the budget cuts nothing.)
-- acceptance by position i (1-based) = P(draft i accepted | drafts 1..i-1 accepted): among the
-  steps that checked draft i (it was drafted and every earlier draft was accepted), the share that
-  accepted it. A step checks positions 1..min(n + 1, D): the accepted ones and the first miss.
+- mean accepted length = tokens per target forward = 1 + accepted / forwards (1.0 for plain decoding, 0.0 when no
+  step ran): what verification kept, not what was emitted, so a drafter is not charged where a stop token cut
+  the last step.
+- acceptance by position i (1-based) = P(draft i accepted | drafts 1..i-1 accepted): among the steps that checked
+  draft i, the share that accepted it. A step checks positions 1..min(n + 1, D): the accepted ones and the first miss.
 - time: prefill, drafting (propose + commit), verifying (target forward + acceptance rule + rollback),
   and overhead = wall - the three (the engine's own bookkeeping).
 """

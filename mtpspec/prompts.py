@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
@@ -9,11 +12,8 @@ from .loading import assets_dir
 
 
 def tinystories_prompts(n: int = 20, words: int = 12, path: str | Path | None = None) -> list[str]:
-    """The opening `words` words of the first n stories of the TinyStories validation prefix.
-
-    Stories are paragraphs that open a story ("Once upon a time", "One day"); the file's first
-    paragraph is the tail of a story cut mid-way and is skipped.
-    """
+    """The opening `words` words of the first n stories of the TinyStories validation prefix (paragraphs opening
+    "Once upon a time" / "One day"; the first paragraph is a cut story's tail)."""
     path = Path(path) if path else assets_dir() / "prompts" / "tinystories_val_prefix.txt"
     if not path.exists():
         raise ConfigError(f"prompt file not found: {path}")
@@ -21,12 +21,6 @@ def tinystories_prompts(n: int = 20, words: int = 12, path: str | Path | None = 
     openers = [p for p in paragraphs[1:] if p.startswith(("Once upon a time", "One day"))]
     return [" ".join(p.split()[:words]) for p in openers[:n]]
 
-
-# --- prompt sets for the benchmark ------------------------------------------------------------
-
-import gzip  # noqa: E402
-import json  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 # Spec-Bench's six categories; its first 80 rows carry MT-bench's own sub-categories.
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -108,12 +102,8 @@ def _spread(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
 
 
 def load_prompts(source: str | Path, limit: int | None = None) -> list[Prompt]:
-    """A prompt set by name (spec_bench, mt_bench, humaneval, tinystories) or by file.
-
-    Files: .jsonl / .jsonl.gz (Spec-Bench, HumanEval or the user's own rows), .txt (paragraphs or
-    lines; the TinyStories validation prefix gives the opening words of its stories). `limit` takes
-    prompts round-robin over categories so a short run still covers every category.
-    """
+    """A prompt set by name (spec_bench, mt_bench, humaneval, tinystories) or file (.jsonl / .jsonl.gz rows, .txt
+    paragraphs or lines); `limit` takes prompts round-robin over categories, so every category is covered."""
     name = str(source)
     path = assets_dir() / "prompts" / NAMED_SETS[name] if name in NAMED_SETS else Path(source)
     if not path.exists():

@@ -1,31 +1,21 @@
 """Weight-only quantization of a model's linear layers: torch's int8 / int4 CPU kernels, or GGUF block types.
 
-A quantized model is another target: every drafter is verified against it, and speculation is lossless with respect
-to it (its distance from the unquantized model: `greedy_agreement`).
+A quantized model is another target: speculation is lossless with respect to it (its distance from the unquantized
+model: `greedy_agreement`).
 
-- int8: per output channel, symmetric: w[n, k] ~ q[n, k] * s[n], q in [-127, 127], s = max_k |w[n, k]| / 127
-  (rounded up to bf16, so no weight is clipped): |w - q s| <= s / 2 for every element (see quantize_int8).
-  Kernel: torch._weight_int8pack_mm(x (M, K) bf16, q (N, K) int8, s (N,) bf16) -> (M, N) bf16. It needs
-  K % 8 == 0 (else wrong rows from M = 3 on, or a crash): such a layer (stories260K's K = 172) keeps its fp weights.
-- int4: per group of `group_size` input columns, asymmetric: w ~ (q - 8) s + z, q in [0, 15], s = (max - min) / 15.
-  Kernel: torch.ops.aten._weight_int4pack_mm_for_cpu(x (M, K), packed (N, K/2) uint8, group_size, sz (K/g, N, 2)),
-  packed by _convert_weight_to_int4pack_for_cpu; it takes N % 16 == 0 and K % group_size == 0 only: other layers
-  (the DeltaNet's 4-row gate projections) are quantized int8 instead.
-- q8_0, q4_0, q5_0 (32 inputs a block), q4_k, q5_k, q6_k (256 inputs a super-block): the bytes a GGUF file of that
-  type holds (quantize_gguf: gguf.quants.quantize for the first three, for the K-quants a numpy port of llama.cpp's
-  reference quantizers quantize_row_q{4,5,6}_K_ref, in its fp32 operation order); the layer becomes the
-  models.blocks.BlockLinear a GGUF file of that type would load into, on the GGUF block kernel
-  (mtpspec.kernels.quantized: activations rounded to 8 bits per 32 inputs, fp32 in and out). A layer whose K is not
-  a multiple of 256 gets q8_0 instead of a K-quant (the demo's K = 640 down projections); K not a multiple of 32
-  keeps its fp weights.
+- int8: per output channel, symmetric: w[n, k] ~ q s[n], q in [-127, 127], s = max_k |w[n, k]| / 127 rounded up to
+  bf16 (nothing clipped). torch._weight_int8pack_mm(x (M, K) bf16, q (N, K) int8, s (N,) bf16) needs K % 8 == 0
+  (else wrong rows from M = 3 on, or a crash): such a layer (stories260K's K = 172) keeps its fp weights.
+- int4: per group of `group_size` inputs, asymmetric: w ~ (q - 8) s + z, q in [0, 15]; aten's
+  _weight_int4pack_mm_for_cpu takes N % 16 == 0 and K % group_size == 0 only: other layers get int8.
+- q8_0, q4_0, q5_0 (32 inputs a block), q4_k, q5_k, q6_k (256): the bytes a GGUF file of that type holds
+  (gguf.quants for the first three, a numpy port of llama.cpp's reference K-quantizers), in a models.blocks.BlockLinear
+  on the GGUF block kernel (fp32 in and out). K not a multiple of 256 gets q8_0; not of 32, fp weights.
 
-Activations go into torch's kernels in bf16, for fp32 models too: the fp32-activation paths are much slower than
-fp32 F.linear (docs/models.md#quantization); the block kinds take fp32 models only (their kernel's activations; a
-bf16 checkpoint loads into fp32 exactly, and quantizes to the same bytes). Every kernel computes each row
-independently of M (bitwise, tested), so a verify over k+1 rows scores each row as plain decoding does. Quantized:
-every nn.Linear, the MTP module's and lm_head included; a tied embedding table stays in the model's dtype (a lookup
-has no arithmetic to save: the tie becomes two copies); trained draft heads stay unquantized. fp64 models are
-refused (the kernels take fp32 / bf16 activations, and fp64 is the rounding-free reference).
+Activations enter torch's kernels in bf16 (their fp32 paths are slower than fp32 F.linear); the block kinds take
+fp32 models only. Every kernel computes each row independently of M (bitwise, tested), so a verify over k+1 rows
+scores each row as plain decoding does. Every nn.Linear is quantized, lm_head and the MTP module's included; a tied
+embedding table stays in the model's dtype; draft heads stay unquantized; fp64 (the rounding-free reference) is refused.
 """
 
 from __future__ import annotations
@@ -50,7 +40,6 @@ ACT = torch.bfloat16  # activation dtype fed to the kernels (their fast path)
 class QuantConfig:
     kind: str  # "int8" (per-channel symmetric), "int4" (per-group asymmetric), or a GGUF block type (BLOCK_KINDS)
     group_size: int = 64  # int4 only: input columns sharing one scale and zero point (32, 64 or 128)
-    head: bool = True  # also quantize lm_head (the tied embedding table itself stays in the model's dtype)
 
 
 def check_quant(kind, group_size: int = 64, dtype: torch.dtype | None = None) -> QuantConfig | None:
@@ -77,12 +66,8 @@ def _round_up_bf16(x: Tensor) -> Tensor:
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w (N, K) -> q (N, K) int8, s (N,) bf16 with |w - q s| <= s / 2 exactly, elementwise.
-
-    Proof: s >= max_k |w[n, k]| / 127 (rounded up), so |w / s| <= 127 and q = round(w / s) needs no clipping;
-    the quotient is formed in fp64 from fp32 / bf16 inputs, whose distance to a half-integer is either 0 (a tie:
-    either neighbour is within s / 2) or at least 2^-25 (w and (m + 1/2) s lie on a grid of 2^(e_s - 24)),
-    far above fp64's quotient error (127.5 * 2^-53); so q is a nearest integer to w / s and |w / s - q| <= 1/2."""
+    """w (N, K) -> q (N, K) int8, s (N,) bf16 with |w - q s| <= s / 2 exactly, elementwise: s rounded up means no
+    clipping, and the fp64 quotient of fp32 / bf16 inputs is 0 or >= 2^-25 from a half-integer, far above its error."""
     w = w.detach().float()
     s = _round_up_bf16(w.abs().amax(dim=1) / 127)  # (N,)
     s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero row: any scale, q = 0
@@ -105,11 +90,9 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return codes.view(n, k).to(torch.uint8), sz
 
 
-# GGUF block types. gguf.quants implements Q8_0 / Q4_0 / Q5_0; the K-quants below follow llama.cpp's reference
-# quantizers (ggml-quants.c: quantize_row_q4_K_ref / q5_K_ref / q6_K_ref, what llama-quantize runs without an
-# importance matrix) in fp32 with their operation order: sums accumulate left to right (np.cumsum), products are
-# not fused, nearest_int rounds half to even (np.rint), fp32 -> fp16 rounds to nearest even (numpy's cast). The
-# loops run over the values of one block, each step vectorised over all blocks of the weight.
+# The K-quants follow llama.cpp's quantize_row_q{4,5,6}_K_ref (no importance matrix) in fp32 in their operation order:
+# sums left to right (np.cumsum), no fused products, half-to-even rounding (np.rint, numpy's fp16 cast); each loop
+# step vectorised over all blocks.
 QK_K = 256
 _F = np.float32
 GROUP_MAX_EPS = _F(1e-15)
@@ -298,16 +281,6 @@ def quantize_gguf(w: Tensor | np.ndarray, kind: str) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(x), gguf_type(kind))
 
 
-def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
-    """What _convert_weight_to_int4pack_for_cpu / the int4 kernel accept."""
-    return out_features % 16 == 0 and in_features % group_size == 0
-
-
-def int8_fits(in_features: int) -> bool:
-    """What torch._weight_int8pack_mm computes correctly (K % 8 != 0: wrong rows, or a crash, from M = 3 rows)."""
-    return in_features % 8 == 0
-
-
 def block_size(kind: str) -> int:
     """Inputs per block of a GGUF block kind: 32, or 256 for the K-quants' super-blocks."""
     return 256 if kind.endswith("_k") else 32
@@ -318,16 +291,14 @@ def layer_kind(out_features: int, in_features: int, config: QuantConfig) -> str 
     K-quant's 256-input super-blocks do not fit; None (kept in fp) where neither can."""
     if config.kind in BLOCK_KINDS:
         return next((k for k in (config.kind, "q8_0") if in_features % block_size(k) == 0), None)
-    if config.kind == "int4" and int4_fits(out_features, in_features, config.group_size):
+    if config.kind == "int4" and out_features % 16 == 0 and in_features % config.group_size == 0:
         return "int4"
-    return "int8" if int8_fits(in_features) else None
+    return "int8" if in_features % 8 == 0 else None
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W stored int8 (per-channel scales) or int4 (per-group scale and zero); x goes to the kernel in bf16.
-
-    Reading `.weight` returns the dequantized W (N, K) in the model's dtype, built once and kept (the MTP drafter's
-    folded copy and the draft-vocabulary head read it); the forward never does."""
+    """y = x W^T + b with W int8 (per-channel scales) or int4 (per-group scale and zero), x into the kernel in bf16.
+    `.weight` is the dequantized W (N, K) in the model's dtype, built once on first read (folded MTP, draft heads)."""
 
     weight_only_quantized = True  # what models.compiled.check_compilable looks for (it cannot import this module)
 
@@ -435,10 +406,10 @@ def quantize(module: nn.Module, kind: str = "int8", group_size: int = 64, head: 
     for name, lin in targets:
         if name == "lm_head" and not head:
             continue
-        if layer_kind(lin.out_features, lin.in_features, config) is None:
+        kind = layer_kind(lin.out_features, lin.in_features, config)
+        if kind is None:
             report.layers["kept"] = report.layers.get("kept", 0) + 1
             continue
-        kind = layer_kind(lin.out_features, lin.in_features, config)
         q = block_linear(lin, kind) if kind in BLOCK_KINDS else QuantLinear(lin, config)
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, q)
@@ -470,8 +441,8 @@ class Agreement:
 
 
 def greedy_agreement(reference, quantized, prompts: list[str], max_new_tokens: int = 64) -> Agreement:
-    """reference, quantized: api.Model. Greedy continuations of both, compared (prefix length), and the quantized
-    model scored on the reference's continuation (teacher-forced top-1 match: one forward over prompt + continuation)."""
+    """reference, quantized: api.Model. Greedy continuations compared (prefix length), and the quantized model's
+    teacher-forced top-1 match on the reference's continuation."""
     prefixes, hits, total = [], 0, 0
     for p in prompts:
         ref = reference.generate(p, max_new_tokens=max_new_tokens).tokens

@@ -60,10 +60,7 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
-
-    Greedy params give a one-hot at the argmax (the distribution greedy decoding samples from).
-    """
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p (greedy: a one-hot)."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -89,14 +86,9 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def _scale(logits: Tensor, t: float) -> Tensor:
-    """logits / T, with T's limits taken where float32 cannot represent the quotient.
-
-    -inf marks a token outside the allowed set (top-k, a draft vocabulary) and stays -inf. When
-    logits / T overflows (tiny T: +-inf, then inf - inf = NaN in softmax) or T itself is beyond
-    float32 (huge T: -inf / inf = NaN), the logits are shifted by their max first, which leaves
-    softmax unchanged: (l - max) / T is 0 at the argmaxes and <= 0 elsewhere, so tiny T gives the
-    uniform distribution over the tied argmaxes and huge T the uniform one over the allowed set.
-    """
+    """logits / T (-inf, outside the allowed set, stays -inf). Where that overflows (tiny T) or T is beyond float32
+    (huge T), the logits are shifted by their max first (softmax unchanged): tiny T then gives the uniform
+    distribution over the tied argmaxes, huge T the uniform one over the allowed set."""
     scaled = logits / t
     allowed = logits > float("-inf")
     if torch.equal(torch.isfinite(scaled), allowed) and not bool(scaled.isnan().any()):  # -inf stayed -inf

@@ -1,8 +1,5 @@
-"""The Python standard library's own source as text: the held-out modules the demo, the bench and
-training evaluate on, and the rest that trains the demo model.
-
-The stdlib is on every machine that runs Python, so this text needs no download. Whole modules are
-held out (HELDOUT); the training stream (train/data.py) never sees them.
+"""The Python standard library's source as text (no download): whole modules held out (HELDOUT) for the demo, the
+bench and evaluation; the rest trains the demo model (train/data.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""How many torch threads a model runs with by default: one rule, used by the API, every command and the server.
+"""How many torch threads a model runs with by default: one rule for the API, every command and the server.
 
-Decoding at batch 1 is a chain of small matrix-vector products; splitting one across threads pays a
-fork/join per op, far more when another job holds the other core. So:
-
-- weights under SMALL_BYTES, not compiled: 1 thread, always (an eager small model's step is Python and
-  dispatch: a second core gains it nothing, and on a busy machine it loses several times over);
-- larger, or compiled (`load(..., compile=True)`, `--compile`: the step is then mostly the kernel's products,
-  which a second thread splits): one thread per idle physical core (cores this process may run on, minus the
-  1-minute load average rounded), at least 1.
-
-The load average counts this process too once it has run for a while, so load() applies the rule once, at
-load time, and generate() reuses that count. Measurements: docs/decisions.md#default-thread-count.
-
-torch.set_num_threads is process-wide: apply_threads sets it for every model in the process. Model.generate
-applies its model's count at the start of each call, so two models in one process each run with their own;
-two generations running at once in Python threads share whichever was set last.
+A batch-1 step is a chain of small matrix-vector products, and splitting one across threads pays a fork/join per
+op (far more when another job holds the other core): an eager model under SMALL_BYTES runs 1 thread; a larger or
+compiled one, one thread per idle physical core. The rule is applied once, at load (the load average counts this
+process once it runs), and torch.set_num_threads is process-wide: Model.generate applies its model's count at the
+start of each call. Measurements: docs/decisions.md#default-thread-count.
 """
 
 from __future__ import annotations
@@ -27,14 +17,13 @@ from torch import nn
 
 from .errors import ConfigError
 
-SMALL_BYTES = 256 * 2**20  # measured: below this an eager model gains nothing from a second thread; see docs/decisions.md#default-thread-count
+SMALL_BYTES = 256 * 2**20  # below this an eager model gains nothing from a second thread
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of the module's weights: its state_dict (parameters, quantized codes; not the rotary tables) and GGUF block
-    weights, each once (a tied head)."""
+    """Bytes of the module's weights, each once (a tied head): its state_dict and GGUF block weights (held beside it)."""
     seen, total = set(), 0
-    for m in module.modules():  # GGUF block weights (models/blocks.py) are held beside the state_dict
+    for m in module.modules():
         w = getattr(m, "qweight", None)
         if w is not None and id(w) not in seen:
             seen.add(id(w))
@@ -73,11 +62,8 @@ def machine_load() -> float:
 
 
 def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None, compiled: bool | None = None) -> int:
-    """The rule: 1 thread under SMALL_BYTES of weights unless compiled; else one per idle core (cores - round(load)),
-    at least 1.
-
-    cores / load default to this machine's (physical_cores, machine_load); pass them to ask about another. compiled:
-    whether the model runs the compiled step (None: whether compile_model has been applied to it)."""
+    """1 thread under SMALL_BYTES of weights unless compiled; else cores - round(load), at least 1. cores / load:
+    this machine's by default; compiled None: whether compile_model has been applied."""
     if compiled is None:
         compiled = "compiled_step" in module.__dict__
     if parameter_bytes(module) < SMALL_BYTES and not compiled:
@@ -99,13 +85,13 @@ def check_threads(threads, name: str = "threads") -> int | None:
 
 
 def resolve_threads(threads, module: nn.Module, compiled: bool | None = None) -> int:
-    """threads as given (checked), or default_threads(module) when None (compiled: as default_threads takes it)."""
+    """threads as given (checked), or default_threads(module) when None."""
     n = check_threads(threads)
     return default_threads(module, compiled=compiled) if n is None else n
 
 
 def apply_threads(n: int) -> int:
-    """Set torch's intra-op thread count for the whole process (torch.set_num_threads is process-wide); returns n."""
+    """Set torch's (process-wide) intra-op thread count; returns n."""
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -12,7 +12,7 @@ Vocabulary (one meaning each, in every file of the project):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
@@ -94,8 +94,8 @@ class StepRecord:
     emitted: list[int]  # tokens actually appended (accepted + recovered/bonus, cut at EOS / limit)
     draft_seconds: float  # drafter propose + commit
     verify_seconds: float  # target forward + acceptance rule
+    # the rest filled only with trace=True; p = softmax(logits) when greedy, else the sampling distribution
     p_of_emitted: list[float] = field(default_factory=list)  # target probability of each emitted token
-    # filled only when generate(..., trace=True); p = softmax(logits) when greedy, else the sampling distribution
     start_seconds: float = 0.0  # when the step began, seconds since generation started (prefill included)
     p_of_draft: list[float] = field(default_factory=list)  # (D,) target probability of each draft token
     target_choice: list[int] = field(default_factory=list)  # (D+1,) argmax of p at every verified position
@@ -142,19 +142,7 @@ class GenerationStats:
     overhead_seconds: float  # wall - prefill - draft - verify: the engine's own work
 
     def to_json(self) -> dict:
-        return {
-            "target_forwards": self.target_forwards,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_by_position": self.acceptance_by_position,
-            "wall_seconds": self.wall_seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "prefill_seconds": self.prefill_seconds,
-            "draft_seconds": self.draft_seconds,
-            "verify_seconds": self.verify_seconds,
-            "overhead_seconds": self.overhead_seconds,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)

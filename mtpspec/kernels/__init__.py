@@ -1,23 +1,16 @@
 """A matrix product for a few rows: the decode step's and the verify pass's linear layers, fp32 or bf16 on CPU.
 
-At batch 1 every linear layer is a matrix-vector product and reading its weight is the whole cost; torch's
-BLAS path reads a row-major weight at a fraction of this CPU's memory bandwidth (the demo's 32 MB of weights
-streamed at ~8 GB/s, this kernel's at ~30 GB/s). small_linear.cpp keeps each weight in
-panels (N/32, K, 32) read front to back once per call, whatever the number of rows, so a verify pass over
-k+1 rows costs little more than one step, and each output is the same FMA chain over k in order however many
-rows share the call: the product is row-invariant, bitwise. bf16 weights stay bf16 in the panels (half the
-bytes to read), accumulate in fp32 and round each output once: widened exactly in registers and FMA'd, or, on a CPU
-with AVX512_BF16, multiplied in pairs by vdpbf16ps (twice the multiply-adds per instruction: a 5-row verify of a
-bf16 weight then costs about what one row does; bf16_pairs()). The panels of a call are split between torch's
-threads (OpenMP); each output is still one thread's chain.
+At batch 1 reading the weights is the whole cost, and torch's BLAS path reads a row-major weight at a fraction of
+the memory bandwidth. small_linear.cpp keeps each weight in panels (N/32, K, 32) read once per call whatever the
+number of rows, so a verify over k+1 rows costs little more than one step; each output is the same FMA chain over
+k in order however many rows share the call (row-invariant, bitwise). bf16 weights stay bf16 (half the bytes) and
+accumulate in fp32, multiplied in pairs by vdpbf16ps where the CPU has AVX512_BF16 (bf16_pairs()). Panels are
+split between torch's threads; each output is one thread's chain.
 
-The kernel is C++ built on first use with torch's extension builder (g++ with OpenMP, about 10 s, once per machine;
-kept under $MTPSPEC_KERNEL_CACHE, default ~/.cache/mtpspec/kernels, in a folder named for this CPU's
-instruction set). Without a compiler, or with MTPSPEC_KERNELS=0, every product runs on torch's own
-F.linear: same results up to float rounding, slower.
-
-models.common.Linear (an nn.Linear) is the entry point: it takes the kernel when usable() (fp32 or bf16 inputs of up
-to MAX_ROWS rows outside autograd) and F.linear otherwise (training, prefill, fp64, other devices).
+Built on first use with torch's extension builder (g++ with OpenMP, once per machine, under $MTPSPEC_KERNEL_CACHE,
+default ~/.cache/mtpspec/kernels, in a folder per instruction set). Without a compiler, or with MTPSPEC_KERNELS=0,
+products run on F.linear: same results up to rounding, slower. models.common.Linear takes the kernel when usable()
+(fp32 / bf16, up to MAX_ROWS rows, outside autograd) and F.linear otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_tag() -> str:
-    """Names the build folder: a kernel built with -march=native for one CPU must not be loaded on another."""
+    """Names the build folder: a -march=native build must not be loaded on another CPU."""
     flags = platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -62,8 +55,8 @@ EXACT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no f
 
 
 def build_extension(name: str, source: str, subdir: str, cflags: tuple[str, ...] = EXACT_CFLAGS) -> None:
-    """Compile (or load the cached build of) the C++ file `source` beside this module as the torch extension `name`,
-    kept under cache_dir() in a folder for this CPU and torch version (`subdir` below it). Raises what the build raises."""
+    """Compile (or load the cached build of) `source` beside this module as the torch extension `name`, under
+    cache_dir() in a folder for this CPU and torch version (`subdir` below it). Raises what the build raises."""
     from torch.utils.cpp_extension import load
 
     build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / subdir
@@ -73,9 +66,8 @@ def build_extension(name: str, source: str, subdir: str, cflags: tuple[str, ...]
 
 
 class Extension:
-    """A C++ file beside this module, built on first use (build_extension) once per process; `available()` says whether
-    it loaded (with one warning naming what serves instead when it did not). `ready` runs once after a build (fake
-    kernels for torch.compile, op lookups)."""
+    """A C++ file beside this module built on first use, once per process; `available()` says whether it loaded (one
+    warning naming the fallback when not). `ready` runs once after a build (fake kernels, op lookups)."""
 
     def __init__(self, name: str, source: str, subdir: str, fallback: str, ready=None,
                  cflags: tuple[str, ...] = EXACT_CFLAGS) -> None:
@@ -127,8 +119,7 @@ BF16_UNDO = sorted(range(P), key=BF16_ORDER.__getitem__)  # panel position of ou
 
 
 def bf16_pairs() -> bool:
-    """Whether this CPU's build multiplies bf16 weights in pairs (AVX512_BF16's vdpbf16ps; small_linear.cpp), which
-    lays bf16 panels out as (ceil(N/32), ceil(K/2), 64). False without the kernel."""
+    """Whether this build multiplies bf16 weights in pairs (vdpbf16ps): bf16 panels (ceil(N/32), ceil(K/2), 64)."""
     if "pairs" not in _state:
         _state["pairs"] = available() and bool(torch.ops.mtpspec.bf16_pairs())
     return bool(_state["pairs"])
@@ -174,9 +165,8 @@ def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None,
 
 
 def panels_of(holder: dict, weight: Tensor) -> Tensor:
-    """The weight's panels, cached in `holder` (a module's __dict__): packed on first use and again whenever the
-    weight is replaced or updated in place. Inside a compiled graph the cached panels are read as they are: the
-    compiled step refreshes them outside the graph when the weights change (models.static.fuse_projections)."""
+    """The weight's panels, cached in `holder`: packed on first use and whenever the weight changes. Inside a
+    compiled graph the cached panels are read as they are (the compiled step refreshes them outside the graph)."""
     if torch.compiler.is_compiling():
         return holder["panels"][1]
     key = weights_version([weight])
@@ -187,10 +177,8 @@ def panels_of(holder: dict, weight: Tensor) -> Tensor:
 
 
 class Product:
-    """x @ W^T for a weight held only in the layout its product runs fastest from: the kernel's panels (rows past
-    MAX_ROWS, a prompt, go through torch's batched matmul over the same panels), or W^T contiguous for torch's
-    matmul when the kernel does not take the dtype or is not available. For weights derived once and cached
-    (a folded MTP module, a draft-vocabulary head), where a module's Linear does not apply."""
+    """x @ W^T for a derived, cached weight (a folded MTP module, a draft-vocabulary head), held only in its fastest
+    layout: the kernel's panels (more than MAX_ROWS rows: torch's batched matmul over them), else W^T contiguous."""
 
     def __init__(self, weight: Tensor) -> None:
         weight = weight.detach()

@@ -1,20 +1,12 @@
 """Linear layers from a GGUF file's weights, kept in their block types (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K).
 
-A decode step reads every weight once, so a 4-6 bit weight costs a quarter of its fp32 read. gguf_blocks.cpp
-multiplies the blocks directly: from_gguf() re-lays a weight out once into panels of 16 outputs (layout
-"panels16": each weight block's 16 outputs' scales, then per 32 inputs a tile of quants, 4 inputs of an output per
-32-bit word), and linear() streams them once per call whatever the number of rows (up to 10 per pass, their
-accumulators in registers; more rows pass again over each panel while it is in cache), the panels split between
-torch's threads (OpenMP).
-
-The activations are quantized to 8 bits per 32 inputs (fp32 scale max|x|/127, row by row) and multiplied by the
-quants in integers, as llama.cpp's CPU kernels do: results differ slightly from a float product with the
-dequantized weight. Each output is the same sequence of operations whatever else shares the call (rows, threads,
-instruction set), so linear() is row-invariant bitwise: row i of an M-row call equals the 1-row call on that row.
-dequantize() and embedding() are exact: bit for bit gguf.quants.dequantize.
-
-F32, F16 and BF16 weights are widened to fp32 and multiplied by the fp32 panel kernel (mtpspec.kernels). Without a
-compiler, or with MTPSPEC_KERNELS=0, every type keeps GGUF's own row order (layout "rows") and linear() is
+gguf_blocks.cpp multiplies the blocks directly: from_gguf() re-lays a weight out once into panels of 16 outputs
+(layout "panels16"), and linear() streams them once per call whatever the number of rows, split between torch's
+threads. Activations are quantized to 8 bits per 32 inputs (scale max|x|/127) and multiplied in integers, as
+llama.cpp's CPU kernels do (slightly off a float product with the dequantized weight). Each output is the same
+operations whatever shares the call, so linear() is row-invariant bitwise; dequantize() and embedding() are exact
+(bit for bit gguf.quants.dequantize). Float types are widened to fp32 for the panel kernel (mtpspec.kernels).
+Without a compiler, or with MTPSPEC_KERNELS=0, every type keeps GGUF's row order (layout "rows") and linear() is
 F.linear on the dequantized weight (kept after the first call).
 """
 
@@ -63,13 +55,9 @@ def isa() -> str:
 
 @dataclass(eq=False)
 class QuantizedWeight:
-    """One (N out, K in) weight of a GGUF file in its block type.
-
-    data: uint8. layout "panels16": (ceil(N/16), K/block, bytes per 16 blocks), gguf_blocks.cpp's panels (block
-    types with the kernel built); layout "rows": GGUF's own bytes, (N, K/block * type bytes) (float types, and every
-    type without the kernel). dense: the fp32 weight where one is kept (float types without the panel kernel, and
-    block types without the block kernel, after the first product); panels: the fp32 panel kernel's panels of a float
-    type."""
+    """One (N out, K in) weight of a GGUF file in its block type. data: uint8, layout "panels16" (ceil(N/16),
+    K/block, bytes per 16 blocks) or "rows" (GGUF's bytes, (N, K/block * type bytes)); dense: the fp32 weight where
+    kept (no kernel for it); panels: the fp32 panel kernel's panels of a float type."""
 
     qtype: QT
     shape: tuple[int, int]

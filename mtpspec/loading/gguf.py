@@ -1,27 +1,20 @@
 """GGUF files (llama.cpp's format): metadata, a typed model config and the tensors, read without dequantizing.
 
-The file is memory-mapped and parsed here, strictly: every length, count, type id, offset and shape is
-checked against the file before it is used, so a truncated or corrupted file raises one ModelLoadError
-naming the file and the problem (never another exception, never a huge allocation or a long loop).
-`gguf.GGUFReader` (the `gguf` package) parses the same layout but builds numpy views for every element
-of every array: 12 s for Gemma 3's 262,144-token vocabulary, against 0.3 s here; its constants (type
-ids, block sizes) are used.
+Parsed strictly from a memory map: every length, count, type id, offset and shape is checked before use, so a
+truncated or corrupt file raises one ModelLoadError naming the file and the problem. (`gguf.GGUFReader` builds a
+numpy view per array element: far too slow for a 262k-token vocabulary; only its constants are used.)
 
-Layout (GGUF v2 / v3, little-endian): "GGUF", u32 version, u64 tensor count, u64 key count; the keys
-(string key, u32 value type, value; strings are u64 length + UTF-8; arrays u32 element type + u64
-count + elements); per tensor: name, u32 n_dims, n_dims u64 sizes (ggml order: fastest first), u32
-ggml type, u64 offset; then the data, from the header's end rounded up to `general.alignment` (32).
+Layout (v2 / v3, little-endian): "GGUF", u32 version, u64 tensor count, u64 key count; keys (string key, u32 value
+type, value; strings u64 length + UTF-8; arrays u32 element type + u64 count + elements); per tensor: name, u32
+n_dims, n_dims u64 sizes (ggml order: fastest first), u32 ggml type, u64 offset; then the data, from the header's
+end rounded up to `general.alignment` (32).
 
-Names: `hf_tensor_names` maps the GGUF names of llama / qwen2 / qwen3 / gemma3 to the Hugging Face names
-mtpspec's models use. What the converter did to the values, undone by the loader:
-- llama (and Mistral, written as llama): q / k rows are permuted per head from the half-split rotary
-  layout to llama.cpp's adjacent pairs (`LlamaModel.permute`, k with the KV head count); `llama_qk_rows`
-  gives the row order that undoes it (rows only, so it applies to the packed blocks too).
-  qwen2 / qwen3 / gemma3 / qwen35 are stored unpermuted (llama.cpp runs them with NEOX rope).
-- gemma3: every `*norm.weight` (attn_norm, post_attention_norm, ffn_norm, post_ffw_norm, attn_q_norm,
-  attn_k_norm, output_norm) is stored as 1 + w, w being transformers' Gemma3RMSNorm weight (which scales
-  by 1 + w); transformers subtracts 1 when it loads the file (Gemma2TensorProcessor). `norm_plus_one`.
-  For Gemma 3 270M, 1 + (w_file - 1) == w_file in fp32 for every norm value, so either form is exact.
+What the converter did to the values, undone by the loaders:
+- llama (and Mistral): q / k rows permuted per head from the half-split rotary layout to adjacent pairs (k with
+  the KV head count); `llama_qk_rows` undoes it (rows only: applies to packed blocks too). qwen2 / qwen3 / gemma3
+  / qwen35 are stored unpermuted.
+- gemma3: every `*norm.weight` is stored as 1 + w (transformers' Gemma3RMSNorm scales by 1 + w), so it is used as a
+  plain x / rms * w_file norm (`norm_plus_one`).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +107,6 @@ class GGUFConfig:
     norm_plus_one: bool = False  # norms stored as 1 + w (gemma3: all; qwen35: all but ssm_norm): subtract 1 for a (1 + w) RMSNorm
     qk_rows_interleaved: bool = False  # llama: q / k rows in llama.cpp's rope order (undo with llama_qk_rows)
     extra: dict = field(default_factory=dict)  # qwen35: ssm_*, full_attention_interval, nextn_predict_layers, ...
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -237,7 +227,7 @@ def _parse(path: Path, mm, size: int) -> GGUFFile:
         if key in metadata:
             raise _Bad(f"duplicate metadata key {key}")
         vtype = cur.u32(f"type of {key}")
-        metadata[key] = _value(cur, vtype, key, depth=0)
+        metadata[key] = _value(cur, vtype, key)
 
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
@@ -292,7 +282,7 @@ def _parse(path: Path, mm, size: int) -> GGUFFile:
     return GGUFFile(path, version, alignment, metadata, tensors, data_offset)
 
 
-def _value(cur: _Cursor, vtype: int, key: str, depth: int):
+def _value(cur: _Cursor, vtype: int, key: str):
     if vtype in _SCALAR:
         fmt, width = _SCALAR[vtype]
         v = cur.scalar(fmt, width, key)
@@ -304,8 +294,6 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int):
     if vtype == 8:
         return cur.string(key)
     if vtype == 9:
-        if depth:
-            raise _Bad(f"metadata key {key}: nested arrays are not supported")
         etype = cur.u32(f"element type of {key}")
         n = cur.u64(f"length of {key}")
         if etype in _NP:
@@ -566,14 +554,7 @@ def hf_tensor_names(f: GGUFFile, cfg: GGUFConfig | None = None) -> dict[str, str
     if cfg.architecture not in NAMED_ARCHITECTURES:
         raise f.error(f"tensor names of architecture '{cfg.architecture}' are not mapped "
                       f"(supported: {', '.join(NAMED_ARCHITECTURES)})")
-    required, optional = expected_tensors(cfg)
-    missing = sorted(required - f.tensors.keys(), key=natural_order)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise f.error(f"missing tensor {missing[0]}{more}")
-    unexpected = sorted(f.tensors.keys() - required - optional, key=natural_order)
-    if unexpected:
-        raise f.error(f"unexpected tensor {unexpected[0]} for a {cfg.architecture} model of {cfg.num_layers} layers")
+    check_names(f, *expected_tensors(cfg), f"{cfg.architecture} model of {cfg.num_layers} layers")
     shapes = _expected_shapes(cfg)
     out = {}
     for name, t in f.tensors.items():
@@ -586,6 +567,17 @@ def hf_tensor_names(f: GGUFFile, cfg: GGUFConfig | None = None) -> dict[str, str
             raise f.error(f"tensor {name} has no Hugging Face name for {cfg.architecture}")
         out[name] = hf
     return out
+
+
+def check_names(f: GGUFFile, required: set[str], optional: set[str], model: str) -> None:
+    """The file holds every required tensor and no other but optional ones (one error naming the first miss)."""
+    missing = sorted(required - f.tensors.keys(), key=natural_order)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise f.error(f"missing tensor {missing[0]}{more}")
+    unexpected = sorted(f.tensors.keys() - required - optional, key=natural_order)
+    if unexpected:
+        raise f.error(f"unexpected tensor {unexpected[0]} for a {model}")
 
 
 def _expected_shapes(c: GGUFConfig) -> dict[tuple[str, str], tuple[int, ...]]:

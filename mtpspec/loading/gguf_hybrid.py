@@ -1,32 +1,21 @@
 """A Qwen3.5 hybrid (llama.cpp arch `qwen35`) from a GGUF file, its MTP (`nextn`) layer included: a HybridLM.
 
-The inverse of what llama.cpp's converter (and export_gguf, which writes the same file) does to a Hugging Face
-Qwen3.5 checkpoint, tensor by tensor:
+The inverse of what llama.cpp's converter (and export_gguf) does to a Hugging Face Qwen3.5 checkpoint:
 
-- names: `blk.{i}.*` -> `model.layers.{i}.*`; the last block (`qwen35.nextn_predict_layers` = 1) is the MTP
-  module: `nextn.eh_proj` -> `mtp.fc`, `nextn.enorm` / `nextn.hnorm` -> `mtp.pre_fc_norm_embedding` /
-  `mtp.pre_fc_norm_hidden`, `nextn.shared_head_norm` -> `mtp.norm`, its attention block -> `mtp.layers.0`;
-- zero-centred RMSNorm weights are stored as 1 + w: every norm but the DeltaNet's gated `ssm_norm` loads as
-  w = stored - 1. In fp32 that subtraction is exact (Sterbenz: stored = fl(1 + w) is within a factor 2 of 1, or
-  else 1 + w was exact), and the model's own 1.0 + w then gives back the stored value bit for bit;
-- `ssm_a` = -exp(A_log) -> A_log: the fp32 value nearest log(-ssm_a) whose fp32 exp (torch's, as the DeltaNet
-  computes it) is -ssm_a exactly, so the decay the model computes is the stored one, bit for bit;
-- value heads tiled (k0v0 k1v0 .. k0v1 ..) -> grouped by key head (k0v0 k0v1 .. k1v0 ..): the V rows of
-  attn_qkv and of ssm_conv1d, the rows of attn_gate / ssm_beta / ssm_alpha, ssm_a, ssm_dt.bias and the columns
-  of ssm_out; ssm_conv1d (C, K) -> (C, 1, K); `ssm_dt.bias` -> dt_bias;
-- attn_q keeps Qwen's [q | gate] rows per head, as q_proj holds them; qwen35 stores q / k unpermuted.
+- names: `blk.{i}.*` -> `model.layers.{i}.*`; the last block (nextn_predict_layers = 1) is the MTP module:
+  `nextn.eh_proj` -> `mtp.fc`, `nextn.enorm` / `hnorm` -> `mtp.pre_fc_norm_embedding` / `_hidden`,
+  `nextn.shared_head_norm` -> `mtp.norm`, its attention block -> `mtp.layers.0`;
+- zero-centred norms are stored as 1 + w: every norm but the gated `ssm_norm` loads as stored - 1, exact in fp32
+  (Sterbenz), so the model's 1.0 + w gives back the stored value bit for bit;
+- `ssm_a` = -exp(A_log) -> the fp32 A_log whose torch exp is -ssm_a exactly (a_log_of);
+- value heads tiled (k0v0 k1v0 .. k0v1 ..) -> grouped by key head (k0v0 k0v1 .. k1v0 ..): V rows of attn_qkv and
+  ssm_conv1d, rows of attn_gate / ssm_beta / ssm_alpha / ssm_a / ssm_dt.bias, columns of ssm_out;
+  ssm_conv1d (C, K) -> (C, 1, K); attn_q keeps Qwen's [q | gate] rows per head.
 
-Weights: F32 / F16 / BF16 matrices become ordinary fp32 layers (F16 / BF16 widen exactly), so an f32 file gives
-back the exported model's numbers. Block-quantized matrices (Q8_0, Q4_K, ...) stay in their blocks as
-BlockLinear / BlockEmbedding (fp32 activations through the GGUF block kernel); a row permutation moves whole
-rows of blocks, and ssm_out's column permutation moves whole blocks when a value head spans whole blocks, else
-(e.g. 128-wide heads in 256-value K-quant blocks) that one matrix is dequantized exactly into an fp32 layer.
-dequantize=True, or a dtype other than fp32: every matrix dequantized exactly into an ordinary layer of that dtype.
-
-Refused by name: qwen3next (Qwen3-Next, experts in every layer) and qwen35moe files, more than one nextn layer,
-rope scaling, rope sections that leave a rotary pair without the text position, value / key head sizes
-the model does not have. Strict like every loader here: a missing or unexpected tensor or a shape that does not
-fit the metadata is one ModelLoadError naming it.
+F32 / F16 / BF16 matrices become fp32 layers (widened exactly); block types stay in their blocks (BlockLinear /
+BlockEmbedding); a row permutation moves whole rows of blocks, and ssm_out's column permutation whole blocks when
+a value head spans whole blocks, else that matrix is dequantized exactly into fp32. dequantize=True, or a dtype
+other than fp32: every matrix dequantized exactly into an ordinary layer of that dtype.
 """
 
 from __future__ import annotations
@@ -42,7 +31,7 @@ from ..errors import ModelLoadError
 from ..kernels import quantized
 from ..models.blocks import block_layer, tie_head
 from ..models.qwen35 import HybridConfig, HybridLM
-from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, GGUFTensor, natural_order
+from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, GGUFTensor, check_names
 
 HYBRID_ARCHS = ("qwen35", "qwen3next", "qwen35moe")  # the hybrids a GGUF may hold; qwen35 loads, the others are refused
 FLOAT_QTYPES = ("F32", "F16", "BF16")
@@ -50,8 +39,8 @@ _A_LOG_SEARCH = 16  # fp32 steps either side of log(-ssm_a) searched for the A_l
 
 
 def _short(x: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07): the value the
-    checkpoint's config held, so an fp64 model gets it too (an fp32 model rounds either to the same float32)."""
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07): the
+    checkpoint's value, for an fp64 model too."""
     return float(str(np.float32(x)))
 
 
@@ -91,8 +80,7 @@ def hybrid_config(f: GGUFFile, c: GGUFConfig, max_seq_len: int | None = None) ->
 
 @dataclass(frozen=True)
 class Placement:
-    """One file tensor's way into the model: the parameter it fills, its expected shape (torch order, as stored),
-    and the inverse transforms (norm: stored - 1; rows / cols: the grouped-order index of a tiled tensor)."""
+    """One file tensor into the model: the parameter it fills, its shape (torch order), the inverse transforms."""
 
     gguf: str
     target: str  # HF parameter name
@@ -106,8 +94,7 @@ class Placement:
 
 
 def grouped_order(nk: int, r: int, size: int) -> np.ndarray:
-    """Index (nk * r * size,) taking tiled value heads (k0v0 k1v0 .. k0v1 ..) back to grouped by key head: the
-    inverse of export_gguf.tiled_order(nk, r, size), which is a transpose of (nk, r) heads, so this is (r, nk)'s."""
+    """Index (nk * r * size,) taking tiled value heads back to grouped by key head (export_gguf.tiled_order's inverse)."""
     return np.arange(nk * r * size).reshape(r, nk, size).transpose(1, 0, 2).reshape(-1)
 
 
@@ -175,16 +162,8 @@ def placements(c: HybridConfig) -> list[Placement]:
 
 
 def check_tensors(f: GGUFFile, plan: list[Placement], n_layers: int) -> None:
-    """The file holds exactly the planned tensors, each of its planned shape (one ModelLoadError naming the first miss);
-    n_layers: the blocks of the file (decoder and nextn), for the message."""
-    want = {p.gguf: p for p in plan}
-    missing = sorted(want.keys() - f.tensors.keys(), key=natural_order)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise f.error(f"missing tensor {missing[0]}{more}")
-    unexpected = sorted(f.tensors.keys() - want.keys(), key=natural_order)
-    if unexpected:
-        raise f.error(f"unexpected tensor {unexpected[0]} for a qwen35 model of {n_layers} blocks")
+    """The file holds exactly the planned tensors, each of its planned shape; n_layers: decoder + nextn blocks."""
+    check_names(f, {p.gguf for p in plan}, set(), f"qwen35 model of {n_layers} blocks")
     for p in plan:
         t = f.tensors[p.gguf]
         if t.shape != p.shape:
@@ -193,10 +172,7 @@ def check_tensors(f: GGUFFile, plan: list[Placement], n_layers: int) -> None:
 
 def load_gguf_hybrid(f: GGUFFile, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                      dequantize: bool = False) -> HybridLM:
-    """A HybridLM (with its MTP module when the file has a nextn layer) from a parsed qwen35 GGUF file.
-
-    fp32: block-quantized matrices stay in their blocks (BlockLinear / BlockEmbedding), float matrices become fp32
-    layers. dequantize=True, or another dtype: every matrix exactly dequantized into an ordinary layer of `dtype`."""
+    """A HybridLM (with its MTP module when the file has a nextn layer) from a parsed qwen35 GGUF file."""
     if f.architecture in ("qwen3next", "qwen35moe"):
         raise f.error(f"architecture '{f.architecture}' (experts in the MLPs) does not load from GGUF yet "
                       "(supported hybrid: qwen35; load the Hugging Face checkpoint instead)")
@@ -207,21 +183,38 @@ def load_gguf_hybrid(f: GGUFFile, dtype: torch.dtype = torch.float32, max_seq_le
     check_tensors(f, plan, cfg.num_layers + cfg.mtp_num_layers)
     with torch.device("meta"):
         model = HybridLM(cfg)
+    return fill(f, model, plan, dense)
+
+
+def fill(f: GGUFFile, model: nn.Module, plan: list[Placement], dense: torch.dtype | None, float_blocks: bool = False):
+    """The meta-device `model` filled from `plan` (checked against the file): head tied, rotary tables built, eval.
+    float_blocks: F32 / F16 / BF16 matrices become block layers too (the dense loader), not fp32 parameters."""
     for p in plan:
         try:
-            _place(model, p, f.tensors[p.gguf], dense)
+            _place(model, p, f.tensors[p.gguf], dense, float_blocks)
         except (ValueError, ModelLoadError) as e:  # a type the block kernel or a vector slot cannot take
             raise f.error(f"tensor {p.gguf}: {e}") from None
-    if cfg.tie_embeddings:
+    if model.config.tie_embeddings:
         tie_head(model)
     model.reset_buffers()  # the rotary tables were built on the meta device
+    _release_freed_memory()
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if meta:  # check_tensors matched the file to the plan: a parameter left here is a loader bug
+    if meta:  # the plan was checked against the file: a parameter left here is a loader bug
         raise f.error(f"no tensor filled {', '.join(meta[:4])}")
     return model.eval()
 
 
-def _place(model: HybridLM, p: Placement, t: GGUFTensor, dense: torch.dtype | None) -> None:
+def _release_freed_memory() -> None:
+    """glibc keeps the packing's freed temporary copies as heap until malloc_trim."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _place(model: nn.Module, p: Placement, t: GGUFTensor, dense: torch.dtype | None, float_blocks: bool) -> None:
     """One tensor into the model, its inverse transforms applied (see Placement)."""
     owner_name, _, kind = p.target.rpartition(".")  # kind: weight, bias, A_log, dt_bias
     owner = model.get_submodule(owner_name)
@@ -231,16 +224,18 @@ def _place(model: HybridLM, p: Placement, t: GGUFTensor, dense: torch.dtype | No
     if p.conv:  # (C, K) -> (C, 1, K): the Conv1d's weight (kept a parameter: the DeltaNet reads its values)
         _set(owner, kind, _rows(_values(t), p.rows)[:, None, :], dense)
         return
-    blocks = dense is None and t.qtype not in FLOAT_QTYPES
+    blocks = dense is None and (float_blocks or t.qtype not in FLOAT_QTYPES)
     if blocks and (p.cols is None or p.col_group % _block_size(t) == 0):
         raw = _rows(t.data, p.rows)  # (N, row bytes): whole rows of blocks
         if p.cols is not None:  # value heads of whole blocks: move each head's bytes
             heads = p.cols[:: p.col_group] // p.col_group  # (heads,) stored head of each grouped head
             raw = raw.reshape(t.shape[0], len(heads), -1)[:, heads].reshape(t.shape[0], -1)
         w = quantized.from_gguf(np.ascontiguousarray(raw), t.ggml_type, t.shape)
+        # a linear layer's bias may be placed before or after its weight: keep what was read, or its slot
+        bias = getattr(owner, "bias", None)
+        bias = None if bias is None else bias.detach() if not bias.is_meta else torch.zeros(t.shape[0])
         parent_name, _, leaf = owner_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, block_layer(owner, w))
+        setattr(model.get_submodule(parent_name), leaf, block_layer(owner, w, bias))
         return
     values = _rows(_values(t), p.rows)  # (N, K) exact
     if p.cols is not None:
@@ -276,9 +271,8 @@ def _vector(t: GGUFTensor, p: Placement) -> np.ndarray:
 
 
 def a_log_of(ssm_a: np.ndarray) -> np.ndarray:
-    """A_log (nv,) fp32 with -torch.exp(A_log) == ssm_a bit for bit, where a float32 maps there (one always does for
-    a file export_gguf or llama.cpp's converter wrote: ssm_a was -exp of a float32): the fp32 values nearest
-    log(-ssm_a) are tried outwards, each evaluated as the whole (nv,) vector the DeltaNet exponentiates."""
+    """A_log (nv,) fp32 with -torch.exp(A_log) == ssm_a bit for bit (one exists when ssm_a was written as -exp of a
+    float32): the fp32 values nearest log(-ssm_a) tried outwards, exponentiated as the DeltaNet does, as a vector."""
     a = -ssm_a.astype(np.float32)
     if not (a > 0).all() or not np.isfinite(a).all():
         raise ModelLoadError("ssm_a must hold negative finite values (-exp(A_log))")

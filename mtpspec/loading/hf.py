@@ -1,12 +1,9 @@
-"""Hugging Face safetensors directories: Qwen3.5, Qwen3-Next, Llama, Qwen2/Qwen3 (+ their MTP tensors).
+"""Hugging Face safetensors directories: Qwen3.5, Qwen3-Next, Llama, Mistral, Qwen2/Qwen3, Gemma 3 (+ MTP tensors).
 
-config.json is mapped to a HybridConfig (qwen3_5, qwen3_5_text, qwen3_next) or a DenseConfig (llama,
-mistral, qwen2, qwen3: with Llama 3 / linear rope scaling, sliding windows, biases), and every field that
-changes the function is implemented or refused by name (see HARMLESS / USED); tensor names are mapped to ours (`model.language_model.*` of the multimodal Qwen3.5
-checkpoint, Qwen3-Next's fused in_proj_qkvz / in_proj_ba, DeepSeek-V3-style MTP names), and loading
-is strict: every missing, unexpected or wrongly shaped tensor is named in the error.
-
-Unlike transformers, the `mtp.*` tensors are kept: the model gets its MTP module when they exist.
+config.json becomes a HybridConfig or a DenseConfig; every field that changes the function is implemented or
+refused by name (HARMLESS / USED). Tensor names are mapped to ours (Qwen3.5's `model.language_model.*`,
+Qwen3-Next's fused in_proj_qkvz / in_proj_ba, DeepSeek-V3-style MTP names) and loading is strict: every missing,
+unexpected or misshapen tensor is named. Unlike transformers, the `mtp.*` tensors are kept (the MTP module).
 """
 
 from __future__ import annotations
@@ -40,13 +37,8 @@ def read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-# -- config.json -----------------------------------------------------------------------------
-#
-# Every field of config.json is accounted for: implemented (USED: read below and computed as
-# transformers 5.24 computes it), harmless (HARMLESS: bookkeeping, training-only settings, generate()
-# defaults), or refused with an error naming it. A field we do not know is refused when it is set
-# (not null / false / 0 / empty): it may change what the model computes, and a silent wrong answer is
-# worse than no answer.
+# Every config.json field is implemented (USED, as transformers 5.24 computes it), harmless (HARMLESS), or, when
+# set (not null / false / 0 / empty), refused by name: an unknown field may change what the model computes.
 
 HARMLESS = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path",

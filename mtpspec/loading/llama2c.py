@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..models.dense import DenseConfig, DenseLM
+from .gguf import llama_qk_rows
 
 MAGIC = 0x616B3432  # "ak42"
 HEADER_V1 = 256
@@ -23,9 +24,7 @@ MAX_SEQ_LEN = 1 << 20  # beyond any llama2.c model; a corrupt header must not si
 
 def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(n_heads*hd, dim) in adjacent-pair layout -> half-split layout."""
-    out_dim, dim = w.shape
-    hd = out_dim // n_heads
-    return w.view(n_heads, hd // 2, 2, dim).transpose(1, 2).reshape(out_dim, dim)
+    return w[torch.from_numpy(llama_qk_rows(n_heads, w.shape[0] // n_heads))]
 
 
 class _Reader:
@@ -87,60 +86,37 @@ def load_llama2c(path: str | Path, dtype: torch.dtype = torch.float32) -> DenseL
         else:
             raise ModelLoadError(f"{path}: unsupported llama2.c format version {version} (supported: 0, 1, 2)")
         cfg = _config(*dims, shared=shared, path=path)
-        sd = _read_v1(_Reader(buf, HEADER_V1, path), cfg) if version == 1 else _read_v2(_Reader(buf, HEADER_V1, path), cfg, group)
+        sd = _read(_Reader(buf, HEADER_V1, path), cfg, group)
     else:
         dims = list(struct.unpack_from("<7i", buf, 0))
         shared = dims[5] > 0
         dims[5] = abs(dims[5])
         cfg = _config(*dims, shared=shared, path=path)
-        sd = _read_v0(_Reader(buf, 28, path), cfg)
+        sd = _read(_Reader(buf, 28, path), cfg, legacy=True)
     model = DenseLM(cfg)
     _assign(model, sd, cfg, path)
     return model.to(dtype).eval()
 
 
-def _layers(r: _Reader, read, n: int, *shape: int) -> list[torch.Tensor]:
-    return [read(*shape) for _ in range(n)]
-
-
-def _read_v0(r: _Reader, c: DenseConfig) -> dict:
+def _read(r: _Reader, c: DenseConfig, group: int = 0, legacy: bool = False) -> dict:
+    """The tensors in file order: v0 (legacy) interleaves norms and matrices and keeps RoPE tables; v1 / v2 put the
+    norms first; v2 stores Q8_0 groups of `group` values (int8 codes, then fp32 scales)."""
     L, H, F, V, hd = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.hd
     kv = c.num_kv_heads * hd
-    sd = {"emb": r.fp32(V, H)}
-    sd["rms_att"] = _layers(r, r.fp32, L, H)
-    sd["wq"] = _layers(r, r.fp32, L, H, H)  # stored (out, in) row-major: (n_heads*hd, dim)
-    sd["wk"] = _layers(r, r.fp32, L, kv, H)
-    sd["wv"] = _layers(r, r.fp32, L, kv, H)
-    sd["wo"] = _layers(r, r.fp32, L, H, H)
-    sd["rms_ffn"] = _layers(r, r.fp32, L, H)
-    sd["w1"] = _layers(r, r.fp32, L, F, H)
-    sd["w2"] = _layers(r, r.fp32, L, H, F)
-    sd["w3"] = _layers(r, r.fp32, L, F, H)
-    sd["rms_final"] = r.fp32(H)
-    r.take(np.float32, c.max_seq_len * hd // 2 * 2)  # legacy RoPE tables (freq_cis_real, freq_cis_imag)
-    sd["wcls"] = None if c.tie_embeddings else r.fp32(V, H)
-    _check_end(r)
-    return sd
-
-
-def _read_v1(r: _Reader, c: DenseConfig) -> dict:
-    L, H, F, V, kv = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_kv_heads * c.hd
-    sd = {"rms_att": _layers(r, r.fp32, L, H), "rms_ffn": _layers(r, r.fp32, L, H), "rms_final": r.fp32(H)}
-    sd["emb"] = r.fp32(V, H)
-    for name, shape in (("wq", (H, H)), ("wk", (kv, H)), ("wv", (kv, H)), ("wo", (H, H)), ("w1", (F, H)), ("w2", (H, F)), ("w3", (F, H))):
-        sd[name] = _layers(r, r.fp32, L, *shape)
-    sd["wcls"] = None if c.tie_embeddings else r.fp32(V, H)
-    _check_end(r)
-    return sd
-
-
-def _read_v2(r: _Reader, c: DenseConfig, group: int) -> dict:
-    L, H, F, V, kv = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.num_kv_heads * c.hd
-    sd = {"rms_att": _layers(r, r.fp32, L, H), "rms_ffn": _layers(r, r.fp32, L, H), "rms_final": r.fp32(H)}
-    q = lambda *shape: r.q80(group, *shape)  # noqa: E731
-    sd["emb"] = q(V, H)
-    for name, shape in (("wq", (H, H)), ("wk", (kv, H)), ("wv", (kv, H)), ("wo", (H, H)), ("w1", (F, H)), ("w2", (H, F)), ("w3", (F, H))):
-        sd[name] = _layers(r, q, L, *shape)
+    q = (lambda *shape: r.q80(group, *shape)) if group else r.fp32
+    mats = (("wq", (H, H)), ("wk", (kv, H)), ("wv", (kv, H)), ("wo", (H, H)))  # (out, in): (n_heads*hd, dim)
+    ffn = (("w1", (F, H)), ("w2", (H, F)), ("w3", (F, H)))
+    if legacy:
+        sd = {"emb": r.fp32(V, H), "rms_att": [r.fp32(H) for _ in range(L)]}
+        sd.update({name: [r.fp32(*shape) for _ in range(L)] for name, shape in mats})
+        sd["rms_ffn"] = [r.fp32(H) for _ in range(L)]
+        sd.update({name: [r.fp32(*shape) for _ in range(L)] for name, shape in ffn})
+        sd["rms_final"] = r.fp32(H)
+        r.take(np.float32, c.max_seq_len * hd // 2 * 2)  # RoPE tables (freq_cis_real, freq_cis_imag)
+    else:
+        sd = {"rms_att": [r.fp32(H) for _ in range(L)], "rms_ffn": [r.fp32(H) for _ in range(L)], "rms_final": r.fp32(H)}
+        sd["emb"] = q(V, H)
+        sd.update({name: [q(*shape) for _ in range(L)] for name, shape in mats + ffn})
     sd["wcls"] = None if c.tie_embeddings else q(V, H)
     _check_end(r)
     return sd

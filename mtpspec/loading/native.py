@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -73,12 +74,9 @@ MAX_SEQ_LEN = 1 << 22  # RoPE tables and KV caches are sized by the context: a c
 
 
 def _check_sizes(cfg, listing, path: Path, arch: str) -> None:
-    """The config against the tensors, before anything is allocated: a corrupt config (a layer count
-    or width no tensor has) is an error, not a hang or an out-of-memory crash. Counts and the context
-    are checked first (building even a meta model of 10^9 layers would hang); then names and shapes
-    on the meta device, as the Hugging Face loader does."""
-    import re
-
+    """The config against the tensors before anything is allocated (a corrupt layer count or width is an error, not a
+    hang or an out-of-memory crash): counts and context first (even a meta model of 10^9 layers hangs), then names
+    and shapes on the meta device."""
     for prefix, n in (("model.layers", cfg.num_layers), ("mtp.layers", getattr(cfg, "mtp_num_layers", 0))):
         found = {int(m.group(1)) for name, _, _ in listing if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", name))}
         if len(found) != n or (n and max(found) != n - 1):

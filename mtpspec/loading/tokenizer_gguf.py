@@ -1,23 +1,17 @@
 """The tokenizer a GGUF file describes (`tokenizer.ggml.*` keys), as a `tokenizers.Tokenizer` in an HFTokenizer.
 
-A GGUF carries no tokenizer.json: the vocabulary, the token types, scores or merges and the special ids
-are metadata. The pipeline is built as transformers 5.24 builds it from the same file (its GGUF
-tokenizer converter), so the ids are the ones `AutoTokenizer.from_pretrained(dir, gguf_file=...)` gives:
+Built as transformers 5.24's GGUF converter builds it, so the ids are those of
+`AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
-- "llama" (SentencePiece-style BPE with byte fallback), Gemma (gemma / gemma2 / gemma3): tokens made
-  only of whitespace with a space in them are respelled as that many U+2581; the file has no merges,
-  so they are derived from the vocabulary (every split of a token into two tokens), best first by the
-  token's position in the file (Gemma's scores do not follow its merge order); text: " " -> U+2581,
-  no prefix space; decode: U+2581 -> " ", byte pieces -> bytes.
-- "llama", other architectures: the same BPE with merges derived by score, a Metaspace pre-tokenizer
-  that prepends U+2581 to the first word, and a decoder that strips that one leading space.
-- "gpt2" (byte-level BPE, Qwen / Llama 3): tokens spelled in GPT-2's byte alphabet, the file's merges,
-  ByteLevel pre-tokenizer (or the split regex of `tokenizer.ggml.pre`, e.g. qwen2 / llama-bpe).
-- Control tokens (type 3) and the BOS / EOS / UNK / PAD tokens are special added tokens, user-defined
-  ones (type 4, e.g. Gemma's "\\n\\n") plain added tokens, matched whole; BOS (EOS) is added when
-  `tokenizer.ggml.add_bos_token` (add_eos_token) says so ("llama" files without the flag: BOS added,
-  as llama.cpp does).
-- The chat template is `tokenizer.chat_template`; a gemma3 file without one (Gemma 3 270M's) gets Gemma's turn format, and
+- "llama" (SentencePiece-style BPE with byte fallback), Gemma: whitespace-only tokens containing a space are
+  respelled as that many U+2581; merges derived from the vocabulary (every split of a token into two), best first
+  by file position (Gemma's scores do not follow its merge order); " " -> U+2581, no prefix space.
+- "llama", other architectures: merges derived by score, a Metaspace pre-tokenizer prepending U+2581 to the first
+  word, a decoder that strips that one leading space.
+- "gpt2" (byte-level BPE): GPT-2's byte alphabet, the file's merges, ByteLevel (or `tokenizer.ggml.pre`'s regex).
+- Control tokens (type 3) and BOS / EOS / UNK / PAD are special added tokens, user-defined ones (type 4) plain
+  added tokens; BOS / EOS added per `add_bos_token` / `add_eos_token` ("llama" without the flag: BOS, as llama.cpp).
+- Chat template: `tokenizer.chat_template`; a gemma3 file without one gets Gemma's turn format, and
   `<end_of_turn>` stops generation as EOS does.
 """
 

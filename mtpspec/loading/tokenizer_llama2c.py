@@ -78,11 +78,8 @@ class Llama2cTokenizer:
         return ([BOS] if bos else []) + self._merge(tokens)
 
     def _merge(self, tokens: list[int]) -> list[int]:
-        """Repeatedly merge the adjacent pair with the highest merged score, the earliest on ties.
-
-        Same result as run.c's rescan-per-merge loop, in O(n log n): a heap of candidate pairs keyed
-        by (-score, position), a linked list of live tokens, stale heap entries skipped when popped.
-        """
+        """Repeatedly merge the adjacent pair with the highest merged score, the earliest on ties: run.c's result in
+        O(n log n) (a heap keyed by (-score, position), a linked list of live tokens, stale entries skipped)."""
         n = len(tokens)
         tok, nxt, prv, alive = list(tokens), list(range(1, n + 1)), list(range(-1, n - 1)), [True] * n
         heap: list[tuple[float, int, int, int]] = []
@@ -135,14 +132,9 @@ class Llama2cTokenizer:
     HF_SPECIALS = {0: "<unk>", BOS: "<s>", EOS: "</s>"}
 
     def to_hf(self):
-        """A `tokenizers.Tokenizer` (byte-fallback BPE, Llama's layout) that encodes as `encode`.
-
-        Vocabulary: the pieces with " " written as U+2581, ids unchanged. Merges: every split of a
-        piece into two pieces, ranked by the merged piece's score (highest first) - the pair run.c
-        merges first is the lowest-ranked merge, and a rank's leftmost pair goes first in both.
-        Normalizer: prepend U+2581 to non-empty text (the dummy prefix) and map " " to it. Decoding
-        drops the first leading space, as after BOS.
-        """
+        """A `tokenizers.Tokenizer` (byte-fallback BPE, Llama's layout) that encodes as `encode`: the pieces with " "
+        as U+2581, ids unchanged; merges ranked by the merged piece's score (run.c's order); U+2581 prepended to
+        non-empty text; decoding drops the first leading space, as after BOS."""
         from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
         from tokenizers.models import BPE
 

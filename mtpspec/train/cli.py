@@ -28,31 +28,26 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     from .heads import HeadConfig
+    from .longctx import LongCtxConfig
+    from .native_mtp import MTPTuneConfig
     from .pretrain import PretrainConfig
 
     sub = p.add_subparsers(dest="train_command", required=True)
-    pre = sub.add_parser("pretrain", help="a hybrid (Gated DeltaNet + attention) model with the next-token + MTP objective")
-    _add_dataclass_args(pre, PretrainConfig)
-    pre.add_argument("--no-progress", action="store_true")
-    head = sub.add_parser("head", help="an MTP / Medusa / EAGLE draft head for a frozen target (self-distillation)")
-    head.add_argument("--model", required=True, help="the frozen target (llama2.c .bin, project checkpoint, 'demo')")
-    head.add_argument("--tokenizer")
-    _add_dataclass_args(head, HeadConfig)
-    head.add_argument("--no-progress", action="store_true")
-    tune = sub.add_parser("mtp", help="fine-tune a model's own MTP module by self-distillation (the model frozen)")
-    tune.add_argument("--model", required=True, help="a model with an MTP module (project checkpoint, HF directory, 'demo')")
-    tune.add_argument("--tokenizer")
-    from .native_mtp import MTPTuneConfig
-
-    _add_dataclass_args(tune, MTPTuneConfig)
-    tune.add_argument("--no-progress", action="store_true")
-    long = sub.add_parser("longctx", help="continue training a model with an MTP module at a longer context (pretraining's objective)")
-    long.add_argument("--model", default="demo", help="a hybrid model with an MTP module (project checkpoint, HF directory, 'demo')")
-    long.add_argument("--tokenizer")
-    from .longctx import LongCtxConfig
-
-    _add_dataclass_args(long, LongCtxConfig)
-    long.add_argument("--no-progress", action="store_true")
+    for name, cls, about, model in (
+        ("pretrain", PretrainConfig, "a hybrid (Gated DeltaNet + attention) model with the next-token + MTP objective", None),
+        ("head", HeadConfig, "an MTP / Medusa / EAGLE draft head for a frozen target (self-distillation)",
+         dict(required=True, help="the frozen target (llama2.c .bin, project checkpoint, 'demo')")),
+        ("mtp", MTPTuneConfig, "fine-tune a model's own MTP module by self-distillation (the model frozen)",
+         dict(required=True, help="a model with an MTP module (project checkpoint, HF directory, 'demo')")),
+        ("longctx", LongCtxConfig, "continue training a model with an MTP module at a longer context (pretraining's objective)",
+         dict(default="demo", help="a hybrid model with an MTP module (project checkpoint, HF directory, 'demo')")),
+    ):
+        q = sub.add_parser(name, help=about)
+        if model is not None:
+            q.add_argument("--model", **model)
+            q.add_argument("--tokenizer")
+        _add_dataclass_args(q, cls)
+        q.add_argument("--no-progress", action="store_true")
     ev = sub.add_parser("eval", help="side-by-side table: plain and drafter x D on held-out prompts (greedy)")
     ev.add_argument("--model", required=True)
     ev.add_argument("--tokenizer")
@@ -69,33 +64,23 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     if args.train_command == "eval":
         return _run_eval(args)
-    if args.train_command == "pretrain":
-        from .pretrain import PretrainConfig, pretrain
+    from .heads import HeadConfig, train_head
+    from .longctx import LongCtxConfig, loss_table, train_longctx
+    from .native_mtp import MTPTuneConfig, tune_native_mtp
+    from .pretrain import PretrainConfig, pretrain
 
-        names = {f.name for f in dataclasses.fields(PretrainConfig)}
-        cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    cls, run = {"pretrain": (PretrainConfig, None), "longctx": (LongCtxConfig, train_longctx),
+                "mtp": (MTPTuneConfig, tune_native_mtp), "head": (HeadConfig, train_head)}[args.train_command]
+    names = {f.name for f in dataclasses.fields(cls)}
+    cfg = cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    if run is None:
         report = pretrain(cfg, progress_bar=not args.no_progress)
-    elif args.train_command == "longctx":
-        from .longctx import LongCtxConfig, loss_table, train_longctx
-
-        names = {f.name for f in dataclasses.fields(LongCtxConfig)}
-        cfg = LongCtxConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
-        report = train_longctx(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
+    else:
+        report = run(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
+    if args.train_command == "longctx":
         print(json.dumps({k: v for k, v in report.items() if k not in ("history", "loss_by_position", "config")}, indent=2))
         print(loss_table(report))
         return 0
-    elif args.train_command == "mtp":
-        from .native_mtp import MTPTuneConfig, tune_native_mtp
-
-        names = {f.name for f in dataclasses.fields(MTPTuneConfig)}
-        cfg = MTPTuneConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
-        report = tune_native_mtp(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
-    else:
-        from .heads import HeadConfig, train_head
-
-        names = {f.name for f in dataclasses.fields(HeadConfig)}
-        cfg = HeadConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
-        report = train_head(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
     return 0
 

@@ -1,8 +1,7 @@
 """Training data: the Python standard library's own source, a byte-level BPE tokenizer, token windows.
 
-The stdlib is on every machine that runs Python, so the demo model's data needs no download. Whole
-modules are held out (HELDOUT) for evaluation and for the demo's prompts; the training stream never
-sees them.
+The stdlib is on every machine with Python: no download. Whole modules are held out (HELDOUT) for evaluation and
+the demo's prompts.
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# the stdlib text itself (the train / held-out split, prompts from held-out modules) lives below training, in core:
-# the demo and the bench read it too; its names stay reachable here for training's own modules
+# the stdlib text lives in core (the demo and the bench read it too)
 from ..stdlib_text import HELDOUT, code_prompts, read_texts, stdlib_files  # noqa: F401
 
 EOT = "<|endoftext|>"  # separates files; also the BOS every prompt starts with and the stop token

@@ -31,11 +31,8 @@ HEADER = ("| drafter | D | acceptance by position | mean accepted length | tok/s
 
 
 def measure_table(model, prompts: list[str], runs: list[tuple], max_new_tokens: int = 128, repeats: int = 1) -> list[Row]:
-    """runs: (drafter, k, draft_model or None[, drafter options dict]). Plain runs first; rows keep the runs' order.
-
-    Timing: the runs are interleaved per prompt (in a shuffled order), `repeats` rounds, and each
-    (prompt, run) keeps its fastest round: other jobs on a shared machine only ever add time.
-    """
+    """runs: (drafter, k, draft_model or None[, drafter options dict]); plain first, rows in the runs' order. The runs
+    are interleaved per prompt, `repeats` rounds, each (prompt, run) keeping its fastest (other jobs only add time)."""
     ids = [model.encode(p) for p in prompts]
     refs = [model.generate(i, max_new_tokens=max_new_tokens) for i in ids]  # warm-up + reference
     all_runs = [("none", 1, None, {})] + [(*r, {})[:4] for r in runs]

@@ -1,10 +1,8 @@
 """`mtpspec train head`: fit a draft head (MTP, Medusa, EAGLE) to a frozen target by self-distillation.
 
-1. The target continues training prompts (never the held-out ones): half greedily, half sampled at
-   `gen_temperature`, so the head sees the text it will be asked to draft for.
-2. One teacher pass per sequence gives the target's post-final-norm hidden states h (T, H); the
-   target's distribution at any position is softmax(LM head(h)), recomputed on the fly.
-3. The head is fitted to those distributions (soft cross-entropy = KL up to a constant):
+The target continues training prompts (never the held-out ones), half greedily, half sampled at `gen_temperature`;
+one teacher pass gives its post-final-norm hiddens h (T, H), its distributions softmax(LM head(h)) recomputed on the
+fly. The head is fitted to them (soft cross-entropy = KL up to a constant):
    - mtp: pairs (h_i, e(t_{i+1})) -> p_{i+1}; depth k chains on the head's own output hidden.
    - eagle: the same chain on predicted features, plus feature regression (smooth L1 to h_{i+k}).
    - medusa: block k on h_i -> p_{i+k} (the distribution of t_{i+k+1}).
@@ -151,9 +149,8 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
 
 
 def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: int, new_tokens: int, drafter: str | None = None) -> dict:
-    """Greedy on held-out prompts: mean accepted length, acceptance by position (metrics.py's definitions), identical to plain.
-
-    drafter: defaults to the head's kind (head None + drafter "mtp": the target's own MTP module)."""
+    """Greedy on held-out prompts: mean accepted length, acceptance by position, identical to plain. drafter: the
+    head's kind by default (head None + "mtp": the target's own MTP module)."""
     from ..drafters import make_drafter
     from ..engine import generate_tokens
     from ..metrics import Acceptance
@@ -180,6 +177,7 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     from tqdm import tqdm
 
     from ..loading import load_checkpoint
+    from .pretrain import optimizer_step
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -206,14 +204,9 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     t1 = time.perf_counter()
     for step in bar:
         lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cfg.steps * 3.14159)).item()))
-        for g in opt.param_groups:
-            g["lr"] = lr
         toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)
         loss, parts = head_losses(head, module, toks, hid, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, head.parameters(), loss, lr)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:
             history.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}})

@@ -1,20 +1,14 @@
 """`mtpspec train longctx`: continue training a hybrid model with an MTP module at a longer context.
 
-A model pretrained on short windows has never seen the positions a long-context measurement reads, so this:
-1. raises the context to `max_seq_len` (rotary tables and KV caches are sized by it; the weights are unchanged);
-2. measures held-out next-token and MTP (t+2) loss by position bucket ("before");
-3. continues training on random `seq_len`-token windows of the training stream (never the held-out modules) with
-   pretraining's objective (pretrain.py `losses`), AdamW with warmup and cosine decay, for `steps` steps or
-   `max_minutes`, whichever ends first;
-4. measures again ("after") and writes the checkpoint at the new context with report.json beside it.
-Resumable: running the same command again continues from `train_state.pt`, written every `save_every` steps.
+Raises the context to `max_seq_len` (the weights unchanged), measures held-out next-token and MTP (t+2) loss by
+position bucket, trains on random `seq_len` windows with pretraining's objective for `steps` or `max_minutes`
+(whichever ends first), measures again and writes the checkpoint with report.json. Resumable (`train_state.pt`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +21,7 @@ from torch import Tensor
 from ..errors import ConfigError
 from ..models.qwen35 import HybridLM
 from . import data as D
-from .pretrain import adamw, hybrid_hidden, losses, mtp_hiddens, optimizer_step, resume, save_state
+from .pretrain import adamw, hybrid_hidden, losses, lr_at, mtp_hiddens, optimizer_step, resume, save_state
 
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384)  # position bucket edges of the loss table
 
@@ -73,11 +67,8 @@ class BucketLoss:
 
 @torch.no_grad()
 def position_losses(model: HybridLM, seq: Tensor) -> tuple[Tensor, Tensor]:
-    """seq (1, T) -> next-token CE (T-1,) at positions 0..T-2 and MTP (depth 1) CE (T-2,) at positions 0..T-3.
-
-    Position i's next-token loss reads tokens 0..i and scores t_{i+1}; its MTP loss reads the model's
-    hidden at i and e(t_{i+1}) (so tokens 0..i+1) and scores t_{i+2}, as pretrain.py `losses` does.
-    """
+    """seq (1, T) -> next-token CE (T-1,) at positions 0..T-2 (scoring t_{i+1}) and MTP (depth 1) CE (T-2,) at
+    positions 0..T-3 (reading h_i and e(t_{i+1}), scoring t_{i+2}), as pretrain.py `losses`."""
     h = hybrid_hidden(model, seq)  # (1, T, H)
     nxt = F.cross_entropy(model.head(h[0, :-1]), seq[0, 1:], reduction="none")  # (T-1,)
     hk = mtp_hiddens(model.mtp, model.embed, h, seq, 1)[0]  # (1, T-1, H)
@@ -102,14 +93,6 @@ def bucket_losses(model: HybridLM, seqs: Tensor, edges: tuple[int, ...] = BUCKET
         n = (hi - lo) * seqs.shape[0]
         out.append(BucketLoss(lo, hi, n, round(nxt_sum[lo:hi].sum().item() / n, 4), round(mtp_sum[lo:hi].sum().item() / n, 4)))
     return out
-
-
-def lr_at(cfg: LongCtxConfig, progress: float, step: int) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio over the training progress."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
 def _check(cfg: LongCtxConfig, model, name: str) -> None:
@@ -192,7 +175,6 @@ def train_longctx(model: str | Path, cfg: LongCtxConfig, tokenizer=None, progres
         p = step / cfg.steps if cfg.steps > 0 else 0.0
         return max(p, elapsed / (cfg.max_minutes * 60)) if cfg.max_minutes > 0 else p
 
-
     bar = tqdm(total=cfg.steps if cfg.max_minutes == 0 else None, initial=step, disable=not progress_bar, dynamic_ncols=True)
     net.train()
     t_last = time.perf_counter()
@@ -200,7 +182,7 @@ def train_longctx(model: str | Path, cfg: LongCtxConfig, tokenizer=None, progres
         lr = lr_at(cfg, progress(), step)
         batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)  # (B, seq_len)
         main, mtp = losses(net, batch, 1)
-        optimizer_step(opt, net, main + cfg.mtp_lambda * mtp[0], lr)
+        optimizer_step(opt, net.parameters(), main + cfg.mtp_lambda * mtp[0], lr)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         elapsed += dt

@@ -1,26 +1,15 @@
 """`mtpspec train mtp`: fine-tune a model's own MTP module by self-distillation, the model frozen.
 
-Pretraining fits the MTP module to the data (t_{i+2} of the text); as a drafter it is judged by
-agreement with the model's own next-token choices. This fits it to exactly that:
-
-1. The model continues training prompts (never held-out ones): half greedy, half sampled
-   (train/heads.py `self_distill_data`), and one teacher pass gives its hidden states.
-2. Only `mtp.*` is trained (train/mtp_distill.py): depth k (chained on the module's own output, train/pretrain.py
-   `mtp_hiddens`; layer (k-1) % n of a module with n layers) at position i is fitted to the model's
-   distribution of t_{i+k+1} (soft cross-entropy), depth k weighted decay^(k-1). With depth < n,
-   layers depth..n-1 are left as they are (the report's `mtp_layers_trained` says which were trained).
-3. The whole checkpoint is written again (only `mtp.*` changed; the tokenizer and draft vocabulary
-   are copied), with `mtp_tune_report.json`: held-out acceptance by position before and after.
-
-With `--sparse` the MTP layer's attention becomes block-sparse and is trained in two phases on long
-windows of the training text (indexer distillation, then this objective with the sparse attention on):
-train/sparse_mtp.py.
+As a drafter the MTP module is judged by agreement with the model's own choices, so it is fitted to them: the
+model continues training prompts (half greedy, half sampled: heads.py `self_distill_data`), and only `mtp.*` is
+trained (mtp_distill.py) on its distributions. With depth < n layers, layers depth..n-1 are left as they are
+(`mtp_layers_trained`). The whole checkpoint is written again with `mtp_tune_report.json` (held-out acceptance
+before and after). `--sparse`: block-sparse MTP attention trained on long windows (sparse_mtp.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import time
@@ -32,7 +21,8 @@ import torch
 from ..errors import ConfigError
 from .heads import _batch, cached_distill_data, measure, training_prompts
 from .mtp_distill import mtp_distill_loss
-from .sparse_mtp import check_sparse, sparse_config, tune_sparse_mtp
+from .pretrain import optimizer_step
+from .sparse_mtp import check_sparse, lr_at, sparse_config, tune_sparse_mtp
 
 
 @dataclass
@@ -121,15 +111,9 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     t1 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="tune the MTP module", disable=not progress_bar)
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(cfg.steps, 1))))
-        for g in opt.param_groups:
-            g["lr"] = lr
         toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)
         loss, parts = mtp_distill_loss(module, toks, hid, cfg.depth, cfg.depth_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss, lr_at(cfg.lr, step, cfg.steps))
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % 25 == 0 or step == cfg.steps - 1:
             history.append({"step": step, "loss": round(loss.item(), 4), **parts})

@@ -2,11 +2,9 @@
 
     loss = CE(next token) + lambda * mean_k CE(MTP depth k),   lambda = 0.3, then 0.1 for the last part.
 
-MTP depth k (1-based) at position i reads the depth-(k-1) hidden (the model's post-final-norm hidden
-for k = 1) and the embedding of t_{i+k}, and predicts t_{i+k+1} (modules chained, layer (k-1) % n).
-Resumable: `train_state.pt` in the output folder holds model, optimizer, step and elapsed time;
-running the same command again continues. The final checkpoint is the project's own format
-(mtpspec.json + model.safetensors + tokenizer.json) with `report.json` beside it.
+MTP depth k at position i reads the depth-(k-1) hidden (the post-final-norm hidden for k = 1) and e(t_{i+k}), and
+predicts t_{i+k+1} (layer (k-1) % n). Resumable from `train_state.pt`; the checkpoint is the project's own format
+with `report.json` beside it.
 """
 
 from __future__ import annotations
@@ -85,10 +83,8 @@ def hybrid_hidden(model: HybridLM, tokens: Tensor) -> Tensor:
 
 
 def mtp_hiddens(mtp, embed, hidden: Tensor, tokens: Tensor, depth: int) -> list[Tensor]:
-    """Chained MTP depths over a window. hidden (B, T, H) post-final-norm, tokens (B, T).
-
-    Depth k output (B, T-k, H) at position i predicts t_{i+k+1} (fed h^{k-1}_i and e(t_{i+k})).
-    """
+    """Chained MTP depths over a window, hidden (B, T, H) post-final-norm, tokens (B, T): depth k's output (B, T-k, H)
+    at position i predicts t_{i+k+1} (fed h^{k-1}_i and e(t_{i+k}))."""
     outs, h = [], hidden
     emb = embed(tokens)  # (B, T, H)
     for k in range(1, depth + 1):
@@ -111,15 +107,17 @@ def losses(model: HybridLM, tokens: Tensor, depth: int) -> tuple[Tensor, list[Te
     return main, mtp
 
 
+def lr_at(cfg, progress: float, step: int) -> float:
+    """Linear warmup over cfg.warmup_steps, then cosine from cfg.lr to cfg.lr * cfg.min_lr_ratio over progress [0, 1]."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
 def schedule(cfg: PretrainConfig, progress: float, step: int) -> tuple[float, float]:
     """(learning rate, MTP lambda) at training progress in [0, 1]."""
-    if step < cfg.warmup_steps:
-        lr = cfg.lr * (step + 1) / cfg.warmup_steps
-    else:
-        cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        lr = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
-    lam = cfg.mtp_lambda if progress < cfg.lambda_switch else cfg.mtp_lambda_final
-    return lr, lam
+    return lr_at(cfg, progress, step), cfg.mtp_lambda if progress < cfg.lambda_switch else cfg.mtp_lambda_final
 
 
 @torch.no_grad()
@@ -190,13 +188,13 @@ def save_state(state_path: Path, model: torch.nn.Module, opt, gen: torch.Generat
                 "step": step, "elapsed": elapsed, "history": history}, state_path)
 
 
-def optimizer_step(opt, model: torch.nn.Module, loss: Tensor, lr: float) -> None:
-    """One update at learning rate lr, gradients clipped to norm 1."""
+def optimizer_step(opt, params, loss: Tensor, lr: float) -> None:
+    """One update at learning rate lr, the gradients of `params` (those trained) clipped to norm 1."""
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
 
 
@@ -241,7 +239,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
         lr, lam = schedule(cfg, progress(), step)
         batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)
         main, mtp = losses(model, batch, cfg.mtp_depth)
-        optimizer_step(opt, model, main + lam * torch.stack(mtp).mean(), lr)
+        optimizer_step(opt, model.parameters(), main + lam * torch.stack(mtp).mean(), lr)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         elapsed += dt

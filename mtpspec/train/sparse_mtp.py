@@ -1,29 +1,20 @@
 """`mtpspec train mtp --sparse`: give the MTP module block-sparse attention and train it, the model frozen.
 
 The MTP layer's attention becomes block-sparse (models/sparse_attention.py): an indexer scores blocks of
-`sparse_block` tokens and each query attends to the `sparse_top_k` best plus a window of the last
-`sparse_window` positions. The output checkpoint's config carries `mtp_sparse_attention` and the new
-tensors `mtp.layers.N.self_attn.indexer.*`.
+`sparse_block` tokens and each query attends to the `sparse_top_k` best plus the last `sparse_window` positions.
+The checkpoint's config gains `mtp_sparse_attention` and tensors `mtp.layers.N.self_attn.indexer.*`.
 
-0. Data: `sparse_windows` random windows of `window_tokens` tokens of the model's training text (stdlib:
-   the training modules, never the held-out ones; a text file: its first 90%), and the frozen model's
-   post-norm hiddens over each, computed once (the expensive forward; kept in memory, or in `data_cache`).
-   Evaluation windows come from the held-out text (the held-out modules, or the file's last 10%).
-1. Indexer warm-up (`indexer_steps`, only the indexer trained): on each window, the MTP layer's normed
-   input x and its full attention's probabilities (averaged over heads, computed in row chunks) give the
-   target, the attention mass of each candidate block renormalised (block_attention_mass); the indexer's
-   block scores, softmaxed over the same candidates, are fitted by KL(target || q). Rows without
-   candidates are skipped. Recall, the share of the full attention's mass inside the chosen top_k blocks +
-   window, is measured on held-out windows before and after, with the oracle's (the top_k blocks by true
-   mass) as the ceiling.
-2. Tuning (`steps`): mtp.* except the indexer, by the existing self-distillation objective
-   (mtp_distill.py `mtp_distill_loss`: chained depths fitted to the model's own distributions) on the same
-   long windows, the sparse attention on (training windows run window_sparse_attention). The indexer is left
-   out: the block selection is not differentiable, so this loss gives it no gradient; it keeps what
-   phase 1 fitted.
+0. Data: `sparse_windows` random windows of `window_tokens` tokens of the training text (stdlib training modules,
+   or a text file's first 90%) and the frozen model's post-norm hiddens over them, computed once (or `data_cache`);
+   evaluation windows from the held-out text.
+1. Indexer warm-up (`indexer_steps`, the indexer alone): its block scores, softmaxed over each row's candidate
+   blocks, fitted by KL to the full attention's renormalised mass per block (heads averaged, row chunks). Recall
+   (the full attention's mass inside the chosen blocks + window) is measured on held-out windows before and after,
+   with the oracle's top_k blocks as the ceiling.
+2. Tuning (`steps`): mtp.* but the indexer, by mtp_distill's self-distillation with the sparse attention on. The
+   block selection is not differentiable, so the indexer keeps what phase 1 fitted.
 
-A phase with 0 steps is skipped. Multi-layer modules: layer j's indexer is fitted at depth j + 1, its
-input chained through layers 0..j-1 (as drafting runs them).
+A phase with 0 steps is skipped. Layer j's indexer is fitted at depth j + 1, its input chained through layers 0..j-1.
 """
 
 from __future__ import annotations
@@ -39,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, ModelLoadError
+from ..models.attention import rope, rotary_at
 from ..models.batch import ForwardBatch
 from ..models.forward import module_forward
 from ..models.qwen35 import GatedAttention, HybridLM
@@ -47,7 +39,7 @@ from ..models.sparse_attention import (
 )
 from . import data as D
 from .mtp_distill import mtp_distill_loss
-from .pretrain import hybrid_hidden
+from .pretrain import hybrid_hidden, optimizer_step
 
 ROW_CHUNK = 512  # rows of full-attention probabilities computed at once: (heads, 512, T) floats
 
@@ -74,10 +66,8 @@ def check_sparse(cfg, scfg: SparseAttentionConfig) -> None:
 
 
 def with_sparse_mtp(model: HybridLM, scfg: SparseAttentionConfig, seed: int = 0) -> HybridLM:
-    """The same weights in a model whose MTP layers have block-sparse attention `scfg`. A source MTP module whose
-    indexer has scfg's shape (heads, dim) keeps it, whatever its block, top_k and window (the indexer scores blocks
-    of tokens; those fields decide how many it keeps and what it may choose from); otherwise the indexer is new
-    (nn.Linear's init, seeded)."""
+    """The same weights in a model whose MTP layers have block-sparse attention `scfg`; an indexer of scfg's (heads,
+    dim) is kept (block, top_k and window do not change its shape), else a new one is made (seeded)."""
     if not isinstance(model, HybridLM):
         raise ConfigError(f"--sparse makes a Qwen3.5-style hybrid model's MTP attention sparse; this model is a {type(model).__name__}")
     src = model.config.mtp_sparse_attention
@@ -161,9 +151,8 @@ def window_data(model: HybridLM, tok, cfg, progress_bar: bool) -> tuple[Windows,
 
 
 def mtp_layer_input(model: HybridLM, tokens: Tensor, hidden: Tensor, layer: int) -> Tensor:
-    """tokens (T,), hidden (T, H) -> the normed input of MTP layer `layer`'s attention at depth layer + 1: (T - layer - 1, H).
-
-    Depth k at position i reads h^{k-1}_i and e(t_{i+k}) (pretrain.py mtp_hiddens); earlier depths run layers 0..layer-1."""
+    """tokens (T,), hidden (T, H) -> the normed input of MTP layer `layer`'s attention at depth layer + 1 (T - layer - 1, H),
+    chained as pretrain.py mtp_hiddens."""
     mtp = model.mtp
     emb, h = model.embed(tokens[None]), hidden[None]  # (1, T, H)
     for k in range(1, layer + 2):
@@ -181,9 +170,10 @@ def dense_qk(attn: GatedAttention, x: Tensor) -> tuple[Tensor, Tensor]:
     t = x.shape[0]
     q = attn.q_proj(x).view(t, attn.nh, 2 * attn.hd).chunk(2, dim=-1)[0]  # (T, nh, hd): [q | gate] per head
     k = attn.k_proj(x).view(t, attn.nkv, attn.hd)
-    rope = attn.rotary[0]
-    q = rope(attn.q_norm(q).transpose(0, 1)[None], 0)[0]  # (nh, T, hd)
-    k = rope(attn.k_norm(k).transpose(0, 1)[None], 0)[0]  # (nkv, T, hd)
+    rot = attn.rotary[0]
+    cos, sin = rotary_at(rot, ForwardBatch.window(1, t), x.dtype)  # (1, 1, T, rot) at positions 0..T-1
+    q = rope(attn.q_norm(q).transpose(0, 1)[None], cos, sin, rot.rot_dim)[0]  # (nh, T, hd)
+    k = rope(attn.k_norm(k).transpose(0, 1)[None], cos, sin, rot.rot_dim)[0]  # (nkv, T, hd)
     return q, k.repeat_interleave(attn.nh // attn.nkv, dim=0)
 
 
@@ -206,8 +196,7 @@ def block_targets(attn: GatedAttention, x: Tensor, cfg: SparseAttentionConfig) -
 
 
 def indexer_scores(attn: GatedAttention, x: Tensor, nb: int, rows: Tensor | None = None) -> Tensor:
-    """x (T, H) -> the indexer's block scores (T, nb) (or of `rows` only: (R, nb)), as inference computes them
-    (a block's key is the mean of its token keys)."""
+    """x (T, H) -> the indexer's block scores (T, nb) (or of `rows`: (R, nb)), as inference computes them."""
     ix = attn.indexer
     r = attn.sparse.block
     bk = ix.keys(x[: nb * r]).unflatten(0, (nb, r)).mean(1)  # (nb, dim)
@@ -217,8 +206,7 @@ def indexer_scores(attn: GatedAttention, x: Tensor, nb: int, rows: Tensor | None
 
 @dataclass
 class IndexerEval:
-    """The indexer on held-out windows: its KL to the full attention's block mass, and recall (the share of the full
-    attention's mass, averaged over heads, inside the chosen blocks + window), mean over rows."""
+    """The indexer on held-out windows, mean over rows: KL to the full attention's block mass, and recall."""
 
     kl: float
     recall: float  # over the rows with at least one candidate block
@@ -301,8 +289,7 @@ class Phase:
 def train_indexer(model: HybridLM, windows: Windows, cfg: SparseAttentionConfig, steps: int, lr: float, seed: int = 0,
                   progress_bar: bool = False, rows: int = 0) -> tuple[list[dict], Phase]:
     """Phase 1: fit every MTP layer's indexer to its full attention's block mass (KL), one window per step (`rows` > 0:
-    that many random rows of it with candidates, the block keys still from the whole window). The targets are computed
-    once per window (the MTP module is frozen here) and kept."""
+    that many random rows with candidates); each window's targets computed once and kept."""
     from tqdm import tqdm
 
     layers = range(len(model.mtp.layers))
@@ -314,8 +301,6 @@ def train_indexer(model: HybridLM, windows: Windows, cfg: SparseAttentionConfig,
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for step in (bar := tqdm(range(steps), desc="indexer warm-up (KL)", disable=not progress_bar)):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(lr, step, steps)
         i = rng.randrange(windows.tokens.shape[0])
         loss = 0.0
         for j in layers:
@@ -329,10 +314,7 @@ def train_indexer(model: HybridLM, windows: Windows, cfg: SparseAttentionConfig,
                 pos = pos[torch.randperm(pos.shape[0], generator=gen)[:rows]]
             scores = indexer_scores(model.mtp.layers[j].self_attn, x, target.shape[1], pos)  # (R, nb)
             loss = loss + indexer_kl(scores, target[pos], pos, cfg).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss, lr_at(lr, step, steps))
         bar.set_postfix(kl=f"{loss.item():.4f}")
         history.append({"step": step, "kl": round(loss.item(), 5)})
     for p in params:
@@ -353,14 +335,9 @@ def tune_mtp_sparse(model: HybridLM, windows: Windows, steps: int, batch: int, l
     n = windows.tokens.shape[0]
     t0 = time.perf_counter()
     for step in (bar := tqdm(range(steps), desc="tune the sparse MTP module", disable=not progress_bar)):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(lr, step, steps)
         idx = [rng.randrange(n) for _ in range(batch)]
         loss, parts = mtp_distill_loss(model, windows.tokens[idx], windows.hidden[idx], depth, decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, params, loss, lr_at(lr, step, steps))
         bar.set_postfix(loss=f"{loss.item():.3f}")
         history.append({"step": step, "loss": round(loss.item(), 4), **parts})
     for p in params:
