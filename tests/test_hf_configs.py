@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mtpspec.cli import main
 from mtpspec.errors import ModelLoadError
