@@ -70,18 +70,38 @@ def stack_rows(rows: list[Tensor]) -> Tensor:
     return torch.cat(rows)
 
 
-def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -> list[TargetOutput]:
+def verify_pass(target, storage: SlotKV | None, caches: list, tokens: list[Tensor], trees: list, lazy: list[bool],
+                exact: bool) -> list[TargetOutput]:
+    """A step's verify forward over every sequence's [last, drafts] (trees[b]: its TreeLayout or None; lazy[b]: its
+    logits left out): one batched forward. Each sequence alone when there is one, or no slot storage, in exact mode
+    (its width-one calls are a plain step's, per sequence) and with block-sparse attention (each sequence's block
+    selection is its own state)."""
+    sparse = getattr(getattr(target, "config", None), "sparse_attention", None) is not None
+    if len(caches) > 1 and storage is not None and not exact and not sparse:
+        return forward_batch(target, storage, caches, tokens, trees, lazy)
+    outs = [target.forward_tokens(t, c, exact, logits=not z, tree=tr) for t, c, tr, z in zip(tokens, caches, trees, lazy)]
+    for tr in trees:
+        if tr is not None:
+            tr.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
+    return outs
+
+
+def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], trees: list | None = None,
+                  lazy: list[bool] | None = None) -> list[TargetOutput]:
     """One forward of `target` over tokens[b] (T_b,) appended to caches[b], b = 0..B-1 in slots 0..B-1.
 
-    Returns one TargetOutput per sequence (T_b rows each); each cache ends T_b positions further, with
-    the per-position slots of its recurrent state kept for rollback, as after forward_tokens.
+    trees[b]: sequence b's token tree (a TreeLayout over [last, nodes]) or None (a chain). lazy[b]: its logits are
+    left out (None: a greedy tree's verification runs the LM head only where its walk goes). Returns one TargetOutput
+    per sequence (T_b rows each); each cache ends T_b positions further, with the per-position slots of its recurrent
+    state kept for rollback (a tree's along each row's path, for keep()), as after forward_tokens.
     """
     lens = [t.shape[0] for t in tokens]
-    fb = ForwardBatch.many([c.length for c in caches], lens, storage.max_len)  # padding rows: the scratch position
+    fb = ForwardBatch.many([c.length for c in caches], lens, storage.max_len, trees)  # padding rows: the scratch position
     toks = torch.zeros(fb.b, fb.w, dtype=torch.long)  # (B, W)
     for b, t in enumerate(tokens):
         toks[b, : lens[b]] = t
-    used = min(int(fb.pos.max()) + 1, storage.max_len + 1)  # keys no query can see are not read
+    slots = fb.pos if fb.slots is None else fb.slots
+    used = min(int(slots.max()) + 1, storage.max_len + 1)  # keys no query can see are not read
     k_bufs, v_bufs = storage.k[:, : fb.b, :, :used], storage.v[:, : fb.b, :, :used]  # (L, B, n_kv, S, hd) views
     fb = replace(fb, logits=False)  # the head runs once below, over the real rows
     if isinstance(caches[0], HybridCache):
@@ -95,9 +115,16 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor]) -
         _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs)  # (N, H) each
     for b, c in enumerate(caches):
         c.advance(lens[b])
-    logits = target.head(hid)  # (N, V)
-    outs, i = [], 0
-    for t in lens:
-        outs.append(TargetOutput(logits=logits[i : i + t], hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t]))
-        i += t
+    lazy = lazy or [False] * len(lens)
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    if any(lazy):  # the head over the rows of the sequences that read logits now
+        need = [torch.arange(e - t, e) for t, e, z in zip(lens, ends, lazy) if not z]
+        head = target.head(hid[torch.cat(need)]) if need else None  # (N', V)
+    else:
+        head = target.head(hid)  # (N, V)
+    outs, i, j = [], 0, 0
+    for t, z in zip(lens, lazy):
+        logits = None if z else head[j : j + t]
+        outs.append(TargetOutput(logits=logits, hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t]))
+        i, j = i + t, j + (0 if z else t)
     return outs

@@ -24,14 +24,14 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .batching import SlotKV, forward_batch
+from .batching import SlotKV, verify_pass
 from .cache import Cache
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
-from .tree import forward_tree, kept_rows, verify_tree, verify_tree_lazily
+from .tree import TreeLayout, kept_rows, verify_tree, verify_tree_lazily
 from .verify import verify, verify_greedy_many
 
 
@@ -259,16 +259,13 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     t1 = perf_counter()
     starts = [s.cache.length for s in seqs]
     tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence
-    trees = any(d.is_tree for d in drafts)  # a tree verifies in its own forward (tree.py)
+    layouts = [TreeLayout.of(d.parents) if d.is_tree else None for d in drafts]
+    trees = any(d.is_tree for d in drafts)
     if trees and exact:
         raise ConfigError("token trees are not available in exact mode (its verify pass is one-position forwards)")
-    sparse = getattr(getattr(target, "config", None), "sparse_attention", None) is not None  # per-sequence attention
-    if len(seqs) > 1 and not exact and storage is not None and not trees and not sparse:  # 2. one verify pass, D_i + 1 positions each
-        outs = forward_batch(target, storage, [s.cache for s in seqs], tokens)
-    else:
-        # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
-        outs = [forward_tree(target, t, d.parents, s.cache, logits=s.trace or not s.sampler.params.greedy)
-                if d.is_tree else target.forward_tokens(t, s.cache, exact) for t, s, d in zip(tokens, seqs, drafts)]
+    # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
+    heads_later = [d.is_tree and not s.trace and s.sampler.params.greedy for d, s in zip(drafts, seqs)]
+    outs = verify_pass(target, storage, [s.cache for s in seqs], tokens, layouts, heads_later, exact)  # 2. ONE pass
     lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
     if all(s.sampler.params.greedy for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
         verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())

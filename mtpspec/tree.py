@@ -233,16 +233,6 @@ def keep_best(tree: GrowingTree, budget: int) -> tuple[Draft, Proposed]:
     return Draft(tokens=tokens, parents=parents), Proposed(parents.tolist(), [tree.rank[i] for i in nodes], [tree.logq[i] for i in nodes])
 
 
-def forward_tree(target, tokens: Tensor, parents: Tensor, cache, logits: bool = True) -> TargetOutput:
-    """The target's forward over a tree draft's verify window: tokens (T,) = [last, nodes], the nodes' parents (N,).
-    logits=False: the LM head left out (verify_tree_lazily runs it at the rows it reaches)."""
-    layout = TreeLayout.of(parents)
-    try:
-        return target.forward_tokens(tokens, cache, logits=logits, tree=layout)
-    finally:
-        layout.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
-
-
 MAX_TREE = 63  # nodes: the verify window (T = nodes + 1) must fit one Gated DeltaNet piece of 64 rows
 
 
@@ -391,7 +381,7 @@ class _RowChoices:
 
 
 def verify_tree_lazily(draft: Draft, out: TargetOutput, head) -> tuple[Verdict, Tensor]:
-    """Greedy verification of a tree whose forward left out the LM head (forward_tree(..., logits=False)): `head`
+    """Greedy verification of a tree whose forward left out the LM head (forward_tokens(..., logits=False, tree=...)): `head`
     (hidden (n, H) -> logits (n, V)) runs at the rows the walk reaches. -> the verdict and its kept rows' logits."""
     rows = _RowChoices(out.hidden, head, draft.parents.tolist())
     verdict = verify_tree_greedy(draft, rows)

@@ -297,3 +297,62 @@ def test_engine_errors(demo):
         eng.add([1] * (m.max_seq_len + 1), make_drafter("none", m), greedy(), 1, 4)
     with pytest.raises(ConfigError, match="prompts"):
         demo.generate_batch([])
+
+
+def _random_tree(rng: random.Random, n: int) -> list[int]:
+    """Node parents (-1: the root) of a random tree of n nodes, each node after its parent."""
+    return [rng.randrange(-1, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense-window"])
+@torch.inference_mode()
+def test_batched_trees_equal_each_sequence_alone_fp64(kind):
+    """Token trees and chains of different sizes in one batched forward (ForwardBatch.many with trees): every row's
+    logits equal the sequence's own tree forward, and after keeping a random root-to-node path (keep + crop) each
+    cache continues exactly as one sequence fed that path alone (fp64, 1e-10 of the scale)."""
+    from mtpspec.models.dense import DenseConfig, DenseLM
+    from mtpspec.tree import TreeLayout, kept_rows
+    from mtpspec.types import Verdict
+
+    if kind == "hybrid":
+        m = tiny_hybrid(torch.float64)
+    else:
+        torch.manual_seed(0)
+        m = DenseLM(DenseConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=48, max_seq_len=96, layer_windows=(5, 0))).to(torch.float64).eval()
+    rng = random.Random(1)
+    b_n = 4
+    caches, alone = [m.new_cache() for _ in range(b_n)], [m.new_cache() for _ in range(b_n)]
+    storage = SlotKV(caches[0].kv, b_n)
+    for b in range(b_n):
+        prompt = torch.tensor([rng.randrange(64) for _ in range(6 + 3 * b)])
+        m.forward_tokens(prompt, caches[b], prefill=True)
+        m.forward_tokens(prompt, alone[b], prefill=True)
+        storage.bind(caches[b].kv, b)
+    for step in range(6):
+        tokens, layouts, parents = [], [], []
+        for b in range(b_n):
+            n = rng.randrange(0, 8)
+            tree = b % 2 == 0 or step % 3 == 0
+            par = _random_tree(rng, n) if tree else list(range(-1, n - 1))
+            tokens.append(torch.tensor([rng.randrange(64) for _ in range(n + 1)]))
+            parents.append(par)
+            layouts.append(TreeLayout.of(torch.tensor(par, dtype=torch.long)) if tree else None)
+        starts = [c.length for c in caches]
+        outs = forward_batch(m, storage, caches, tokens, layouts)
+        for b in range(b_n):
+            ref = m.forward_tokens(tokens[b], alone[b], tree=TreeLayout.of(torch.tensor(parents[b], dtype=torch.long)))
+            scale = ref.logits.abs().max()
+            assert (outs[b].logits - ref.logits).abs().max() <= 1e-10 * scale, (step, b)
+            node, path = rng.randrange(-1, len(parents[b])), []  # keep the path to a random node (-1: the root alone)
+            while node >= 0:
+                path.insert(0, node + 1)
+                node = parents[b][node]
+            rows = kept_rows(Verdict(len(path), torch.zeros(len(path) + 1, dtype=torch.long), len(parents[b]), tuple(path)))
+            for c in (caches[b], alone[b]):
+                c.keep(starts[b], rows)
+                c.crop(starts[b] + len(rows))
+    for b in range(b_n):  # the same continuation after all that
+        nxt = torch.tensor([rng.randrange(64) for _ in range(3)])
+        got, want = m.forward_tokens(nxt, caches[b]).logits, m.forward_tokens(nxt, alone[b]).logits
+        assert (got - want).abs().max() <= 1e-10 * want.abs().max(), b

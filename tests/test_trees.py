@@ -349,3 +349,12 @@ def test_a_tree_near_the_context_end_is_cut_to_the_room_left(stories, drafter, h
     got = stories.generate(ids, drafter=drafter, draft_model=head, k=1, tree=8, max_new_tokens=96)
     assert got.finish_reason == plain.finish_reason == "context"
     assert got.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("drafter, head", [("ngram", None), ("mtp", HEADS + "mtp")])
+def test_batched_tree_verification_equals_each_run_alone(stories, plain64, drafter, head):
+    """Several sequences' token trees verified in one batched forward (engine.step -> batching.forward_batch with
+    trees): each sequence's tokens are plain greedy's."""
+    prompts = PROMPTS[:4]
+    got = stories.generate_batch(prompts, drafter=drafter, draft_model=head, k=4, tree=8, max_new_tokens=64)
+    assert [r.tokens for r in got] == [plain64[p] for p in prompts]

@@ -59,7 +59,7 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         k_buf[:, :, fb.start : end] = k
         v_buf[:, :, fb.start : end] = v
         return k_buf[:, :, :end], v_buf[:, :, :end]
-    pos = fb.pos
+    pos = fb.pos if fb.slots is None else fb.slots  # (B, T) buffer indices
     if pos.shape[0] == 1:
         k_buf.index_copy_(2, pos[0], k)
         v_buf.index_copy_(2, pos[0], v)
@@ -82,6 +82,9 @@ def attend(q: Tensor, keys: Tensor, vals: Tensor, fb: ForwardBatch, window: int 
     gqa = nh != keys.shape[1]
     if fb.tree is not None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=tree_mask(fb, window), enable_gqa=gqa, scale=scale)
+    if fb.anc is not None:  # B sequences' trees
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=trees_mask(fb, keys.shape[2], window)[:, None],
+                                              enable_gqa=gqa, scale=scale)
     if fb.start is None:  # positions as tensors: the whole buffer under a mask
         idx = torch.arange(keys.shape[2])  # (S,)
         pos = fb.pos[:, None, :, None]  # (B, 1, T, 1)
@@ -113,6 +116,21 @@ def tree_mask(fb: ForwardBatch, window: int) -> Tensor:
     return mask
 
 
+def trees_mask(fb: ForwardBatch, s: int, window: int) -> Tensor:
+    """(B, W, S) which of the first S buffer slots each row of B sequences' trees sees: the slots before the
+    sequence's first row, then its ancestors (within the window, by position)."""
+    b, w = fb.pos.shape
+    start = fb.slots[:, :1]  # (B, 1) each sequence's first slot
+    rel = torch.arange(s)[None, :] - start  # (B, S) a slot's row in its sequence's window (< 0: committed)
+    inside = (rel >= 0) & (rel < w)
+    row = rel.clamp(0, w - 1)
+    mask = (rel < 0)[:, None, :] | (fb.anc.gather(2, row[:, None, :].expand(b, w, s)) & inside[:, None, :])
+    if window > 0:
+        key_pos = torch.where(inside, fb.pos.gather(1, row), torch.arange(s)[None, :])  # (B, S)
+        mask = mask & ((fb.pos[:, :, None] - key_pos[:, None, :]) < window)
+    return mask
+
+
 def _by_row(q: Tensor, keys: Tensor, vals: Tensor, fb: ForwardBatch, window: int) -> Tensor:
     """attend with each query row alone (kernels.attention), fp32: bitwise the one-row step's output at its position."""
     b, nh, t, hd = q.shape
@@ -121,6 +139,10 @@ def _by_row(q: Tensor, keys: Tensor, vals: Tensor, fb: ForwardBatch, window: int
     if fb.tree is not None:
         hi = fb.start + torch.arange(t)  # a tree row's keys are masked, up to its own slot
         out = attend_rows(rows, keys, vals, seq, torch.zeros(t, dtype=torch.long), hi, tree_mask(fb, window))
+    elif fb.anc is not None:
+        hi = fb.slots.reshape(-1)  # (B T,)
+        mask = trees_mask(fb, keys.shape[2], window).reshape(b * t, -1)
+        out = attend_rows(rows, keys, vals, seq, torch.zeros_like(hi), hi, mask)
     else:
         hi = fb.pos.reshape(-1)  # (B T,) each row's own position: its last key
         out = attend_rows(rows, keys, vals, seq, first_keys(hi, window), hi)

@@ -21,6 +21,9 @@ class ForwardBatch:
     rows: Tensor | None = None  # (N,) the real rows of the flattened (B, W) grid; None: all of them
     start: int | None = None  # one sequence at consecutive positions start..start+W-1 (or a tree from start); None: tensors only
     tree: object | None = None  # a TreeLayout / TreeRows over one sequence's rows: row i sees the committed keys and its ancestors
+    trees: tuple | None = None  # B sequences' token trees (TreeLayout, W rows each; a chain is a path): see `many`
+    anc: Tensor | None = None  # (B, W, W) with `trees`: anc[b, i, j] = row j is row i or one of its ancestors
+    slots: Tensor | None = None  # (B, W) with `trees`: each row's buffer index (start + row); its position is start + depth
     prefill: bool = False  # a prompt: never cropped inside (a Gated DeltaNet keeps its final state only)
     steps: bool = False  # a Gated DeltaNet window position by position, returning each state (compiled graphs of small states)
     logits: bool = True  # False: the LM head is left out (a prefill nobody reads, a tree verified lazily)
@@ -40,13 +43,29 @@ class ForwardBatch:
         return ForwardBatch(pos[None], start=start, tree=tree, prefill=prefill, logits=logits)
 
     @staticmethod
-    def many(starts: list[int], lens: list[int], scratch: int) -> "ForwardBatch":
+    def many(starts: list[int], lens: list[int], scratch: int, trees: list | None = None) -> "ForwardBatch":
         """Sequences b = 0..B-1 with lens[b] rows from starts[b], padded to the widest; padding rows continue past the
-        real ones, clamped to `scratch` (a position past every sequence's context)."""
+        real ones, clamped to `scratch` (a position past every sequence's context).
+
+        trees[b]: sequence b's TreeLayout (its rows: the root, then the nodes) or None (a chain). With any tree, every
+        sequence gets a layout of W rows (a chain is a path; padding rows hang below the last real row, so no real
+        row sees them): row i is written at slot start + i, rotated at position start + depth, and attends to the
+        committed keys and its ancestors."""
         width = max(lens)
-        pos = torch.stack([torch.arange(s, s + width) for s in starts]).clamp(max=scratch)  # (B, W)
-        rows = None if all(n == width for n in lens) else torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lens)])
-        return ForwardBatch(pos, rows)
+        real = None if all(n == width for n in lens) else torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lens)])
+        slots = torch.stack([torch.arange(s, s + width) for s in starts]).clamp(max=scratch)  # (B, W)
+        if trees is None or all(t is None for t in trees):
+            return ForwardBatch(slots, real)
+        from ..tree import TreeLayout  # a layout is data the forward reads; tree.py builds it
+
+        layouts = []
+        for n, tree in zip(lens, trees):
+            rows = tree.parent.tolist() if tree is not None else [-1] + list(range(n - 1))  # each real row's parent row
+            rows += list(range(n - 1, width - 1))  # padding rows: a path below the last real row
+            layouts.append(TreeLayout.of(torch.tensor(rows[1:]) - 1))  # node parents (-1: the root)
+        depth = torch.stack([t.depth for t in layouts])  # (B, W)
+        pos = (torch.tensor(starts)[:, None] + depth).clamp(max=scratch)  # (B, W)
+        return ForwardBatch(pos, real, trees=tuple(layouts), anc=torch.stack([t.anc for t in layouts]), slots=slots)
 
     @staticmethod
     def window(b: int, t: int) -> "ForwardBatch":

@@ -144,7 +144,8 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch)
     incoming state -> out (N, H), the widened conv window (B, C, K-1+W), and what rebuilds the state after each
     position (the slots rollback selects, hybrid_cache.py), in the form that suits the forward:
 
-    - a token tree: one exact chunk with each row along its own path (window_delta_rule with the ancestors);
+    - token trees (one sequence's, or B sequences'): one exact chunk, each row along its own path (window_delta_rule
+      with the ancestors);
     - a prompt's prefill longer than SHORT_MAX_T: 64-position chunks, the final state only (a Tensor);
     - fb.steps (compiled graphs of small states): position by position, the W states;
     - one position: the state read by two matmuls and the rank-1 write one baddbmm, the state itself;
@@ -152,12 +153,14 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch)
     b, t = fb.b, fb.w
     mixed, z, b_in, a_in = _proj(x, dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_b, dn.in_proj_a)
     mixed, b_in, a_in = fb.grid(mixed), fb.grid(b_in), fb.grid(a_in)  # (B, W, C), (B, W, nv) x 2
-    if fb.tree is None:
+    tree = fb.tree is not None or fb.anc is not None
+    if not tree:
         hist = torch.cat([conv_window.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # (B, C, K-1+W)
         conv = F.silu(causal_conv(hist, dn.conv1d.weight)).transpose(1, 2)  # (B, W, C)
     else:  # each row reads its own path's inputs: gathered by whole rows of C inputs
         rows = torch.cat([conv_window.to(mixed.dtype).transpose(1, 2), mixed], dim=1)  # (B, K-1+W, C)
-        conv = F.silu(tree_conv(rows, dn.conv1d.weight, fb.tree.conv_taps(dn.kernel)))  # (B, W, C)
+        taps = fb.tree.conv_taps(dn.kernel) if fb.tree is not None else torch.stack([t.conv_taps(dn.kernel) for t in fb.trees])
+        conv = F.silu(tree_conv(rows, dn.conv1d.weight, taps))  # (B, W, C)
         hist = rows.transpose(1, 2)
     q, k, v = conv.split([dn.key_dim, dn.key_dim, dn.value_dim], dim=-1)
     r, dt = dn.nv // dn.nk, wide(x.dtype)  # value heads per key head; the recurrence runs in at least fp32
@@ -168,10 +171,10 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch)
     k = _l2norm(k)
     beta = b_in.to(dt).sigmoid().transpose(1, 2)  # (B, nv, W)
     g = (-dn.A_log.to(dt).exp() * F.softplus(a_in.to(dt) + dn.dt_bias.to(dt))).transpose(1, 2)  # (B, nv, W) log decay
-    if fb.tree is not None:
+    if tree:
         if t > CHUNK:
             raise ValueError(f"a token tree of {t} rows: at most {CHUNK} fit one verify window")
-        o, gc, u = window_delta_rule(q, k, v, g, beta, s0, anc=fb.tree.anc)
+        o, gc, u = window_delta_rule(q, k, v, g, beta, s0, anc=fb.tree.anc if fb.tree is not None else fb.anc)
         rec: list[Window] | Tensor = [Window(gc, k, u)]
     elif fb.prefill and t > SHORT_MAX_T:
         o, rec = chunked_delta_rule(q, k, v, g, beta, s0)

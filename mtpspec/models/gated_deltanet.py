@@ -46,7 +46,7 @@ def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                       anc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A short window (decode / verify) as one exact chunk, without padding and without writing states.
 
-    anc (T, T) bool, for a token tree's verify window (tree.py): position i follows its own ancestors
+    anc (T, T) bool (or (B, T, T), a tree per sequence), for a token tree's verify window (tree.py): position i follows its own ancestors
     only (anc[i, j]: j is i or an ancestor of i), so the decays accumulate along each row's path and a
     row reads and writes the state of its own path; every row's (gc, u) is then that of the chain
     along its path, and rollback to an accepted path is a re-indexing (HybridCache.keep).
@@ -62,7 +62,8 @@ def window_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         gc = g.cumsum(-1)  # (B, nv, T)
         causal = torch.ones(t_len, t_len, dtype=torch.bool).tril()
     else:  # a tree: decays summed along each row's path, keys seen along it only
-        gc, causal = g @ anc.to(g.dtype).T, anc  # (B, nv, T)
+        gc = g @ anc.to(g.dtype).transpose(-1, -2)  # (B, nv, T); anc (T, T), or (B, T, T): each sequence its own tree
+        causal = anc if anc.dim() == 2 else anc[:, None]  # (T, T) or (B, 1, T, T)
     gamma = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, nv, T, T)
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * gamma  # unit lower triangular system (strict part used)
@@ -115,12 +116,16 @@ def causal_conv(hist: Tensor, weight: Tensor) -> Tensor:
 def tree_conv(rows: Tensor, weight: Tensor, taps: Tensor) -> Tensor:
     """causal_conv over a token tree, each row reading its own path's inputs, in the rows' layout: rows (B, K-1+T, C)
     (the K-1 inputs before the window, then the window's), taps (T K,): row r's K input rows, oldest first
-    (TreeLayout.conv_taps) -> (B, T, C). One gather of whole rows, then the taps summed one by one in at least fp32, as
+    (TreeLayout.conv_taps; (B, T K): each sequence's own) -> (B, T, C). One gather of whole rows, then the taps summed one by one in at least fp32, as
     causal_conv sums them (the same products and sums per element: a chain's numbers along every path)."""
     kern = weight.shape[-1]
     dt = wide(rows.dtype)
     w = weight[:, 0].to(dt)  # (C, K)
-    h = rows.index_select(1, taps).to(dt).unflatten(1, (-1, kern))  # (B, T, K, C)
+    if taps.dim() == 1:
+        h = rows.index_select(1, taps)  # (B, T K, C)
+    else:  # (B, T K): each sequence its own tree
+        h = rows.gather(1, taps[..., None].expand(-1, -1, rows.shape[-1]))
+    h = h.to(dt).unflatten(1, (-1, kern))  # (B, T, K, C)
     out = h[:, :, 0] * w[:, 0]
     for j in range(1, kern):
         out += h[:, :, j] * w[:, j]
