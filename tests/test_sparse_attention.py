@@ -194,8 +194,7 @@ def test_reused_selection_is_the_last_accepted_tokens():
         cache = m.new_cache()
         out = m.forward_tokens(torch.tensor(context[:-1]), cache)
         fresh.prefill(torch.tensor(context), out, Sampler(SamplingParams()))
-        fresh.cache.sparse.mode = "record"
-        fresh._mtp(fresh.pending_h, fresh.pending_t, 0)
+        fresh._mtp(fresh.pending_h, fresh.pending_t, 0, sparse="record")
         for layer, sel in fresh.cache.sparse.kept.items():
             assert kept[layer].anchor == sel.anchor == len(context) - 2  # the pair (h of t_{L-2}, t_{L-1} the last accepted)
             assert torch.equal(kept[layer].blocks[kept[layer].ok], sel.blocks[sel.ok])

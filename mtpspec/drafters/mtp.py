@@ -81,6 +81,7 @@ class MTPDrafter:
         # a sparse-attention MTP (sparse_attention.py): its indexer runs on the round's first row only ("reuse"), or on every step
         self.sparse = getattr(target.config, "mtp_sparse_attention", None) is not None
         self.select = sparse_select
+        self.catch_up = "full" if sparse_select == "full" else "recompute"  # a sparse pass's selection outside a round's chain
         if self.sparse and tree is not None:
             raise ConfigError("token trees are not available with a sparse-attention MTP module yet: use a chain (no --tree)")
         if self.sparse and self.n_layers > 1:
@@ -127,8 +128,6 @@ class MTPDrafter:
                 self.depths.add_target(self._hidden(out))
             return
         self.cache = self.target.new_mtp_cache()
-        if self.cache.sparse is not None and self.select == "full":
-            self.cache.sparse.mode = "full"  # the same module attending its whole context (the ablation of sparsity)
         self.pending_h = self.pending_t = None
         if out is not None:  # pairs (h_i, t_{i+1}) for i = 0..L-2
             self._queue(self._hidden(out), context[1 : out.hidden.shape[0] + 1])
@@ -160,32 +159,28 @@ class MTPDrafter:
         if k < 1:
             return Draft.empty()
         sampler = self.sampler
-        state = self.cache.sparse  # a sparse MTP: the catch-up's last row (the last accepted token's pair) records its blocks
-        if state is not None and self.select == "reuse":
-            state.mode, state.kept = "record", {}
-        try:
-            h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) from the real pairs
-            self.pending_h = self.pending_t = None
-            budget = tree_budget(self.tree, self.sizer)
-            if budget is not None:
-                return self._propose_tree(h, k, budget)
-            if self._chains():  # greedy, compiled: the k drafts from one graph
-                tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,)
-                self.committed = self.cache.length - (k - 1)
-                return Draft(tokens=tokens, q=None)
-            if state is not None and self.select == "reuse":
-                state.mode = "reuse"  # the chained steps attend the recorded blocks, without the indexer
-            tokens, qs = [], []
-            for j in range(k):
-                x, q = self._next(h)
-                if q is not None:
-                    qs.append(q)
-                tokens.append(x)
-                if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
-                    h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers)
-        finally:
-            if state is not None:
-                state.mode = "full" if self.select == "full" else "recompute"  # catch-ups outside propose choose for every row
+        # a sparse MTP with "reuse": the catch-up's last row (the last accepted token's pair) records its blocks, and the
+        # chained steps attend them without the indexer
+        reuse = self.cache.sparse is not None and self.select == "reuse"
+        if reuse:
+            self.cache.sparse.kept = {}
+        h = self._mtp(self.pending_h, self.pending_t, 0, sparse="record" if reuse else self.catch_up)[-1:]  # (1, H)
+        self.pending_h = self.pending_t = None
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is not None:
+            return self._propose_tree(h, k, budget)
+        if self._chains():  # greedy, compiled: the k drafts from one graph
+            tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,)
+            self.committed = self.cache.length - (k - 1)
+            return Draft(tokens=tokens, q=None)
+        tokens, qs = [], []
+        for j in range(k):
+            x, q = self._next(h)
+            if q is not None:
+                qs.append(q)
+            tokens.append(x)
+            if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
+                h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers, sparse="reuse" if reuse else self.catch_up)
         self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
         toks = torch.stack(tokens)  # (k,)
         return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
@@ -355,14 +350,15 @@ class MTPDrafter:
         logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
         return self.sampler.probs(logits).log().topk(branch, dim=-1)
 
-    def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int, tree=None) -> Tensor:
-        """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions (a token tree's rows: `tree`) -> (T, H);
-        advances the cache."""
+    def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int, tree=None, sparse: str | None = None) -> Tensor:
+        """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions (a token tree's rows: `tree`; a sparse
+        module's block selection: `sparse`, by default the catch-up's) -> (T, H); advances the cache."""
+        sparse = sparse or self.catch_up
         if self.compiled is not None and tree is None and self.compiled.handles(tokens.shape[0], self.cache):
             return self.compiled(hidden, self.target.embed(tokens), self.cache, layer)
         if self.fused is None:
-            return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer, tree=tree)
-        out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer, tree)
+            return self.target.mtp_forward(hidden, tokens, self.cache, layer=layer, tree=tree, sparse=sparse)
+        out = self.fused(hidden, self.target.embed(tokens), self.cache, self.cache.length, layer, tree, sparse)
         self.cache.advance(tokens.shape[0])
         return out
 

@@ -25,6 +25,7 @@ class ForwardBatch:
     anc: Tensor | None = None  # (B, W, W) with `trees`: anc[b, i, j] = row j is row i or one of its ancestors
     slots: Tensor | None = None  # (B, W) with `trees`: each row's buffer index (start + row); its position is start + depth
     prefill: bool = False  # a prompt: never cropped inside (a Gated DeltaNet keeps its final state only)
+    sparse: str = "recompute"  # how block-sparse layers choose their blocks (sparse_attention.SELECTIONS)
     steps: bool = False  # a Gated DeltaNet window position by position, returning each state (compiled graphs of small states)
     logits: bool = True  # False: the LM head is left out (a prefill nobody reads, a tree verified lazily)
 
@@ -37,10 +38,10 @@ class ForwardBatch:
         return self.pos.shape[1]
 
     @staticmethod
-    def one(start: int, t: int, tree=None, prefill: bool = False, logits: bool = True) -> "ForwardBatch":
+    def one(start: int, t: int, tree=None, prefill: bool = False, logits: bool = True, sparse: str = "recompute") -> "ForwardBatch":
         """One sequence's t rows from `start` (a tree's rows at start + depth)."""
         pos = torch.arange(start, start + t) if tree is None else tree.positions(start)
-        return ForwardBatch(pos[None], start=start, tree=tree, prefill=prefill, logits=logits)
+        return ForwardBatch(pos[None], start=start, tree=tree, prefill=prefill, logits=logits, sparse=sparse)
 
     @staticmethod
     def many(starts: list[int], lens: list[int], scratch: int, trees: list | None = None) -> "ForwardBatch":

@@ -129,13 +129,14 @@ def _sparse_attention(att, x: Tensor, q: Tensor, keys: Tensor, vals: Tensor, fb:
     if kv.index is None:  # a cache made without the model's new_cache: the indexer's keys live with it from now on
         kv.index = IndexKeys(kv.k.shape[0], kv.max_len, att.sparse, x.dtype)
     state = kv.sparse
-    reusing = state is not None and state.reusing(att.kv_index)
+    reusing = state is not None and state.reusing(att.kv_index, fb.sparse)
     if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
         kv.index.write(att.kv_index, fb.start, att.indexer.keys(x))
-    if state is not None and state.dense:  # sparse_select "full": dense causal attention, same weights
+    if fb.sparse == "full":  # dense causal attention, same weights (the ablation of sparsity)
         return attend(q, keys, vals, fb).transpose(1, 2).flatten(2)
     queries = None if reusing else att.indexer.queries(x)
-    y = sparse_attend(att.sparse, q[0].transpose(0, 1), keys[0], vals[0], kv.index, att.kv_index, fb.start, queries, state, scale)
+    y = sparse_attend(att.sparse, q[0].transpose(0, 1), keys[0], vals[0], kv.index, att.kv_index, fb.start, queries, state,
+                      scale, fb.sparse)
     return y[None]
 
 
@@ -327,13 +328,14 @@ def by_position(model, tokens: Tensor, cache) -> TargetOutput:
 
 
 @torch.inference_mode()
-def module_tokens(module, embed, hidden: Tensor, tokens: Tensor, cache, layer: int = 0, tree=None) -> Tensor:
+def module_tokens(module, embed, hidden: Tensor, tokens: Tensor, cache, layer: int = 0, tree=None,
+                  sparse: str = "recompute") -> Tensor:
     """An MTP / EAGLE module over pairs (hidden[i], tokens[i]) (T, H), (T,) at its cache's next positions (a tree's rows
-    at start + depth) -> (T, H); the cache advances by T."""
+    at start + depth; sparse: a block-sparse module's selection) -> (T, H); the cache advances by T."""
     t, start = tokens.shape[0], cache.length
     if start + t > cache.max_len:
         raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
-    fb = ForwardBatch.one(start, t, tree)
+    fb = ForwardBatch.one(start, t, tree, sparse=sparse)
     k_buf, v_buf = cache.buffers(module.layers[layer].self_attn.kv_index)
     out = module_forward(module, hidden[None], embed(tokens)[None], k_buf, v_buf, fb, layer, cache)[0]
     cache.advance(t)

@@ -109,19 +109,20 @@ class FusedAttentionBlock:
             w[:, :, start:] += self.future[:t, :t].repeat_interleave(g, 0)
         return (torch.softmax(w, dim=-1) @ v).view(nkv, t, g, hd).transpose(0, 1).reshape(t, nh * hd)
 
-    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, kv: KVCache, start: int, index: list[Tensor], tree=None) -> Tensor:
-        """Block-sparse attention (sparse_attention.py): q (T, nh, hd) pre-scaled; index = the indexer's [q, k, w] rows."""
+    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, kv: KVCache, start: int, index: list[Tensor], tree, mode: str) -> Tensor:
+        """Block-sparse attention (sparse_attention.py): q (T, nh, hd) pre-scaled; index = the indexer's [q, k, w] rows;
+        mode: how the blocks are chosen (ForwardBatch.sparse)."""
         if tree is not None or kv.index is None:
             raise ConfigError("sparse attention needs the model's own MTP cache and runs without token trees")
         iq, ik, iw = index
         state = kv.sparse
-        reusing = state is not None and state.reusing(self.kv_index)
+        reusing = state is not None and state.reusing(self.kv_index, mode)
         if not reusing:  # a reused step's rows are draft positions, rewritten (and their blocks refreshed) before any read
             kv.index.write(self.kv_index, start, ik)
-        if state is not None and state.dense:  # sparse_select "full": this layer's dense attention
+        if mode == "full":  # this layer's dense attention
             return self._attend(q, k, v, start)
         queries = None if reusing else (iq.unflatten(-1, (self.sparse.heads, self.sparse.dim)), iw)
-        return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0)
+        return sparse_attend(self.sparse, q, k, v, kv.index, self.kv_index, start, queries, state, 1.0, mode)
 
     def _qkv(self, x: Tensor, where) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
         """x (T, H) at positions `where` (a slice or (T,) index) -> q and k normed and rotated (T, nh + nkv, hd), the
@@ -137,14 +138,14 @@ class FusedAttentionBlock:
         g, u = self.gate_up(_unit(x, self.c_post)).chunk(2, -1)
         return x + self.down(F.silu(g) * u)
 
-    def __call__(self, x: Tensor, kv: KVCache, start: int, tree=None) -> Tensor:
+    def __call__(self, x: Tensor, kv: KVCache, start: int, tree=None, sparse: str = "recompute") -> Tensor:
         """x (T, H) at positions start.. (a drafter's token tree: rows at their own positions, each seeing its own path)
         -> (T, H); writes this layer's keys and values into kv."""
         t, nh = x.shape[0], self.nh
         qk, gate, v, index = self._qkv(x, slice(start, start + t) if tree is None else tree.positions(start))
         k_all, v_all = _write(kv, self.kv_index, start, qk[:, nh:].transpose(0, 1)[None], v.transpose(0, 1)[None])
         if self.sparse is not None:
-            y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index, tree)
+            y = self._sparse(qk[:, :nh], k_all[0], v_all[0], kv, start, index, tree, sparse)
         else:
             y = self._attend(qk[:, :nh], k_all[0], v_all[0], start, None if tree is None else tree.attn_mask(start))  # (T, nh hd)
         return self._out(x, y, gate)
@@ -193,8 +194,9 @@ class FusedMTP:
     def _out(self, x: Tensor) -> Tensor:
         return x if self.eagle else _unit(x, self.c_norm) * self.norm_w
 
-    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0, tree=None) -> Tensor:
-        return self._out(self.layers[layer](self._in(hidden, emb), cache, start, tree))
+    def __call__(self, hidden: Tensor, emb: Tensor, cache: KVCache, start: int, layer: int = 0, tree=None,
+                 sparse: str = "recompute") -> Tensor:
+        return self._out(self.layers[layer](self._in(hidden, emb), cache, start, tree, sparse))
 
     def many(self, hidden: Tensor, emb: Tensor, caches: list[KVCache], counts: list[int], layer: int = 0) -> Tensor:
         """__call__ for several sequences' rows (N, H) each (counts[i] rows of sequence i, at its cache's length, in

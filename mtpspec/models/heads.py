@@ -203,8 +203,9 @@ class AttachedHead(MTPSource):
     def embed(self, tokens: Tensor) -> Tensor:
         return self.target.embed(tokens)
 
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None) -> Tensor:
-        return module_tokens(self.mtp, self.target.embed, hidden, tokens, cache, layer, tree)
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None,
+                    sparse: str = "recompute") -> Tensor:
+        return module_tokens(self.mtp, self.target.embed, hidden, tokens, cache, layer, tree, sparse)
 
 
 __all__ = ["DraftHeadConfig", "DraftHead", "MedusaHeads", "EagleModule", "AttachedHead", "save_head", "load_head", "KINDS"]

@@ -40,6 +40,7 @@ class MTPSource(Protocol):
     def head(self, hidden: Tensor) -> Tensor:
         """hidden (T, H) -> (T, V) logits through the target's LM head (at least float32)."""
 
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None) -> Tensor:
-        """The MTP module over pairs (hidden (T, H), tokens (T,)) at cache.length.. (a token tree's rows: `tree`) ->
-        (T, H); advances the cache by T."""
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None,
+                    sparse: str = "recompute") -> Tensor:
+        """The MTP module over pairs (hidden (T, H), tokens (T,)) at cache.length.. (a token tree's rows: `tree`; a
+        block-sparse module's selection: `sparse`) -> (T, H); advances the cache by T."""

@@ -231,9 +231,10 @@ class HybridLM(CausalLM):
         final norm: see forward.run."""
         return run(self, tokens, cache, exact, logits, tree, prefill)
 
-    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None) -> Tensor:
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None,
+                    sparse: str = "recompute") -> Tensor:
         """MTP over pairs (hidden[i], tokens[i]) at positions cache.length..: -> its hidden (T, H); advances."""
-        return module_tokens(self.mtp, self.embed, hidden, tokens, cache, layer, tree)
+        return module_tokens(self.mtp, self.embed, hidden, tokens, cache, layer, tree, sparse)
 
 
 __all__ = ["HybridConfig", "HybridLM", "HybridCache", "MTPModule", "LAYER_TYPES"]

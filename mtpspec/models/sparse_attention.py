@@ -248,32 +248,32 @@ class Selection:
     keys: tuple[Tensor, Tensor, int, int] | None = None  # (kb, vb (nkv, cap, hd), n kept tokens, window copied up to)
 
 
+SELECTIONS = ("recompute", "record", "reuse", "full")  # ForwardBatch.sparse: how a pass's sparse layers choose blocks
+
+
 @dataclass
 class SparseState:
-    """How a cache's sparse layers choose blocks: 'recompute' (the indexer on every row), 'record' (recompute, and
-    keep the pass's last row's selection per layer), 'reuse' (the kept selection, no indexer), or 'full' (no
-    choice: dense causal attention over every key, the same weights without sparsity)."""
+    """A cache's kept block selections (per layer), recorded by one pass for later passes to reuse.
 
-    mode: str = "recompute"
+    How a pass chooses its blocks is the pass's own (ForwardBatch.sparse): 'recompute' (the indexer on every row),
+    'record' (recompute, and keep the pass's last row's selection per layer here), 'reuse' (the kept selection, no
+    indexer), or 'full' (no choice: dense causal attention over every key, the same weights without sparsity)."""
+
     kept: dict[int, Selection] = field(default_factory=dict)
 
-    def reusing(self, layer: int) -> bool:
-        return self.mode == "reuse" and layer in self.kept
-
-    @property
-    def dense(self) -> bool:
-        return self.mode == "full"
+    def reusing(self, layer: int, mode: str) -> bool:
+        return mode == "reuse" and layer in self.kept
 
 
 def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, index: IndexKeys, layer: int, start: int,
-                  queries: tuple[Tensor, Tensor] | None, state: SparseState | None, scale: float) -> Tensor:
+                  queries: tuple[Tensor, Tensor] | None, state: SparseState | None, scale: float, mode: str = "recompute") -> Tensor:
     """Attention of rows at positions start..start+T-1 over the cache's keys (already written, with the indexer keys).
 
     q (T, nh, hd); k, v (nkv, S >= start+T, hd); queries: the indexer's (q (T, heads, dim), w (T, heads)), None when
     the state reuses a kept selection. -> (T, nh * hd)."""
     t = q.shape[0]
     pos = torch.arange(start, start + t)  # (T,)
-    if state is not None and state.reusing(layer):
+    if state is not None and state.reusing(layer, mode):
         kept = state.kept[layer]
         reach = t + start - 1 - kept.anchor  # how far the last row lies past the anchor
         if reach < 0 or reach > REUSE_REACH:
@@ -283,7 +283,7 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
         return attend_reused(q, k, v, kept, pos, cfg, scale, index, layer)
     last = start + t - 1
     if (last - cfg.window) // cfg.block + 1 <= cfg.top_k:  # no row has more than top_k candidates: all are chosen
-        if state is not None and state.mode == "record":
+        if state is not None and mode == "record":
             state.kept[layer] = Selection(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), last, dense=True)
         return dense_attend(q, k, v, start, scale)
     iq, iw = queries
@@ -294,7 +294,7 @@ def sparse_attend(cfg: SparseAttentionConfig, q: Tensor, k: Tensor, v: Tensor, i
         y = attend_gathered(q, k, v, blocks, ok, pos, lo, cfg, scale, index)
     else:
         y = attend_masked(q, k, v, blocks, ok, pos, lo, cfg, scale)
-    if state is not None and state.mode == "record":  # keep the last row's blocks, gathered now while they are warm
+    if state is not None and mode == "record":  # keep the last row's blocks, gathered now while they are warm
         state.kept[layer] = Selection(blocks[-1].clone(), ok[-1].clone(), last)
         keep_keys(k, v, state.kept[layer], cfg, index, layer)
     return y
