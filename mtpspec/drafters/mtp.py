@@ -38,7 +38,7 @@ from ..models.compiled import compiled_draft_step
 from ..models.draft_vocab import make_draft_head
 from ..models.fused_mtp import fused_mtp
 from ..models.batch import ForwardBatch
-from ..models.forward import greedy_draft, module_forward
+from ..models.forward import fused_for_decoding, greedy_draft, module_forward
 from ..sampling import Sampler
 from ..tree import (GrowingTree, RankAcceptance, TreeChoice, check_tree_beam, check_tree_budget, grow, keep_best, observe_step,
                     shared_sizer, top_guesses, tree_branch, tree_budget)
@@ -87,6 +87,8 @@ class MTPDrafter:
         if self.sparse and self.n_layers > 1:
             raise ConfigError(f"a sparse-attention MTP module drafts with one layer; this one has {self.n_layers}")
         self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
+        if self.fused is None:
+            fused_for_decoding(target.mtp)  # the module's q / k / v and gate / up, each one product
         self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
         self.cache = None
@@ -203,7 +205,8 @@ class MTPDrafter:
 
     @classmethod
     def _propose_modules(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
-        """propose_batch for sequences that all draft with the module this round."""
+        """propose_batch for sequences that all draft with the module this round: each step's products run once over
+        every sequence's rows, each attention on the sequence's own cache in place (forward.module_forward)."""
         if len(drafters) < 2:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         module = drafters[0].target.mtp
@@ -216,53 +219,27 @@ class MTPDrafter:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         if all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters):
             return cls._propose_folded(drafters, ks)
-        b_n = len(drafters)
-        lens = [d.cache.length for d in drafters]  # (B,) MTP entries each
-        pend = [d.pending_h.shape[0] for d in drafters]
-        width = max(pend)
-        scratch = max(n + p + k for n, p, k in zip(lens, pend, ks))  # one past the last position any row writes
-        like = drafters[0].cache
-        k_buf = like.k.new_zeros(like.k.shape[0], b_n, like.k.shape[2], scratch + 1, like.k.shape[4])  # (L, B, n_kv, S, hd)
-        v_buf = torch.zeros_like(k_buf)
-        hid = drafters[0].pending_h.new_zeros(b_n, width, drafters[0].pending_h.shape[-1])  # (B, W, H)
-        toks = torch.zeros(b_n, width, dtype=torch.long)  # (B, W)
-        for i, d in enumerate(drafters):
-            k_buf[:, i, :, : lens[i]] = d.cache.k[:, 0, :, : lens[i]]
-            v_buf[:, i, :, : lens[i]] = d.cache.v[:, 0, :, : lens[i]]
-            hid[i, : pend[i]], toks[i, : pend[i]] = d.pending_h, d.pending_t
-        pos = (torch.tensor(lens)[:, None] + torch.arange(width)).clamp(max=scratch)  # (B, W) padded rows after the real ones
         target = drafters[0].target
-        real = torch.cat([torch.arange(i * width, i * width + p) for i, p in enumerate(pend)])  # (N,) rows that are pairs
-        kv = [block.self_attn.kv_index for block in module.layers]  # each layer's KV buffer
-        out = module_forward(module, hid, target.embed(toks), k_buf[kv[0]], v_buf[kv[0]], ForwardBatch(pos, real), 0)  # (B, W, H)
-        h = out[torch.arange(b_n), torch.tensor(pend) - 1]  # (B, H) at each sequence's last real pair
+        h = _many(module, target, [d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
         tokens: list[list[Tensor]] = [[] for _ in drafters]
         qs: list[list[Tensor]] = [[] for _ in drafters]
-        end = [n + p for n, p in zip(lens, pend)]  # (B,) each sequence's next MTP position
+        going = list(range(len(drafters)))  # sequences drafting this step
         for j in range(max(ks)):
-            idx = [i for i in range(b_n) if j < ks[i]]
-            for i, (x, q) in zip(idx, cls._next_many([drafters[i] for i in idx], h[idx])):
+            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h)):
                 tokens[i].append(x)
                 if q is not None:
                     qs[i].append(q)
-            if j + 1 >= max(ks):
+            keep = [n for n, i in enumerate(going) if j + 1 < ks[i]]  # rows of h whose sequence drafts another
+            if not keep:
                 break
-            last = torch.stack([t[min(j, len(t) - 1)] for t in tokens])  # (B,) the token each row drafted last
-            pos = torch.tensor([e + j if j + 1 < k else scratch for e, k in zip(end, ks)])[:, None]  # (B, 1)
-            going = torch.tensor([i for i, k in enumerate(ks) if j + 1 < k])  # (N,) sequences drafting another token
-            layer = (j + 1) % drafters[0].n_layers
-            h = module_forward(module, h[:, None], target.embed(last[:, None]), k_buf[kv[layer]], v_buf[kv[layer]],
-                               ForwardBatch(pos, going), layer)[:, 0]
+            going = [going[n] for n in keep]
+            h = _many(module, target, [h[n : n + 1] for n in keep], [tokens[i][-1].reshape(1) for i in going],
+                      [drafters[i].cache for i in going], (j + 1) % drafters[0].n_layers)
         drafts = []
         for i, d in enumerate(drafters):
-            new_end = end[i] + ks[i] - 1  # the catch-up pairs + the chained steps' entries
-            d.cache.k[:, 0, :, lens[i] : new_end] = k_buf[:, i, :, lens[i] : new_end]
-            d.cache.v[:, 0, :, lens[i] : new_end] = v_buf[:, i, :, lens[i] : new_end]
-            d.cache.advance(new_end - lens[i])
-            d.committed = end[i]
+            d.committed = d.cache.length - (ks[i] - 1)  # MTP entries built from real target hiddens
             d.pending_h = d.pending_t = None
-            toks_i = torch.stack(tokens[i])  # (k_i,)
-            drafts.append(Draft(tokens=toks_i, q=torch.stack(qs[i]) if qs[i] else None))
+            drafts.append(Draft(tokens=torch.stack(tokens[i]), q=torch.stack(qs[i]) if qs[i] else None))
         return drafts
 
     @classmethod
@@ -391,6 +368,23 @@ class MTPDrafter:
             self.cache.crop(self.committed)  # drop the entries built from drafted (not target) states
         n = verdict.num_accepted
         self._queue(self._hidden(out)[: n + 1], verdict.tokens[: n + 1])
+
+
+def _many(module, target, hidden: list[Tensor], tokens: list[Tensor], caches: list[KVCache], layer: int) -> Tensor:
+    """The module over several sequences' pairs at once: hidden[b] (n_b, H), tokens[b] (n_b,) at caches[b]'s next
+    positions (each cache read and written in place) -> (B, H) the output at each sequence's last pair; advances them."""
+    lens = [t.shape[0] for t in tokens]
+    fb = ForwardBatch.many([c.length for c in caches], lens, caches[0].max_len)
+    hid = hidden[0].new_zeros(fb.b, fb.w, hidden[0].shape[-1])  # (B, W, H)
+    toks = torch.zeros(fb.b, fb.w, dtype=torch.long)  # (B, W)
+    for b, (h, t) in enumerate(zip(hidden, tokens)):
+        hid[b, : lens[b]], toks[b, : lens[b]] = h, t
+    kv = module.layers[layer].self_attn.kv_index
+    bufs = [c.buffers(kv) for c in caches]
+    out = module_forward(module, hid, target.embed(toks), [k for k, _ in bufs], [v for _, v in bufs], fb, layer)  # (B, W, H)
+    for c, n in zip(caches, lens):
+        c.advance(n)
+    return out[torch.arange(fb.b), torch.tensor(lens) - 1]  # (B, H)
 
 
 class DepthCache(KVCache):

@@ -25,6 +25,7 @@ class ForwardBatch:
     anc: Tensor | None = None  # (B, W, W) with `trees`: anc[b, i, j] = row j is row i or one of its ancestors
     slots: Tensor | None = None  # (B, W) with `trees`: each row's buffer index (start + row); its position is start + depth
     prefill: bool = False  # a prompt: never cropped inside (a Gated DeltaNet keeps its final state only)
+    runs: tuple[tuple[int, int], ...] | None = None  # from `many`: each sequence's (start, rows)
     sparse: str = "recompute"  # how block-sparse layers choose their blocks (sparse_attention.SELECTIONS)
     steps: bool = False  # a Gated DeltaNet window position by position, returning each state (compiled graphs of small states)
     logits: bool = True  # False: the LM head is left out (a prefill nobody reads, a tree verified lazily)
@@ -55,8 +56,9 @@ class ForwardBatch:
         width = max(lens)
         real = None if all(n == width for n in lens) else torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lens)])
         slots = torch.stack([torch.arange(s, s + width) for s in starts]).clamp(max=scratch)  # (B, W)
+        runs = tuple(zip(starts, lens))
         if trees is None or all(t is None for t in trees):
-            return ForwardBatch(slots, real)
+            return ForwardBatch(slots, real, runs=runs)
         from ..tree import TreeLayout  # a layout is data the forward reads; tree.py builds it
 
         layouts = []
@@ -66,7 +68,7 @@ class ForwardBatch:
             layouts.append(TreeLayout.of(torch.tensor(rows[1:]) - 1))  # node parents (-1: the root)
         depth = torch.stack([t.depth for t in layouts])  # (B, W)
         pos = (torch.tensor(starts)[:, None] + depth).clamp(max=scratch)  # (B, W)
-        return ForwardBatch(pos, real, trees=tuple(layouts), anc=torch.stack([t.anc for t in layouts]), slots=slots)
+        return ForwardBatch(pos, real, trees=tuple(layouts), anc=torch.stack([t.anc for t in layouts]), slots=slots, runs=runs)
 
     @staticmethod
     def window(b: int, t: int) -> "ForwardBatch":

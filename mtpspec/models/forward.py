@@ -22,6 +22,7 @@ from torch import Tensor
 from .. import kernels
 from ..errors import ConfigError
 from ..types import TargetOutput
+from ..weight_cache import weights_version
 from .attention import attend, rope, rotary_at, write
 from .batch import ForwardBatch
 from .common import Linear, SwiGLU, wide
@@ -73,6 +74,15 @@ def fuse_projections(module) -> None:
             kernels.panels_of(m.__dict__, m.weight)
 
 
+def fused_for_decoding(module) -> None:
+    """fuse_projections for a module that decodes eagerly (a draft module: a few rows per call, where each product's
+    call costs more than its arithmetic), again whenever its weights have changed since."""
+    version = weights_version(module.parameters())
+    if module.__dict__.get("fused_version") != version:
+        fuse_projections(module)
+        module.__dict__["fused_version"] = version
+
+
 def _mlp(mlp, x: Tensor) -> Tensor:
     """The gated MLP with gate and up in one projection when fused; a mixture of experts runs as it is."""
     if not isinstance(mlp, SwiGLU):
@@ -111,10 +121,18 @@ def _gated_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None,
     rot = att.rotary[0].rot_dim
     q = rope(att.q_norm(q).transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
     k = rope(att.k_norm(k).transpose(1, 2), cos, sin, rot)
-    keys, vals = write(k_buf, v_buf, k, v, fb)
-    if att.sparse is not None:
+    if isinstance(k_buf, list):  # each sequence its own cache (a draft module over several sequences' caches, in place)
+        y = q.new_zeros(b, att.nh, t, att.hd)  # (B, nh, W, hd), padding rows zero
+        for i, (kb, vb, (start, n)) in enumerate(zip(k_buf, v_buf, fb.runs)):
+            one = ForwardBatch.one(start, n)
+            keys, vals = write(kb, vb, k[i : i + 1, :, :n], v[i : i + 1, :, :n], one)
+            y[i : i + 1, :, :n] = attend(q[i : i + 1, :, :n], keys, vals, one)
+        y = y.transpose(1, 2).reshape(b, t, att.nh * att.hd)
+    elif att.sparse is not None:
+        keys, vals = write(k_buf, v_buf, k, v, fb)
         y = _sparse_attention(att, x, q, keys, vals, fb, kv)  # (B, W, nh hd)
     else:
+        keys, vals = write(k_buf, v_buf, k, v, fb)
         y = attend(q, keys, vals, fb).transpose(1, 2).reshape(b, t, att.nh * att.hd)
     return att.o_proj(fb.real(y * torch.sigmoid(gate.reshape(b, t, -1))))
 
@@ -249,8 +267,9 @@ def hybrid_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | Non
 def module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch,
                    layer: int = 0, kv=None) -> Tensor:
     """An MTP module (fc([norm(e), norm(h)]) -> decoder layer -> norm) or an EAGLE module (fc([e, h]) with a bias ->
-    decoder layer): hidden, emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV ->
-    (B, W, H), padding rows zero. The decoder layer is the hybrid's full-attention layer, run by the same code."""
+    decoder layer): hidden, emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV (or one
+    (1, nkv, S, hd) per sequence, each its own cache: fb from ForwardBatch.many) -> (B, W, H), padding rows zero. The
+    decoder layer is the hybrid's full-attention layer, run by the same code."""
     mtp = hasattr(module, "pre_fc_norm_hidden")
     hidden, emb = fb.real(hidden), fb.real(emb)  # (N, H)
     if mtp:
