@@ -131,12 +131,12 @@ class Model:
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", *,
-         threads: int | None = None, quant: str | None = None, group_size: int = 64, compile: bool = False) -> Model:
+         threads: int | None = None, quant: str | None = None, compile: bool = False) -> Model:
     """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
 
     threads: torch threads for generate() (None: mtpspec.threads.default_threads), applied now too (process-wide).
-    quant: None, "int8", "int4" (group_size 32 / 64 / 128) or a GGUF block type ("q8_0", "q4_0", "q5_0", "q4_k",
-    "q5_k", "q6_k"): weight-only quantization (mtpspec.quant); generation is lossless to the quantized model.
+    quant: None or a GGUF block type ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k"; "int8" / "int4" name q8_0 / q4_k):
+    weight-only quantization on the block kernel (mtpspec.quant); generation is lossless to the quantized model.
     compile: decode and verify windows through torch.compile'd graphs (mtpspec.models.compiled), cached on disk.
     """
     check_threads(threads)
@@ -144,11 +144,11 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
         raise ConfigError(f"compile must be True or False, got {compile!r}")
     if compile:
         check_compilable(None, parse_dtype(dtype), quant)
-    qcfg = check_quant(quant, group_size, parse_dtype(dtype))  # bad settings are named before a slow load
+    qcfg = check_quant(quant, parse_dtype(dtype))  # bad settings are named before a slow load
     path = resolve_name(path)
     module, tok = load_checkpoint(path, tokenizer, dtype)
     if qcfg is not None:
-        quantize(module, qcfg.kind, qcfg.group_size)
+        quantize(module, qcfg.kind)
     n = apply_threads(resolve_threads(threads, module, compiled=compile))
     if module.dtype in kernels.DTYPES:
         kernels.available()  # the small-row kernel built (once per machine) or loaded now, not inside the first step

@@ -109,16 +109,16 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default=None, help="weight-only quantization of the linear layers: int8 or int4 (torch's kernels), "
-                   "or a GGUF block type q8_0, q4_0, q5_0, q4_k, q5_k, q6_k (the GGUF block kernel) (default: none; "
-                   "the quantized model is the target, speculation stays lossless to it; mtpspec.quant)")
-    p.add_argument("--quant-group-size", type=int, default=64, help="int4: input columns per scale / zero point, 32, 64 or 128 (default 64)")
+    p.add_argument("--quant", default=None, help="weight-only quantization of the linear layers into a GGUF block type "
+                   "q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, on the GGUF block kernel (default: none; the quantized model is the "
+                   "target, speculation stays lossless to it; mtpspec.quant). "
+                   "int8: another name of q8_0. "
+                   "int4: another name of q4_k.")
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
-    """api.load keyword arguments from --threads / --quant / --quant-group-size."""
-    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), group_size=getattr(args, "quant_group_size", 64),
-                compile=getattr(args, "compile", False))
+    """api.load keyword arguments from --threads / --quant / --compile."""
+    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

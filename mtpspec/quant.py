@@ -1,21 +1,18 @@
-"""Weight-only quantization of a model's linear layers: torch's int8 / int4 CPU kernels, or GGUF block types.
+"""Weight-only quantization of a model's linear layers into GGUF block types, run on the GGUF block kernel.
 
 A quantized model is another target: speculation is lossless with respect to it (its distance from the unquantized
 model: `greedy_agreement`).
 
-- int8: per output channel, symmetric: w[n, k] ~ q s[n], q in [-127, 127], s = max_k |w[n, k]| / 127 rounded up to
-  bf16 (nothing clipped). torch._weight_int8pack_mm(x (M, K) bf16, q (N, K) int8, s (N,) bf16) needs K % 8 == 0
-  (else wrong rows from M = 3 on, or a crash): such a layer (stories260K's K = 172) keeps its fp weights.
-- int4: per group of `group_size` inputs, asymmetric: w ~ (q - 8) s + z, q in [0, 15]; aten's
-  _weight_int4pack_mm_for_cpu takes N % 16 == 0 and K % group_size == 0 only: other layers get int8.
 - q8_0, q4_0, q5_0 (32 inputs a block), q4_k, q5_k, q6_k (256): the bytes a GGUF file of that type holds
-  (gguf.quants for the first three, a numpy port of llama.cpp's reference K-quantizers), in a models.blocks.BlockLinear
-  on the GGUF block kernel (fp32 in and out). K not a multiple of 256 gets q8_0; not of 32, fp weights.
+  (gguf.quants for the first three, a numpy port of llama.cpp's reference K-quantizers), in a models.common.Linear
+  on block weights (Linear.of_blocks). K not a multiple of 256 gets q8_0; not of 32, fp weights.
+- int8 and int4 are other names of q8_0 and q4_k (ALIASES).
 
-Activations enter torch's kernels in bf16 (their fp32 paths are slower than fp32 F.linear); the block kinds take
-fp32 models only. Every kernel computes each row independently of M (bitwise, tested), so a verify over k+1 rows
-scores each row as plain decoding does. Every nn.Linear is quantized, lm_head and the MTP module's included; a tied
-embedding table stays in the model's dtype; draft heads stay unquantized; fp64 (the rounding-free reference) is refused.
+The block kernel computes in fp32: a bf16 model's activations are widened exactly and each output rounded back to
+bf16. It computes each row independently of M (bitwise, tested), so a verify over k+1 rows scores each row as plain
+decoding does. Every nn.Linear is quantized, lm_head and the MTP module's included; a tied embedding table stays in
+the model's dtype; draft heads and layers already on block weights (a GGUF file's) stay as they are; fp64 (the
+rounding-free reference) is refused.
 """
 
 from __future__ import annotations
@@ -28,65 +25,27 @@ from torch import Tensor, nn
 
 from .errors import ConfigError
 
-TORCH_KINDS = ("int8", "int4")  # torch's weight-only kernels
 BLOCK_KINDS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k")  # GGUF block types, on the GGUF block kernel
-KINDS = TORCH_KINDS + BLOCK_KINDS
-GROUP_SIZES = (32, 64, 128)  # what torch's int4 CPU kernel takes
-ACT = torch.bfloat16  # activation dtype fed to the kernels (their fast path)
+ALIASES = {"int8": "q8_0", "int4": "q4_k"}  # names kept from torch's int8 / int4 kernels, which these replaced
+KINDS = BLOCK_KINDS + tuple(ALIASES)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    kind: str  # "int8" (per-channel symmetric), "int4" (per-group asymmetric), or a GGUF block type (BLOCK_KINDS)
-    group_size: int = 64  # int4 only: input columns sharing one scale and zero point (32, 64 or 128)
+    kind: str  # a GGUF block type (BLOCK_KINDS), aliases resolved
 
 
-def check_quant(kind, group_size: int = 64, dtype: torch.dtype | None = None) -> QuantConfig | None:
-    """None (no quantization) or a QuantConfig; an unknown name or group size, or an fp64 model, is a ConfigError naming it."""
+def check_quant(kind, dtype: torch.dtype | None = None) -> QuantConfig | None:
+    """None (no quantization) or a QuantConfig; an unknown name, or an fp64 model, is a ConfigError naming it."""
     if kind is None or kind == "none":
         return None
     if kind not in KINDS:
-        raise ConfigError(f"unknown quant {kind!r} (choose {', '.join(KINDS)}, or none)")
-    if kind == "int4" and group_size not in GROUP_SIZES:
-        raise ConfigError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))} (torch's CPU kernel), got {group_size!r}")
-    if kind in BLOCK_KINDS and dtype == torch.bfloat16:
-        raise ConfigError(f"quant {kind} computes in fp32 (the GGUF block kernel's activations, as a GGUF model loads): "
-                          "load the model in fp32 (--dtype fp32, the default; a bf16 checkpoint's weights widen exactly)")
+        names = [*BLOCK_KINDS, *(f"{a} (= {b})" for a, b in ALIASES.items())]
+        raise ConfigError(f"unknown quant {kind!r} (choose {', '.join(names)}, or none)")
     if dtype == torch.float64:
-        raise ConfigError(f"quant {kind} does not combine with fp64: the int8 / int4 and GGUF block kernels take fp32 or "
-                          "bf16 activations, and fp64 is the rounding-free reference mode; quantize an fp32 or bf16 model")
-    return QuantConfig(kind, group_size)
-
-
-def _round_up_bf16(x: Tensor) -> Tensor:
-    """The smallest bf16 >= x (fp32 x): a scale rounded up never makes max |w| / s exceed the code range."""
-    y = x.to(ACT)
-    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-
-
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w (N, K) -> q (N, K) int8, s (N,) bf16 with |w - q s| <= s / 2 exactly, elementwise: s rounded up means no
-    clipping, and the fp64 quotient of fp32 / bf16 inputs is 0 or >= 2^-25 from a half-integer, far above its error."""
-    w = w.detach().float()
-    s = _round_up_bf16(w.abs().amax(dim=1) / 127)  # (N,)
-    s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero row: any scale, q = 0
-    q = torch.round(w.double() / s.double()[:, None]).clamp_(-127, 127).to(torch.int8)  # (N, K)
-    return q, s
-
-
-def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """w (N, K) -> codes (N, K) uint8 in [0, 15], sz (K / g, N, 2) bf16 [scale, zero]: w ~ (codes - 8) * scale + zero.
-
-    scale = (max - min) / 15 of each group rounded up to bf16, zero = min + 8 scale rounded to bf16: every weight
-    lies within half a zero-ulp of [zero - 8 s, zero + 7 s], so |w - deq(w)| <= s / 2 + ulp(zero) / 2 (tests check)."""
-    n, k = w.shape
-    wg = w.detach().float().view(n, k // group_size, group_size)  # (N, G, g)
-    mn, mx = wg.amin(-1), wg.amax(-1)  # (N, G)
-    s = _round_up_bf16(((mx - mn) / 15).clamp(min=torch.finfo(torch.float32).tiny))
-    z = (mn + 8 * s.float()).to(ACT)  # (N, G)
-    codes = torch.round((wg.double() - z.double()[..., None]) / s.double()[..., None] + 8).clamp_(0, 15)
-    sz = torch.stack([s, z], -1).transpose(0, 1).contiguous()  # (G, N, 2)
-    return codes.view(n, k).to(torch.uint8), sz
+        raise ConfigError(f"quant {kind} does not combine with fp64: the GGUF block kernel computes in fp32, and fp64 is "
+                          "the rounding-free reference mode; quantize an fp32 or bf16 model")
+    return QuantConfig(ALIASES.get(kind, kind))
 
 
 # The K-quants follow llama.cpp's quantize_row_q{4,5,6}_K_ref (no importance matrix) in fp32 in their operation order:
@@ -285,86 +244,17 @@ def block_size(kind: str) -> int:
     return 256 if kind.endswith("_k") else 32
 
 
-def layer_kind(out_features: int, in_features: int, config: QuantConfig) -> str | None:
-    """The kind a layer of this shape gets: config.kind; int8 where int4's kernel cannot take it, q8_0 where a
-    K-quant's 256-input super-blocks do not fit; None (kept in fp) where neither can."""
-    if config.kind in BLOCK_KINDS:
-        return next((k for k in (config.kind, "q8_0") if in_features % block_size(k) == 0), None)
-    if config.kind == "int4" and out_features % 16 == 0 and in_features % config.group_size == 0:
-        return "int4"
-    return "int8" if in_features % 8 == 0 else None
-
-
-class QuantLinear(nn.Module):
-    """y = x W^T + b with W int8 (per-channel scales) or int4 (per-group scale and zero), x into the kernel in bf16.
-    `.weight` is the dequantized W (N, K) in the model's dtype, built once on first read (folded MTP, draft heads)."""
-
-    weight_only_quantized = True  # what models.compiled.check_compilable looks for (it cannot import this module)
-
-    def __init__(self, linear: nn.Linear, config: QuantConfig) -> None:
-        super().__init__()
-        w = linear.weight.detach()  # (N, K)
-        if w.dtype not in (torch.float32, torch.bfloat16):
-            raise ConfigError(f"weight-only quantization takes fp32 or bf16 weights, got {w.dtype}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.out_dtype = w.dtype
-        kind = layer_kind(self.out_features, self.in_features, config)
-        if config.kind in BLOCK_KINDS:
-            raise ConfigError(f"QuantLinear is torch's int8 / int4 layer; {config.kind} layers are built by block_linear()")
-        if kind is None:
-            raise ConfigError(f"torch's int8 / int4 kernels cannot take a {self.in_features}-wide input (K % 8 != 0)")
-        self.kind, self.group_size = kind, config.group_size if kind == "int4" else 0
-        if kind == "int8":
-            q, s = quantize_int8(w)
-            self.register_buffer("qweight", q)  # (N, K) int8
-            self.register_buffer("scales", s)  # (N,) bf16
-        else:
-            codes, sz = quantize_int4(w, config.group_size)
-            self.register_buffer("codes", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())  # (N, K/2): even k low nibble
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))  # (N, K/2) kernel layout
-            self.register_buffer("scales_zeros", sz)  # (K/g, N, 2) bf16
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self._dequantized: Tensor | None = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(ACT)  # (M, K) the kernels take 2-D bf16
-        if self.kind == "int8":
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)  # (M, N) bf16
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)  # (M, N)
-        y = y.to(self.out_dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
-
-    def dequantize(self, dtype: torch.dtype = torch.float64) -> Tensor:
-        """The weight the kernel multiplies by, (N, K) in `dtype` (fp64: exact for int8, and for int4's (q - 8) s + z
-        up to fp64 rounding)."""
-        if self.kind == "int8":
-            return (self.qweight.to(torch.float64) * self.scales.to(torch.float64)[:, None]).to(dtype)
-        lo, hi = self.codes & 15, self.codes >> 4  # (N, K/2) each
-        codes = torch.stack([lo, hi], -1).view(self.out_features, self.in_features).to(torch.float64)
-        s, z = self.scales_zeros.to(torch.float64).unbind(-1)  # (G, N) each
-        g = self.group_size
-        return ((codes - 8) * s.t().repeat_interleave(g, 1) + z.t().repeat_interleave(g, 1)).to(dtype)
-
-    @property
-    def weight(self) -> Tensor:
-        if self._dequantized is None:
-            self._dequantized = self.dequantize(self.out_dtype)
-        return self._dequantized
-
-    def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.kind == "int4" else ""
-        return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bias={self.bias is not None}"
+def layer_kind(in_features: int, kind: str) -> str | None:
+    """The kind a layer of this input width gets: `kind`; q8_0 where a K-quant's 256-input super-blocks do not fit;
+    None (kept in fp) where no 32-input block fits."""
+    return next((k for k in (kind, "q8_0") if in_features % block_size(k) == 0), None)
 
 
 def block_linear(linear: nn.Linear, kind: str):
-    """A models.blocks.BlockLinear holding `linear`'s weight quantized to GGUF block type `kind` (its K must fit
-    the type: layer_kind chooses the fallback), the bias kept in fp32."""
+    """A models.common.Linear on `linear`'s weight quantized to GGUF block type `kind` (its K must fit the type:
+    layer_kind chooses the fallback), the bias kept in fp32, outputs in the weight's dtype (fp32 or bf16)."""
     from .kernels import quantized
-    from .models.blocks import BlockLinear
+    from .models.common import Linear
 
     w = linear.weight.detach()  # (N, K)
     if w.dtype not in (torch.float32, torch.bfloat16):
@@ -373,48 +263,48 @@ def block_linear(linear: nn.Linear, kind: str):
     if kind not in BLOCK_KINDS or k % block_size(kind):
         raise ConfigError(f"a {k}-wide input does not fit GGUF block type {kind!r} (K a multiple of 32, 256 for the K-quants)")
     qw = quantized.from_gguf(quantize_gguf(w, kind), gguf_type(kind), (n, k))
-    layer = BlockLinear(qw, None if linear.bias is None else linear.bias.detach())
-    layer.weight_only_quantized = True  # as QuantLinear's: --compile refuses it
+    layer = Linear.of_blocks(qw, None if linear.bias is None else linear.bias.detach(), w.dtype)
+    layer.weight_only_quantized = True  # what models.compiled.check_compilable refuses (--compile with --quant)
     return layer
 
 
 def kind_of(layer: nn.Module) -> str:
-    """The quantization kind of a layer quantize() made: "int8", "int4", or a block kind ("q4_k")."""
-    return layer.kind if isinstance(layer, QuantLinear) else layer.qweight.qtype.name.lower()
+    """The block kind of a layer on block weights ("q4_k")."""
+    return layer.qweight.qtype.name.lower()
 
 
 @dataclass
 class QuantReport:
     """What quantize() did."""
 
-    kind: str
-    group_size: int
-    layers: dict[str, int] = field(default_factory=dict)  # kind ("int8", "q4_k", ...) -> layers quantized so, "kept" -> left in fp
+    kind: str  # the block kind asked for (aliases resolved)
+    layers: dict[str, int] = field(default_factory=dict)  # kind ("q8_0", "q4_k", ...) -> layers quantized so, "kept" -> left in fp
     bytes_before: int = 0  # bytes of the replaced weights
-    bytes_after: int = 0  # bytes of their codes, scales (and int4's unpacked codes; a block kind's panels)
+    bytes_after: int = 0  # bytes of their blocks
 
 
-def quantize(module: nn.Module, kind: str = "int8", group_size: int = 64, head: bool = True) -> QuantReport:
-    """Replace every nn.Linear inside `module` (lm_head too unless head=False) by a QuantLinear (int8 / int4) or a
-    models.blocks.BlockLinear (GGUF block kinds), in place, each layer of the kind layer_kind gives its shape."""
-    config = check_quant(kind, group_size, next(module.parameters()).dtype)
+def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantReport:
+    """Replace every nn.Linear inside `module` (lm_head too unless head=False) by a models.common.Linear on GGUF
+    block weights, in place, each layer of the kind layer_kind gives its input width. Layers already on block
+    weights are left alone."""
+    config = check_quant(kind, next(module.parameters()).dtype)
     if config is None:
         raise ConfigError(f"quantize() needs a kind: {', '.join(KINDS)}")
-    report = QuantReport(config.kind, config.group_size if config.kind == "int4" else 0)
-    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    report = QuantReport(config.kind)
+    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and "qweight" not in m.__dict__]
     for name, lin in targets:
         if name == "lm_head" and not head:
             continue
-        kind = layer_kind(lin.out_features, lin.in_features, config)
+        kind = layer_kind(lin.in_features, config.kind)
         if kind is None:
             report.layers["kept"] = report.layers.get("kept", 0) + 1
             continue
-        q = block_linear(lin, kind) if kind in BLOCK_KINDS else QuantLinear(lin, config)
+        q = block_linear(lin, kind)
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, q)
         report.layers[kind] = report.layers.get(kind, 0) + 1
         report.bytes_before += lin.weight.numel() * lin.weight.element_size()
-        report.bytes_after += sum(b.numel() * b.element_size() for b in q.buffers()) + (q.qweight.nbytes if kind in BLOCK_KINDS else 0)
+        report.bytes_after += q.qweight.nbytes
     for m in module.modules():  # copies derived from the old weights (folded MTP, draft-vocabulary heads) are stale
         m.__dict__.pop("_fused_mtp", None)
         m.__dict__.pop("_draft_heads", None)
@@ -459,7 +349,6 @@ def greedy_agreement(reference, quantized, prompts: list[str], max_new_tokens: i
     return Agreement(len(prompts), max_new_tokens, prefixes, hits / max(1, total))
 
 
-__all__ = ["KINDS", "TORCH_KINDS", "BLOCK_KINDS", "GROUP_SIZES", "QuantConfig", "check_quant", "quantize_int8", "quantize_int4",
-           "quantize_gguf", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k", "block_size", "gguf_type", "layer_kind", "QuantLinear",
-           "block_linear", "kind_of",
-           "QuantReport", "quantize", "Agreement", "greedy_agreement"]
+__all__ = ["KINDS", "BLOCK_KINDS", "ALIASES", "QuantConfig", "check_quant", "quantize_gguf", "quantize_q4_k", "quantize_q5_k",
+           "quantize_q6_k", "block_size", "gguf_type", "layer_kind", "block_linear", "kind_of", "QuantReport", "quantize",
+           "Agreement", "greedy_agreement"]

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,5", help="forward widths k (T(1) always)")
     ap.add_argument("--hf", action="store_true", help="forward: transformers' Qwen3_5ForCausalLM too")
     ap.add_argument("--compile", action="store_true", help="forward: ours through the compiled step")
-    ap.add_argument("--requant", action="store_true", help="quant: ours quantizes the bf16 model (int8 / int4 g64 against Q8_0 / Q4_0)")
+    ap.add_argument("--requant", action="store_true", help="quant: ours quantizes the f32 / bf16 model into the same block types (q8_0 / q4_0 against Q8_0 / Q4_0)")
     ap.add_argument("--demo", action="store_true", help="quant: the demo model (f32) instead of the 0.8B shape")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
@@ -122,7 +122,7 @@ def main() -> None:
                 subprocess.run([str(find_binary("llama-quantize")), str(gguf), str(f), q], capture_output=True, check=True)
         dtype = "fp32" if args.demo else "bf16"
         ours = {q: mtpspec.load(folder if q == base or args.requant else f, dtype=dtype, threads=args.threads,
-                                quant={"Q8_0": "int8", "Q4_0": "int4"}.get(q) if args.requant else None) for q in types}
+                                quant={"Q8_0": "q8_0", "Q4_0": "q4_0"}.get(q) if args.requant else None) for q in types}
         theirs, mine = {q: [] for q in types}, {q: [] for q in types}
         for _ in range(args.rounds):
             for q in types:

@@ -209,6 +209,25 @@ def test_compile_refuses_what_it_does_not_cover():
         mtpspec.load("demo", compile="yes")
 
 
+def test_check_compilable_refuses_quant_and_gguf_blocks(assets):
+    """A model whose linear layers are on GGUF block weights is refused, --quant's and a GGUF file's each named; the
+    same model with dense Linears (no `qweight`) passes."""
+    from mtpspec.kernels import quantized
+    from mtpspec.models.common import Linear
+    from mtpspec.quant import gguf_type, quantize, quantize_gguf
+
+    m = assets / "models"
+    module = mtpspec.load(m / "stories260K.bin", m / "tok512.bin").module
+    check_compilable(module)
+    w = module.lm_head.weight  # (V, H)
+    module.lm_head = Linear.of_blocks(quantized.from_gguf(quantize_gguf(w, "q8_0"), gguf_type("q8_0"), w.shape))
+    with pytest.raises(ConfigError, match="GGUF block weights"):
+        check_compilable(module)
+    quantize(module, "q8_0")
+    with pytest.raises(ConfigError, match="--compile with --quant"):
+        check_compilable(module)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "x", "--model", "demo", "--compile", "--dtype", "fp64"], "--compile needs fp32 or bf16"),
     (["serve", "--model", "demo", "--compile", "--quant", "int8"], "--compile with --quant"),

@@ -100,8 +100,7 @@ class Setup:
 
 def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], max_new_tokens: int = 128,
                tokenizer: str | None = None, draft_model: str | None = None, limit: int | None = None, dtype: str = "fp32",
-               threads: int | None = None, quant: str | None = None, group_size: int = 64, compile: bool = False,
-               tree: int | None = None) -> Setup:
+               threads: int | None = None, quant: str | None = None, compile: bool = False, tree: int | None = None) -> Setup:
     """Check the request and load what it names; a bad combination fails here, before anything is timed."""
     from ..api import load
     from ..drafters import REGISTRY, make_drafter
@@ -119,7 +118,7 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, group_size=group_size, compile=compile)
+    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, compile=compile)
     dm, draft_models = None, {}  # the full draft model; drafter -> its draft_model argument
     if draft_model and (Path(draft_model) / "head.json").exists():  # a head folder goes to the drafter of its kind
         head = load_head(Path(draft_model), parse_dtype(dtype))
@@ -139,7 +138,7 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
     except (OSError, UnicodeDecodeError, EOFError) as e:
         raise ConfigError(f"--prompts {prompts}: cannot read prompts from it ({e.__class__.__name__}: {e})") from None
     config = {"model": str(model_path), "model_name": Path(str(model_path)).name, "draft_model": draft_model, "dtype": dtype,
-              "compile": compile, "quant": quant, "quant_group_size": group_size if quant == "int4" else None,
+              "compile": compile, "quant": quant,
               "prompts": str(prompts), "prompts_name": Path(str(prompts)).name, "num_prompts": len(plist),
               "max_new_tokens": max_new_tokens, "max_prompt_tokens": model.max_seq_len - max_new_tokens, "drafters": drafters,
               "k": ks, "threads": model.threads, "torch": torch.__version__}
@@ -151,7 +150,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
                   seed: int = 0, peers: bool | str | list[str] = False, threads: int | None = None, cost_model: bool = True,
                   dtype: str = "fp32", plot_prefix: str = "bench_", progress: bool = True, repeat: int = 1,
                   interleave: str = "auto", keep: str = "mean", gguf: str | None = None, quant: str | None = None,
-                  group_size: int = 64, compile: bool = False) -> dict:
+                  compile: bool = False) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from . import costmodel
     from .harness import K_MAX_AUTO, PLAIN, Method, OursRunner, run_bench, warm_up
@@ -173,7 +172,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     specs = drafter_specs(drafters)
     drafters = list(dict.fromkeys(name for name, _ in specs))  # the drafters' names, each once
     s = load_bench(model_path, prompts, drafters, ks, max_new_tokens, tokenizer, draft_model, limit, dtype, threads, quant,
-                   group_size, compile)
+                   compile)
     model, ids, threads = s.model, s.ids, s.model.threads
     if interleave == "auto":  # lockstep needs one torch thread (waiting jobs' OpenMP pools would spin), and a peer runs
         # whole requests alone: in the rotation our compiled methods run slower than alone (scripts/rotation_cost.py)
@@ -285,7 +284,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
             cost_model=not args.no_cost_model, dtype=args.dtype, plot_prefix=args.plot_prefix,
             progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
-            quant=args.quant, group_size=args.quant_group_size, compile=args.compile,
+            quant=args.quant, compile=args.compile,
         )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
@@ -309,7 +308,7 @@ def _run_batch(args: argparse.Namespace, ks: list[int | str]) -> dict:
     if any(options for _, options in drafter_specs(drafters)):
         raise ConfigError("drafter options in --drafters (NAME+KEY=VALUE) are measured by the per-prompt bench, not with --batch")
     setup = load_bench(args.model, args.prompts, drafters, ks, args.max_new_tokens, args.tokenizer, args.draft_model, args.limit,
-                       args.dtype, args.threads, args.quant, args.quant_group_size, args.compile, tree=(trees or [None])[0])
+                       args.dtype, args.threads, args.quant, args.compile, tree=(trees or [None])[0])
     return run_batch_bench(setup, drafters, ks, batches, args.out, args.rounds, trees, args.temperature, args.seed,
                            args.plot_prefix, not args.no_progress)
 

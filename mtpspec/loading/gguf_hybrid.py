@@ -12,7 +12,7 @@ The inverse of what llama.cpp's converter (and export_gguf) does to a Hugging Fa
   ssm_conv1d, rows of attn_gate / ssm_beta / ssm_alpha / ssm_a / ssm_dt.bias, columns of ssm_out;
   ssm_conv1d (C, K) -> (C, 1, K); attn_q keeps Qwen's [q | gate] rows per head.
 
-F32 / F16 / BF16 matrices become fp32 layers (widened exactly); block types stay in their blocks (BlockLinear /
+F32 / F16 / BF16 matrices become fp32 layers (widened exactly); block types stay in their blocks (block Linear /
 BlockEmbedding); a row permutation moves whole rows of blocks, and ssm_out's column permutation whole blocks when
 a value head spans whole blocks, else that matrix is dequantized exactly into fp32. dequantize=True, or a dtype
 other than fp32: every matrix dequantized exactly into an ordinary layer of that dtype.

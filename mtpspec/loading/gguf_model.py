@@ -1,7 +1,7 @@
 """A dense model (llama, qwen2, qwen3, gemma3) from a GGUF file, its weights kept in their block types.
 
 The file's metadata becomes a DenseConfig; its tensors go into the DenseLM built for that config, matrices as
-BlockLinear / BlockEmbedding (models/blocks.py: the GGUF block kernel), vectors (norms, biases) as fp32
+block Linear / BlockEmbedding (models/blocks.py: the GGUF block kernel), vectors (norms, biases) as fp32
 parameters, placed by loading/gguf_hybrid.fill. Strict: an architecture, key or tensor that does not fit is
 named in one line. llama's q / k rows are put back in the half-split rotary layout; gemma3's norms (stored as 1 + w)
 are plain x / rms * w norms here (loading/gguf.py).
@@ -54,7 +54,7 @@ def dense_config(f: GGUFFile, c: GGUFConfig, max_seq_len: int | None = None, deq
 def load_gguf_model(source: str | Path | GGUFFile, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                     dequantize: bool = False) -> DenseLM | HybridLM:
     """The model of a GGUF file (a DenseLM; a HybridLM for qwen35, loading/gguf_hybrid.py). fp32: matrices stay in
-    their block types (BlockLinear: the block kernel with 8-bit activations, as llama.cpp runs the model).
+    their block types (Linear.of_blocks: the block kernel with 8-bit activations, as llama.cpp runs the model).
     dequantize=True, or fp64 / bf16: every matrix dequantized exactly into an ordinary layer of that dtype."""
     f = source if isinstance(source, GGUFFile) else read_gguf(source)
     dequantize = dequantize or dtype != torch.float32

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..kernels import quantized
+from ..kernels.quantized import QuantizedWeight
 from ..kernels.rownorm import rms_norm
 from .attention import scale_inv_freq
 
@@ -46,22 +48,73 @@ class CausalLM(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose inference products of a few fp32 / bf16 rows run on the
-    panel kernel (mtpspec.kernels: the weight read once at full bandwidth, row-invariant results); training,
-    prefill and other dtypes run F.linear as nn.Linear does."""
+    """y = x W^T (+ b): every model's linear layer. It holds one of two weights, and its forward picks the kernel:
+
+    - dense: nn.Linear's `weight` Parameter (same parameters, same state dict). Inference products of a few fp32 /
+      bf16 rows run on the panel kernel (mtpspec.kernels: the weight read once at full bandwidth, row-invariant
+      results); training, prefill and other dtypes run F.linear as nn.Linear does.
+    - GGUF blocks: `qweight`, a kernels.quantized.QuantizedWeight (a GGUF file's, or mtpspec.quant's), made by
+      of_blocks(). The block kernel computes in fp32 (x widened exactly, y rounded back to x's dtype), each row
+      alone; the state dict holds the bias only (fp32), and `.weight` is the dequantized W, built on each read.
+    """
+
+    @classmethod
+    def of_blocks(cls, qweight: QuantizedWeight, bias: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Linear:
+        """A Linear on GGUF block weights (no dense weight allocated); the bias kept in fp32; dtype: the model's,
+        what `.weight` dequantizes to (fp32 for a GGUF file's model)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = qweight.shape
+        self.qweight, self.weight_dtype = qweight, dtype
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False))
+        return self
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense Parameter, or the block weights dequantized exactly (N, K) in the model's dtype: for code that
+        derives copies from a layer's weight (a folded MTP module, a draft-vocabulary head)."""
+        w = self._parameters.get("weight")
+        if w is not None:
+            return w
+        q = self.__dict__.get("qweight")
+        if q is None:
+            raise AttributeError("'Linear' object has no attribute 'weight'")
+        return quantized.dequantize(q).to(self.weight_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not kernels.usable(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
-        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, self.weight), self.out_features, self.bias)
+        q = self.__dict__.get("qweight")
+        if q is not None:
+            return self._blocks(x, q)
+        w = self._parameters["weight"]
+        if not kernels.usable(x, w):
+            return F.linear(x, w, self.bias)
+        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, w), self.out_features, self.bias)
 
     def wide(self, x: Tensor) -> Tensor:
         """forward(x) in at least fp32 (the logits of an LM head): the same values, without converting a bf16 result
         twice on the kernel's path."""
-        if not kernels.usable(x, self.weight):
-            y = F.linear(x, self.weight, self.bias)
+        q = self.__dict__.get("qweight")
+        if q is not None:
+            y = self._blocks(x, q)
             return y.to(wide(y.dtype))
-        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, self.weight), self.out_features, self.bias, widen=True)
+        w = self._parameters["weight"]
+        if not kernels.usable(x, w):
+            y = F.linear(x, w, self.bias)
+            return y.to(wide(y.dtype))
+        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, w), self.out_features, self.bias, widen=True)
+
+    def _blocks(self, x: Tensor, q: QuantizedWeight) -> Tensor:
+        """The block kernel's product (fp32, + the fp32 bias) in x's dtype."""
+        y = quantized.linear(x if x.dtype == torch.float32 else x.float(), q)  # (..., N) fp32
+        if self.bias is not None:
+            y = y + self.bias
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        q = self.__dict__.get("qweight")
+        if q is None:
+            return super().extra_repr()
+        return f"in_features={self.in_features}, out_features={self.out_features}, {q.qtype.name}, bias={self.bias is not None}"
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:

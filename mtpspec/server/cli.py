@@ -76,13 +76,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..quant import check_quant, quantize
     from ..threads import resolve_threads
 
-    qcfg = check_quant(args.quant, args.quant_group_size, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads
+    qcfg = check_quant(args.quant, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads
     if args.compile:
         check_compilable(None, parse_dtype(args.dtype), args.quant)
     served = load_served(args.model, args.tokenizer, args.draft_model, args.dtype)
     for model in served.models.values():  # each generate() sets its model's threads: --threads, else the rule at load
         if qcfg is not None:
-            quantize(model.module, qcfg.kind, qcfg.group_size)
+            quantize(model.module, qcfg.kind)
         model.threads = resolve_threads(args.threads, model.module, compiled=args.compile)
         if args.compile:
             compile_model(model.module)
