@@ -47,8 +47,8 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
 def _fuse(*linears) -> bool:
     """Concatenate the weights (and biases) of linears that read the same input; stored on the first. False when they
     stay apart (quantized layers keep their own kernels)."""
-    if not all(isinstance(lin, torch.nn.Linear) for lin in linears):
-        return False
+    if not all(isinstance(lin, torch.nn.Linear) and "qweight" not in lin.__dict__ for lin in linears):
+        return False  # block weights keep their own kernel (and their row invariance)
     with torch.no_grad():
         w = torch.cat([lin.weight for lin in linears])
         biases = [lin.bias for lin in linears]
@@ -70,7 +70,8 @@ def fuse_projections(module) -> None:
         if group and _fuse(*group):
             fused.update(id(lin) for lin in group)
     for m in module.modules():
-        if isinstance(m, Linear) and id(m) not in fused and m.weight.dtype in kernels.DTYPES and kernels.available():
+        if (isinstance(m, Linear) and id(m) not in fused and "qweight" not in m.__dict__ and m.weight.dtype in kernels.DTYPES
+                and kernels.available()):
             kernels.panels_of(m.__dict__, m.weight)
 
 
