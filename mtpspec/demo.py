@@ -32,9 +32,9 @@ def _table(target, prompts: list[str], runs: list[tuple[str, str, int]], max_new
 
     for run in runs:  # warm-up: the first call of each run pays one-off costs (compiling its widths, with --compile)
         generate(run, prompts[0], 8)
-    compiled = target.module.__dict__.get("compiled_step")
+    compiled = target.module.compiled_step
     if compiled is not None:
-        drafts = getattr(getattr(target.module, "mtp", None), "__dict__", {}).get("compiled_step")
+        drafts = getattr(getattr(target.module, "mtp", None), "compiled_step", None)
         graphs = compiled.stats.graphs + (drafts.stats.graphs if drafts else 0)
         seconds = compiled.stats.seconds + (drafts.stats.seconds if drafts else 0.0)
         print(f"compiled {graphs} graphs in {seconds:.0f} s (kernels cached in {cache_dir()}: later runs load them)\n")

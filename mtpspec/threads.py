@@ -65,7 +65,7 @@ def default_threads(module: nn.Module, cores: int | None = None, load: float | N
     """1 thread under SMALL_BYTES of weights unless compiled; else cores - round(load), at least 1. cores / load:
     this machine's by default; compiled None: whether compile_model has been applied."""
     if compiled is None:
-        compiled = "compiled_step" in module.__dict__
+        compiled = getattr(module, "compiled_step", None) is not None
     if parameter_bytes(module) < SMALL_BYTES and not compiled:
         return 1
     cores = physical_cores() if cores is None else cores

@@ -117,7 +117,7 @@ def test_compiled_generation_equals_plain_greedy(kind):
     assert step.stats.graphs == len(step.built)
     assert any(key[3:] == ("window",) for key in step.built) == (kind == "hybrid-window")
     if kind.startswith("hybrid"):
-        drafts = model.mtp.__dict__["compiled_step"]
+        drafts = model.mtp.compiled_step
         assert drafts.built, "the MTP drafter went through its compiled step"
     n = step.stats.graphs
     assert gen("none", 1, exact=True) == ref["none", 1] and step.stats.graphs == n  # exact mode: eager
@@ -154,7 +154,7 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
         out = generate_tokens(model, prompt, d, k, Sampler(SamplingParams(), 0), 30).tokens
         return out, [x.tokens.tolist() for x in drafts]
 
-    step = model.mtp.__dict__["compiled_step"]
+    step = model.mtp.compiled_step
     for k in (1, 3, 4):
         (out_c, drafts_c), (out_s, drafts_s) = run(True, k), run(False, k)
         assert out_c == out_s == ref and drafts_c == drafts_s, k
@@ -192,11 +192,11 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
     ref = gen()
     step = compile_model(model, max_width=3, backend="eager")
     prepare(model, range(1, 4), len(prompt), len(prompt) + 40 + 2, chains=(1, 2))  # (1: the last round, short of room)
-    built, drafts = step.built, model.mtp.__dict__["compiled_step"].built
+    built, drafts = step.built, model.mtp.compiled_step.built
     assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 4) for s in (64, 128)}
     assert {key[:2] for key in drafts} == {(t, s) for t in range(1, 4) for s in (64, 128)}
     assert {(key[1], key[4]) for key in drafts if len(key) > 3} == {(64, 1), (64, 2), (128, 2)}  # chains of depth 1 and 2
-    assert gen() == ref and step.built == built and model.mtp.__dict__["compiled_step"].built == drafts
+    assert gen() == ref and step.built == built and model.mtp.compiled_step.built == drafts
     assert span(len(prompt) + 40, model.max_seq_len) == 128
 
 

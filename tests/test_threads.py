@@ -41,7 +41,7 @@ def test_compiled_small_models_get_the_idle_cores():
     assert th.default_threads(small, cores=2, load=0.0) == 1
     assert th.default_threads(small, cores=2, load=0.0, compiled=True) == 2
     assert th.default_threads(small, cores=2, load=1.2, compiled=True) == 1  # a busy machine: still one
-    small.__dict__["compiled_step"] = object()  # what compile_model leaves on a model: found without being told
+    small.compiled_step = object()  # what compile_model leaves on a model: found without being told
     assert th.default_threads(small, cores=2, load=0.0) == 2
     assert th.resolve_threads(None, small, compiled=False) == 1 and th.resolve_threads(3, small) == 3
 

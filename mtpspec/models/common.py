@@ -17,6 +17,8 @@ class CausalLM(nn.Module):
     """What every target and draft model shares: `config` (with max_seq_len, vocab_size), `model.embed_tokens`,
     `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput (forward.run)."""
 
+    compiled_step = None  # its compiled decode step (compiled.compile_model), or None: eager
+
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len

@@ -352,9 +352,9 @@ def compile_model(model, max_width: int = MAX_WIDTH, backend: str = "inductor") 
     check_compilable(model)
     use_cache_dir()
     step = CompiledStep(model, max_width, backend)
-    model.__dict__["compiled_step"] = step  # not a submodule: state_dict and .to() leave it alone
+    model.compiled_step = step  # not a submodule: state_dict and .to() leave it alone
     if getattr(model, "mtp", None) is not None:
-        model.mtp.__dict__["compiled_step"] = CompiledDraftStep(model.mtp, model, max_width, backend)
+        model.mtp.compiled_step = CompiledDraftStep(model.mtp, model, max_width, backend)
     return step
 
 
@@ -366,11 +366,11 @@ def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), 
     default draft vocabulary), before anything is timed."""
     from .draft_vocab import make_draft_head
 
-    step = model.__dict__.get("compiled_step")
+    step = model.compiled_step
     if step is None:
         return
     step.prepare(widths, lo, hi)
-    draft = getattr(model, "mtp", None) is not None and model.mtp.__dict__.get("compiled_step")
+    draft = getattr(model, "mtp", None) is not None and model.mtp.compiled_step
     if draft:
         draft.prepare(draft_widths or widths, lo, hi, model.new_mtp_cache(), chains, make_draft_head(model, None) if chains else None)
 
@@ -378,9 +378,9 @@ def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), 
 def compiled_draft_step(module, target) -> CompiledDraftStep | None:
     """The compiled step of an MTP / EAGLE module (its own, or a trained head's on `target`, an AttachedHead)
     when the target model was compiled (compile_model); else None."""
-    step = module.__dict__.get("compiled_step")
+    step = module.compiled_step
     base = getattr(target, "target", target)  # an AttachedHead's frozen target
-    if step is None and "compiled_step" in getattr(base, "__dict__", {}):
-        parent = base.__dict__["compiled_step"]
-        step = module.__dict__["compiled_step"] = CompiledDraftStep(module, base, parent.max_width, parent.backend)
+    parent = getattr(base, "compiled_step", None)
+    if step is None and parent is not None:
+        step = module.compiled_step = CompiledDraftStep(module, base, parent.max_width, parent.backend)
     return step

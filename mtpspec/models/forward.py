@@ -322,7 +322,7 @@ def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, 
     if tree is None and not prefill:
         if exact and tokens.shape[0] > 1:
             return by_position(model, tokens, cache)
-        step = model.__dict__.get("compiled_step")
+        step = model.compiled_step
         if step is not None and step.handles(tokens.shape[0], cache):
             return step(tokens, cache)
     return forward_tokens(model, tokens, cache, tree, prefill, logits)

@@ -69,6 +69,8 @@ class DraftHeadConfig:
 class EagleModule(nn.Module):
     """fc([emb, hidden]) -> one decoder layer -> predicted feature (T, H). Own KV cache."""
 
+    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
+
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)

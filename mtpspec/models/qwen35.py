@@ -171,6 +171,8 @@ class HybridBody(nn.Module):
 class MTPModule(nn.Module):
     """x = fc([norm_e(embedding), norm_h(hidden)]) -> decoder layer(s) -> mtp.norm (forward.module_forward). Own KV cache."""
 
+    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
+
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
         h = cfg.hidden_size
