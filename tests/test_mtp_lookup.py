@@ -144,7 +144,7 @@ def test_compiled_catch_ups_stay_within_the_compiled_widths():
         mtp, propose, calls = d._mtp, d.propose, []
         d.propose = lambda c, k, propose=propose, calls=calls: calls.append(k) or propose(c, k)
         # the module's calls after the first round (the prompt's own catch-up is as long as the prompt)
-        d._mtp = lambda h, t, layer, mtp=mtp, calls=calls: (len(calls) > 1 and widths.append(t.shape[0])) or mtp(h, t, layer)
+        d._mtp = lambda h, t, layer, *more, mtp=mtp, calls=calls, **kw: (len(calls) > 1 and widths.append(t.shape[0])) or mtp(h, t, layer, *more, **kw)
         assert generate_tokens(model, prompt, d, 3, Sampler(SamplingParams()), N).tokens == want
         rounds = [a + b for a, b in zip(rounds, counts)]
     assert rounds[0] > 0 and rounds[1] > 0 and widths and max(widths) <= 5

@@ -16,16 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpspec.server.options import ServeOptions
-from mtpspec.server.registry import load_served
-from test_openai_server import PROMPTS, running
+from test_openai_server import PROMPTS, running, served  # noqa: F401 (served: the stories260K fixture, shared)
 
 KEY = {"authorization": "Bearer sekret"}
 JSON = {**KEY, "content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def served(assets):
-    return load_served([f"stories={assets / 'models' / 'stories260K.bin'}"])
 
 
 @pytest.fixture(scope="module")
