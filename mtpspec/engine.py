@@ -29,9 +29,10 @@ from .cache import Cache
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
+from .models.batch import TreeLayout
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
-from .tree import TreeLayout, kept_rows, verify_tree, verify_tree_lazily
+from .tree import kept_rows, verify_tree, verify_tree_lazily
 from .verify import verify, verify_greedy_many
 
 

@@ -305,7 +305,8 @@ def test_batched_trees_equal_each_sequence_alone_fp64(kind):
     logits equal the sequence's own tree forward, and after keeping a random root-to-node path (keep + crop) each
     cache continues exactly as one sequence fed that path alone (fp64, 1e-10 of the scale)."""
     from mtpspec.models.dense import DenseConfig, DenseLM
-    from mtpspec.tree import TreeLayout, kept_rows
+    from mtpspec.models.batch import TreeLayout
+    from mtpspec.tree import kept_rows
     from mtpspec.types import Verdict
 
     if kind == "hybrid":

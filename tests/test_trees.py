@@ -19,8 +19,9 @@ import mtpspec
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
+from mtpspec.models.batch import TreeLayout
 from mtpspec.sampling import Sampler, SamplingParams
-from mtpspec.tree import (GrowingTree, TreeLayout, best_first, best_nodes, verify_tree_greedy, verify_tree_lazily,
+from mtpspec.tree import (GrowingTree, best_first, best_nodes, verify_tree_greedy, verify_tree_lazily,
                           verify_tree_sampling)
 from mtpspec.types import TargetOutput
 from mtpspec.types import Draft

@@ -10,6 +10,7 @@ inside: a Gated DeltaNet keeps its final state only), the recurrence's form, and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -59,8 +60,6 @@ class ForwardBatch:
         runs = tuple(zip(starts, lens))
         if trees is None or all(t is None for t in trees):
             return ForwardBatch(slots, real, runs=runs)
-        from ..tree import TreeLayout  # a layout is data the forward reads; tree.py builds it
-
         layouts = []
         for n, tree in zip(lens, trees):
             rows = tree.parent.tolist() if tree is not None else [-1] + list(range(n - 1))  # each real row's parent row
@@ -85,3 +84,75 @@ class ForwardBatch:
         """(B, W, ...) -> (N, d) the real rows, flattened after the grid dims."""
         x = x.reshape(self.b * self.w, -1)
         return x if self.rows is None else x[self.rows]
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """The verify window of a tree draft: T rows, row 0 the root, row r's parent row `parent[r]` (-1 for row 0)."""
+
+    parent: Tensor  # (T,) int64, parent[0] = -1, parent[r] < r
+    depth: Tensor  # (T,) int64, depth[0] = 0
+    anc: Tensor  # (T, T) bool: anc[r, c] = row c is row r or one of its ancestors (lower triangular)
+
+    @staticmethod
+    def of(parents: Tensor) -> "TreeLayout":
+        """From a draft's node parents (N,) (-1 = the root). A tree drafter repeats a few shapes step after step: each
+        shape is laid out once (its per-forward tables keep the last start only)."""
+        return _layout(tuple(parents.tolist()))
+
+    @staticmethod
+    def build(parents: tuple[int, ...]) -> "TreeLayout":
+        parent = [-1] + [p + 1 for p in parents]  # rows
+        depth, anc = [0], [[0]]  # per row: its depth, its ancestors-or-self
+        for r in range(1, len(parent)):
+            depth.append(depth[parent[r]] + 1)
+            anc.append(anc[parent[r]] + [r])
+        t = len(parent)
+        mask = torch.zeros(t * t, dtype=torch.bool)
+        mask[[r * t + c for r, cs in enumerate(anc) for c in cs]] = True
+        return TreeLayout(torch.tensor(parent), torch.tensor(depth), mask.view(t, t))
+
+    @property
+    def size(self) -> int:
+        return int(self.parent.shape[0])
+
+    def positions(self, start: int) -> Tensor:
+        """(T,) the position of each row (the same tensor for every layer that asks: Rotary keeps its gather)."""
+        memo = self.__dict__.get("_pos")
+        if memo is None or memo[0] != start:
+            memo = self.__dict__["_pos"] = (start, start + self.depth)
+        return memo[1]
+
+    def attn_mask(self, start: int) -> Tensor:
+        """(T, start + T) bool: the committed keys 0..start-1, then the row's ancestors and itself."""
+        memo = self.__dict__.get("_mask")  # every attention layer of the forward asks the same
+        if memo is None or memo[0] != start:
+            memo = self.__dict__["_mask"] = (start, torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1))
+        return memo[1]
+
+    def conv_taps(self, kern: int) -> Tensor:
+        """(T K,) for a causal conv of width K over the window with its K-1 inputs before it: row r's K input
+        columns, oldest first (its ancestors K-1..1 levels up, then itself), row after row."""
+        memo = self.__dict__.setdefault("_taps", {})  # every linear layer of the forward asks the same
+        if kern not in memo:
+            back = self.gather_back(kern - 1)  # (T, K-1)
+            memo[kern] = (torch.cat([back.flip(-1), torch.arange(self.size)[:, None]], dim=-1) + kern - 1).flatten()
+        return memo[kern]
+
+    def gather_back(self, steps: int) -> Tensor:
+        """(T, steps) row indices of each row's ancestors 1..steps levels up (-m: m levels above the root,
+        i.e. the m-th input before the window): what a causal conv over a row's own path reads."""
+        parent = self.parent.tolist()
+        out = []
+        for r in range(len(parent)):
+            cur, row = r, []
+            for _ in range(steps):
+                cur = parent[cur] if cur >= 0 else cur - 1
+                row.append(cur)
+            out.append(row)
+        return torch.tensor(out, dtype=torch.long).view(len(parent), steps)
+
+
+@lru_cache(maxsize=256)
+def _layout(parents: tuple[int, ...]) -> TreeLayout:
+    return TreeLayout.build(parents)
