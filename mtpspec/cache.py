@@ -12,6 +12,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
+
+def check_room(end: int, max_len: int, what: str = "model") -> None:
+    """A forward that would write up to position `end` into a cache of `max_len` positions: a ConfigError naming both."""
+    if end > max_len:
+        raise ConfigError(f"context full: {end} positions exceed the {what}'s context of {max_len}")
+
 
 @runtime_checkable
 class Cache(Protocol):

@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from ..cache import check_room
 from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
@@ -245,8 +246,7 @@ class CompiledStep(_Compiled):
         t = tokens.shape[0]
         kv = cache.kv
         start = cache.length
-        if start + t > kv.max_len:
-            raise ConfigError(f"context full: {start + t} positions exceed the model's context of {kv.max_len}")
+        check_room(start + t, kv.max_len)
         pos = torch.arange(start, start + t)[None]  # (1, T)
         s = span(start + t, kv.max_len)  # the buffer's first s positions: (L, 1, nkv, s, hd) views, written in place
         if self.hybrid:
@@ -282,8 +282,7 @@ class CompiledDraftStep(_Compiled):
         """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_forward): one graph per (KV
         span, threads, k, draft vocabulary size), the first k-1 drafts fed back. Advances the cache by k - 1. -> (k,)"""
         start = cache.length
-        if start + k - 1 > cache.max_len:
-            raise ConfigError(f"context full: {start + k - 1} positions exceed the draft module's context of {cache.max_len}")
+        check_room(start + k - 1, cache.max_len, "draft module")
         s = span(start + k - 1, cache.max_len) if k > 1 else span(1, cache.max_len)  # (k = 1 reads no keys)
         vocab = 0 if head is None else head.ids.shape[0]
         pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
@@ -317,8 +316,7 @@ class CompiledDraftStep(_Compiled):
         """hidden, emb (T, H) at the cache's next positions -> (T, H); advances the cache."""
         t = hidden.shape[0]
         start = cache.length
-        if start + t > cache.max_len:
-            raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
+        check_room(start + t, cache.max_len, "draft module")
         pos = torch.arange(start, start + t)[None]  # (1, T)
         s = span(start + t, cache.max_len)
         k_buf, v_buf = cache.buffers(self.module.layers[layer].self_attn.kv_index)  # (1, nkv, max_len, hd)

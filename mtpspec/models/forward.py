@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..cache import check_room
 from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
@@ -297,8 +298,7 @@ def forward_tokens(model, tokens: Tensor, cache, tree=None, prefill: bool = Fals
     """One sequence: tokens (T,) appended at positions cache.length.. (a token tree's rows at start + depth) ->
     logits (T, V) (None when logits=False), hidden (T, H) post final norm; the cache advances by T."""
     t, start = tokens.shape[0], cache.length
-    if start + t > cache.max_len:
-        raise ConfigError(f"context full: {start + t} positions exceed the model's context of {cache.max_len}")
+    check_room(start + t, cache.max_len)
     fb = ForwardBatch.one(start, t, tree, prefill, logits)
     if isinstance(cache, HybridCache):
         kv, n = cache.kv, range(cache.n_linear)
@@ -353,8 +353,7 @@ def module_tokens(module, embed, hidden: Tensor, tokens: Tensor, cache, layer: i
     """An MTP / EAGLE module over pairs (hidden[i], tokens[i]) (T, H), (T,) at its cache's next positions (a tree's rows
     at start + depth; sparse: a block-sparse module's selection) -> (T, H); the cache advances by T."""
     t, start = tokens.shape[0], cache.length
-    if start + t > cache.max_len:
-        raise ConfigError(f"context full: {start + t} positions exceed the draft module's context of {cache.max_len}")
+    check_room(start + t, cache.max_len, "draft module")
     fb = ForwardBatch.one(start, t, tree, sparse=sparse)
     k_buf, v_buf = cache.buffers(module.layers[layer].self_attn.kv_index)
     out = module_forward(module, hidden[None], embed(tokens)[None], k_buf, v_buf, fb, layer, cache)[0]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from ..cache import KVCache
+from ..cache import KVCache, check_room
 from ..errors import ConfigError
 from ..weight_cache import weights_version
 from .common import RMSNorm, SwiGLU, wide
@@ -210,8 +210,7 @@ class FusedMTP:
 def _write(kv: KVCache, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """k, v (1, nkv, T, hd) into the cache's layer buffers at start.. -> the keys and values 0..start+T-1."""
     end = start + k.shape[2]
-    if end > kv.max_len:
-        raise ConfigError(f"context full: {end} positions exceed the draft module's context of {kv.max_len}")
+    check_room(end, kv.max_len, "draft module")
     kb, vb = kv.buffers(layer)  # (1, nkv, max_len, hd)
     kb[:, :, start:end], vb[:, :, start:end] = k, v
     return kb[:, :, :end], vb[:, :, :end]
