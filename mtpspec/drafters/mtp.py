@@ -29,6 +29,8 @@ module, whose pending pairs wait for the next round that drafts with it. A looku
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -36,7 +38,7 @@ from ..cache import KVCache
 from ..errors import ConfigError
 from ..models.compiled import compiled_draft_step
 from ..models.draft_vocab import make_draft_head
-from ..models.fused_mtp import fused_mtp
+from ..models.fused_mtp import FusedMTP, fused_mtp
 from ..models.batch import ForwardBatch
 from ..models.forward import fused_for_decoding, greedy_draft, module_forward
 from ..sampling import Sampler
@@ -206,7 +208,8 @@ class MTPDrafter:
     @classmethod
     def _propose_modules(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
         """propose_batch for sequences that all draft with the module this round: each step's products run once over
-        every sequence's rows, each attention on the sequence's own cache in place (forward.module_forward)."""
+        every sequence's rows, each attention on the sequence's own cache in place (_many: through the folded copy
+        when every drafter has it, else forward.module_forward)."""
         if len(drafters) < 2:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
         module = drafters[0].target.mtp
@@ -217,10 +220,9 @@ class MTPDrafter:
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        if all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters):
-            return cls._propose_folded(drafters, ks)
-        target = drafters[0].target
-        h = _many(module, target, [d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
+        folded = all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters)
+        run = partial(_many, drafters[0].fused if folded else module, drafters[0].target)
+        h = run([d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
         tokens: list[list[Tensor]] = [[] for _ in drafters]
         qs: list[list[Tensor]] = [[] for _ in drafters]
         going = list(range(len(drafters)))  # sequences drafting this step
@@ -233,40 +235,8 @@ class MTPDrafter:
             if not keep:
                 break
             going = [going[n] for n in keep]
-            h = _many(module, target, [h[n : n + 1] for n in keep], [tokens[i][-1].reshape(1) for i in going],
-                      [drafters[i].cache for i in going], (j + 1) % drafters[0].n_layers)
-        drafts = []
-        for i, d in enumerate(drafters):
-            d.committed = d.cache.length - (ks[i] - 1)  # MTP entries built from real target hiddens
-            d.pending_h = d.pending_t = None
-            drafts.append(Draft(tokens=torch.stack(tokens[i]), q=torch.stack(qs[i]) if qs[i] else None))
-        return drafts
-
-    @classmethod
-    def _propose_folded(cls, drafters: list["MTPDrafter"], ks: list[int]) -> list[Draft]:
-        """_propose_modules through the folded module (fused_mtp.py): each step's products run once over every
-        sequence's rows, each attention reads the sequence's own cache in place, with no per-round cache copy
-        (measured faster than _propose_modules' padded buffer: docs/decisions.md#batched-mtp-drafting-folded)."""
-        fused, target = drafters[0].fused, drafters[0].target
-        pend = [d.pending_h.shape[0] for d in drafters]
-        toks = torch.cat([d.pending_t for d in drafters])  # (P,) every sequence's pending pairs, in order
-        out = fused.many(torch.cat([d.pending_h for d in drafters]), target.embed(toks), [d.cache for d in drafters], pend)
-        h = out[torch.tensor(pend).cumsum(0) - 1]  # (B, H) each sequence's last real pair
-        tokens: list[list[Tensor]] = [[] for _ in drafters]
-        qs: list[list[Tensor]] = [[] for _ in drafters]
-        going = list(range(len(drafters)))  # sequences drafting this step
-        for j in range(max(ks)):
-            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h)):
-                tokens[i].append(x)
-                if q is not None:
-                    qs[i].append(q)
-            keep = [n for n, i in enumerate(going) if j + 1 < ks[i]]  # rows of h whose sequence drafts another
-            if not keep:
-                break
-            going = [going[n] for n in keep]
-            last = torch.stack([tokens[i][-1] for i in going])  # (N,)
-            h = fused.many(h[keep], target.embed(last), [drafters[i].cache for i in going], [1] * len(going),
-                           (j + 1) % drafters[0].n_layers)
+            h = run([h[n : n + 1] for n in keep], [tokens[i][-1].reshape(1) for i in going], [drafters[i].cache for i in going],
+                    (j + 1) % drafters[0].n_layers)
         drafts = []
         for i, d in enumerate(drafters):
             d.committed = d.cache.length - (ks[i] - 1)  # MTP entries built from real target hiddens
@@ -371,9 +341,13 @@ class MTPDrafter:
 
 
 def _many(module, target, hidden: list[Tensor], tokens: list[Tensor], caches: list[KVCache], layer: int) -> Tensor:
-    """The module over several sequences' pairs at once: hidden[b] (n_b, H), tokens[b] (n_b,) at caches[b]'s next
-    positions (each cache read and written in place) -> (B, H) the output at each sequence's last pair; advances them."""
+    """The module (or its folded copy, a FusedMTP) over several sequences' pairs at once: hidden[b] (n_b, H), tokens[b]
+    (n_b,) at caches[b]'s next positions (each cache read and written in place) -> (B, H) the output at each
+    sequence's last pair; advances them."""
     lens = [t.shape[0] for t in tokens]
+    if isinstance(module, FusedMTP):
+        out = module.many(torch.cat(hidden), target.embed(torch.cat(tokens)), caches, lens, layer)  # (N, H)
+        return out[torch.tensor(lens).cumsum(0) - 1]
     fb = ForwardBatch.many([c.length for c in caches], lens, caches[0].max_len)
     hid = hidden[0].new_zeros(fb.b, fb.w, hidden[0].shape[-1])  # (B, W, H)
     toks = torch.zeros(fb.b, fb.w, dtype=torch.long)  # (B, W)
