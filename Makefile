@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow install clean browser screenshots llamacpp
+.PHONY: demo demo-real test test-slow install clean browser screenshots llamacpp
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/mtpspec demo
+
+# Gemma 3 270M (installed by the test extra) with its trained MTP head, against plain and prompt lookup.
+demo-real: $(STAMP)
+	$(BIN)/mtpspec demo --real --prompts 3 --max-new-tokens 128
 
 # The browser test drives Debian's chromium headless (never a downloaded browser): install it when missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)

@@ -227,15 +227,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--prompts", type=int, default=5, help="number of TinyStories prompts")
+    p.add_argument("--prompts", type=int, default=5, help="number of prompts")
+    p.add_argument("--real", action="store_true", help="Gemma 3 270M (its GGUF, the `real` extra) with its trained MTP head")
     add_threads_arg(p)
     add_compile_arg(p)
 
 
 @command("demo")(_demo_args)
 def run_demo(args: argparse.Namespace) -> int:
-    from .demo import demo
+    from .demo import demo, demo_real
 
+    if args.real:
+        demo_real(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts, threads=use_threads(args.threads))
+        return 0
     demo(max_new_tokens=args.max_new_tokens, n_prompts=args.prompts, threads=use_threads(args.threads), compile=args.compile)
     return 0
 

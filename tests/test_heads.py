@@ -192,3 +192,112 @@ def test_shipped_stories260K_heads_are_lossless_and_accept(stories, kind):
         r = stories.generate(p, drafter=kind, k=3, draft_model=str(path), max_new_tokens=64)
         assert r.tokens == ref.tokens
         assert r.stats.mean_accepted_length > (1.05 if kind == "medusa" else 1.5)  # medusa is the weakest head here
+
+
+# A head for a dense target (Llama / Qwen3 / Gemma 3) has the target's own decoder layer (`--layer target`), started from
+# its last layer; a small Gemma-3-shaped target (sandwich norms, QK-norm, GELU-tanh, local and global layers) stands in.
+from mtpspec.models.dense import DenseConfig, DenseLM  # noqa: E402
+from mtpspec.train.heads import head_config, init_from_target, train_head  # noqa: E402
+
+DENSE = DenseConfig(vocab_size=V, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1, intermediate_size=48,
+                    max_seq_len=128, head_dim=16, qk_norm=True, layer_windows=(4, 4, 0), rope_theta=1e6,
+                    rope_local_theta=1e4, sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=True)
+
+
+@pytest.fixture(scope="module")
+def dense_pair():
+    torch.manual_seed(3)
+    t = DenseLM(DENSE)
+    randomize(t, 4)
+    head = DraftHead(head_config(t, HeadConfig(out="", layer="target")))
+    randomize(head, 5)
+    return t.eval(), head.eval()
+
+
+def test_a_dense_head_is_the_targets_layer_started_from_its_last(dense_pair):
+    t, _ = dense_pair
+    head = DraftHead(head_config(t, HeadConfig(out="", layer="target")))
+    init_from_target(head, t)
+    src, dst = dict(t.model.layers[-1].named_parameters()), dict(head.mtp.layers[0].named_parameters())
+    assert src.keys() == dst.keys()
+    assert all(torch.equal(src[n], dst[n]) for n in src)
+    assert torch.equal(head.mtp.norm.weight, t.model.norm.weight)
+    with pytest.raises(ConfigError, match="dense target"):
+        head_config(HybridLM(CFG), HeadConfig(out="", layer="target"))
+
+
+@pytest.mark.parametrize("extra", [{}, {"tree": 6}])
+def test_a_dense_head_is_lossless_alone_and_in_a_batch(dense_pair, extra):
+    """fp64: every prompt's tokens equal plain greedy's, one at a time and four sequences sharing each forward."""
+    from mtpspec.engine import Engine
+
+    t, head = (copy.deepcopy(m).double() for m in dense_pair)
+    want = [run(t, p, "none", 1).tokens for p in PROMPTS]
+    drafted = 0
+    for p, ref in zip(PROMPTS, want):
+        r = generate_tokens(t, p, make_drafter("mtp", t, draft_model=head, **extra), 3, Sampler(SamplingParams()), N)
+        assert r.tokens == ref
+        drafted += r.stats.draft_tokens
+    assert drafted > 0
+    engine = Engine(t, 4)
+    ids = [engine.add(p, make_drafter("mtp", t, draft_model=head, **extra), Sampler(SamplingParams()), 3, N) for p in PROMPTS]
+    got = engine.run()
+    assert [got[i].tokens for i in ids] == want
+
+
+def test_a_dense_head_round_trips_in_bf16_with_its_draft_vocabulary(tmp_path, dense_pair):
+    from mtpspec.models.draft_vocab import TokenRanking
+
+    t, head = dense_pair
+    h = copy.deepcopy(head)
+    h.token_ranking = TokenRanking(torch.arange(V).flip(0), 8)
+    save_head(h, tmp_path / "h", torch.bfloat16)
+    back = load_head(tmp_path / "h")
+    assert back.config == head.config and back.token_ranking.default_size == 8
+    assert all(torch.equal(a.to(torch.bfloat16).float(), b) for a, b in zip(head.state_dict().values(), back.state_dict().values()))
+    d = make_drafter("mtp", t, draft_model=str(tmp_path / "h"))
+    assert d.head is not None and d.head.ids.tolist() == list(range(V - 1, V - 9, -1))  # drafts over the head's 8 tokens
+    r = run(t, PROMPTS[1], "mtp", 3, str(tmp_path / "h"))
+    assert r.tokens == run(t, PROMPTS[1], "none", 1).tokens
+
+
+def test_training_a_dense_head_resumes_exactly(tmp_path, dense_pair, monkeypatch):
+    """`train head --layer target --draft-vocab N --checkpoint-every 2`: a run stopped after step 3 and started again
+    writes the same head as one that ran through."""
+    import mtpspec.train.pretrain as pretrain
+
+    t, _ = dense_pair
+    tok = _DigitTokenizer()
+
+    def cfg(out):
+        return HeadConfig(out=str(out), layer="target", prompts=str(tmp_path / "prompts.txt"), heldout_prompts=1,
+                          train_prompts=4, gen_tokens=12, gen_batch=2, depth=2, steps=5, batch_size=2, seq_len=8,
+                          draft_vocab=8, checkpoint_every=2, eval_prompts=1, eval_tokens=8, data_cache=str(tmp_path / "data.pt"))
+
+    (tmp_path / "prompts.txt").write_text("\n".join(["1 2 3", "4 5 6 7", "8 9", "3 1 4 1 5", "9 2 6"]) + "\n")
+    whole = train_head("tiny", cfg(tmp_path / "a"), target=(t, tok), progress_bar=False)
+    assert whole["draft_vocab"] == 8 and whole["heldout_greedy"]["identical_to_plain"]
+    real_step, calls = pretrain.optimizer_step, []
+
+    def stop_at_the_fourth(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(pretrain, "optimizer_step", stop_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        train_head("tiny", cfg(tmp_path / "b"), target=(t, tok), progress_bar=False)
+    assert (tmp_path / "b" / "train_state.pt").exists()
+    monkeypatch.setattr(pretrain, "optimizer_step", real_step)
+    train_head("tiny", cfg(tmp_path / "b"), target=(t, tok), progress_bar=False)
+    a, b = load_head(tmp_path / "a"), load_head(tmp_path / "b")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not (tmp_path / "b" / "train_state.pt").exists()
+
+
+class _DigitTokenizer:
+    """Digits as tokens 1..10 after BOS 0: enough of a tokenizer for the training loop's prompts."""
+
+    def encode(self, text: str) -> list[int]:
+        return [0] + [int(c) + 1 for c in text if c.isdigit()]

@@ -59,7 +59,8 @@ def test_spec_args_refusals():
 def test_methods_and_labels():
     ms = L.llamacpp_methods(["none", "ngram", "mtp", "eagle"], [1, 3, "auto"])
     assert [m.label for m in ms] == ["llamacpp:plain", "llamacpp:mtp@1", "llamacpp:mtp@3", "llamacpp:ngram@1",
-                                     "llamacpp:ngram@3", "llamacpp:ngram"]
+                                     "llamacpp:ngram@3"] + [f"llamacpp:ngram+type={t}" for t in L.NGRAM_TYPES]
+    assert L.spec_args(ms[-1]) == ["--spec-type", "ngram-cache"]  # each type at llama.cpp's own defaults
     assert Method("transformers", "none", None).label == "hf:plain"  # unchanged
 
 

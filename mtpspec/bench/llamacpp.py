@@ -1,7 +1,8 @@
 """llama.cpp as a peer: llama-server on the same weights (a GGUF), the same prompt ids, decode-only time.
 
 Each method gets its own server (started on first use, kept until the runner closes), with its speculation flags
-(spec_args: mtp -> draft-mtp, ngram@k -> ngram-simple with n = min(3, k), m = k, draft -> draft-simple). Decode time is
+(spec_args: mtp -> draft-mtp, ngram@k -> ngram-simple with n = min(3, k), m = k, ngram -> each of its n-gram
+types at its defaults, draft -> draft-simple). Decode time is
 llama.cpp's predicted_ms (its prompt pass samples the first token), as ours excludes prefill; the final
 end-of-generation token it keeps is dropped before comparing.
 """
@@ -37,6 +38,9 @@ def find_binary(name: str = "llama-server", repo: Path = REPO) -> Path:
                       f"or set {BIN_ENV} to the folder that holds it")
 
 
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # llama-server --spec-type
+
+
 def spec_args(method: Method, draft_gguf: Path | None = None) -> list[str]:
     """llama-server's speculation flags for `method` (none for plain)."""
     k = method.k
@@ -47,8 +51,8 @@ def spec_args(method: Method, draft_gguf: Path | None = None) -> list[str]:
     if method.drafter == "mtp":
         return ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k or 3)]
     if method.drafter == "ngram":
-        if k is None:
-            return ["--spec-type", "ngram-simple"]
+        if k is None:  # one of its n-gram types at its own defaults
+            return ["--spec-type", dict(method.options).get("type", "ngram-simple")]
         # it drafts only when the m-gram is at least n long: n <= m
         return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(min(3, k)), "--spec-ngram-simple-size-m", str(k)]
     if method.drafter == "draft":
@@ -199,7 +203,9 @@ def llamacpp_methods(drafters: list[str], ks: list[int | str]) -> list[Method]:
     out = [Method("llamacpp", "none", None)]
     for d in ("mtp", "ngram", "draft"):
         if d in drafters:
-            out += [Method("llamacpp", d, k) for k in fixed] + ([Method("llamacpp", d, None)] if d == "ngram" else [])
+            out += [Method("llamacpp", d, k) for k in fixed]
+            if d == "ngram":
+                out += [Method("llamacpp", d, None, (("type", t),)) for t in NGRAM_TYPES]
     return out
 
 

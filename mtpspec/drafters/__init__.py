@@ -10,7 +10,9 @@ generation starts. An option set to None counts as not given (callers pass the C
 from __future__ import annotations
 
 import difflib
+import weakref
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,9 +128,12 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
 
 @register("mtp", MTPOptions)
 def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
-    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`."""
+    """The target's own MTP module, or (draft_model = a head folder) one trained by `mtpspec train head`: by default the
+    head shipped for the target's file when it has no module of its own (Gemma 3 270M's, models/gemma3-270m-mtp)."""
     from .mtp import MTPDrafter
 
+    if draft_model is None and getattr(target, "mtp", None) is None:
+        draft_model = getattr(target, "default_head", None)
     source = target if draft_model is None else _attached(target, draft_model, "mtp")
     if options.sparse_select is not None and getattr(source.config, "mtp_sparse_attention", None) is None:
         raise ConfigError("--sparse-select needs a sparse-attention MTP module (mtp_sparse_attention in the model's config, "
@@ -145,7 +150,14 @@ def _head(draft_model, kind: str, target):
     if isinstance(draft_model, DraftHead):
         head = draft_model if _dtype(draft_model) == target.dtype else _cast(draft_model, target.dtype)
     elif _is_path(draft_model):
-        head = load_head(draft_model, target.dtype)
+        from ..loading import resolve_name
+
+        path = Path(resolve_name(draft_model))
+        meta = path / "head.json"
+        if meta.exists():
+            head = _read_head(str(path.resolve()), meta.stat().st_mtime, target.dtype)
+        else:
+            head = load_head(path, target.dtype)  # names what is missing
     else:
         raise ConfigError(
             f"--drafter {kind} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
@@ -153,7 +165,30 @@ def _head(draft_model, kind: str, target):
         )
     if head.config.kind != kind:
         raise ConfigError(f"--drafter {kind} was given a {head.config.kind} head")
-    return head
+    return _on_blocks(head, target) if "qweight" in target.lm_head.__dict__ else head
+
+
+_BLOCK_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> its copy on Q8_0 blocks
+
+
+def _on_blocks(head, target):
+    """A head on a GGUF-block target drafts on the block kernel too: its matrices as Q8_0 (a quarter of fp32's bytes,
+    the draft step's cost; drafts only propose, the target's verify pass decides). Built once per head."""
+    from ..quant import quantize
+
+    if head not in _BLOCK_HEADS:
+        q = _cast(head, _dtype(head))
+        quantize(q, "q8_0", head=False)
+        _BLOCK_HEADS[head] = q
+    return _BLOCK_HEADS[head]
+
+
+@lru_cache(maxsize=8)
+def _read_head(path: str, mtime: float, dtype):
+    """A head folder read once per (path, its time of change, dtype): a server's requests share it."""
+    from ..models.heads import load_head
+
+    return load_head(path, dtype)
 
 
 def _dtype(module):

@@ -36,6 +36,12 @@ def shipped_demo_dir() -> Path:
 # `--model demo` = the shipped hybrid; stories260K from the assets if the folder is missing.
 SHIPPED_DEMO_IS_DEFAULT = True
 GEMMA3_270M = "gemma3-270m"  # `--model gemma3-270m`: the Gemma 3 270M Q4_K_M GGUF the `real` extra installs
+# heads trained by `mtpspec train head` for a model that has none, shipped in models/heads: name -> the model they fit
+SHIPPED_HEADS = {"gemma3-270m-mtp": GEMMA3_270M}
+
+
+def shipped_head_dir(name: str) -> Path:
+    return Path(__file__).resolve().parents[2] / "models" / "heads" / name
 
 
 def resolve_demo() -> tuple[Path, Path | None]:
@@ -53,7 +59,21 @@ def resolve_name(path: str | Path) -> str | Path:
         from .realmodels import gemma3_270m_path
 
         return gemma3_270m_path()
+    if str(path) in SHIPPED_HEADS:
+        return shipped_head_dir(str(path))
     return path
+
+
+def default_head(path: Path) -> Path | None:
+    """The shipped head trained for the model file at `path` (the installed Gemma 3 270M), if any: what `--drafter
+    mtp` drafts with on a model that has no MTP module of its own."""
+    from .realmodels import GEMMA3_270M_FILE, model_cache_dir
+
+    for name, model in SHIPPED_HEADS.items():
+        if model == GEMMA3_270M and path.resolve() == (model_cache_dir() / GEMMA3_270M_FILE).resolve():
+            d = shipped_head_dir(name)
+            return d if (d / "head.json").exists() else None
+    return None
 
 
 def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True):
@@ -122,7 +142,9 @@ def _load_gguf(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool):
     if tokenizer:
         raise ModelLoadError(f"{path}: a GGUF file carries its tokenizer; drop --tokenizer")
     f = read_gguf(path)  # parsed once for the model and the tokenizer
-    return load_gguf_model(f, dtype), (load_gguf_tokenizer(f) if with_tokenizer else None)
+    model = load_gguf_model(f, dtype)
+    model.default_head = default_head(path)
+    return model, (load_gguf_tokenizer(f) if with_tokenizer else None)
 
 
 def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):

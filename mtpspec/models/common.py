@@ -18,6 +18,7 @@ class CausalLM(nn.Module):
     `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput (forward.run)."""
 
     compiled_step = None  # its compiled decode step (compiled.compile_model), or None: eager
+    default_head = None  # the folder of a head trained for this model's file (loading.default_head), or None
 
     @property
     def max_seq_len(self) -> int:
@@ -82,6 +83,12 @@ class Linear(nn.Linear):
         if q is None:
             raise AttributeError("'Linear' object has no attribute 'weight'")
         return quantized.dequantize(q).to(self.weight_dtype)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The weight's rows `ids` (n, K) in the model's dtype, without dequantizing the others (a draft vocabulary's
+        rows of an LM head)."""
+        q = self.__dict__.get("qweight")
+        return self._parameters["weight"].detach()[ids] if q is None else quantized.embedding(q, ids).to(self.weight_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         q = self.__dict__.get("qweight")

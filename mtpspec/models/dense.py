@@ -64,6 +64,7 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.hd
         self.layer, self.nh, self.nkv, self.hd = layer, cfg.num_heads, cfg.num_kv_heads, hd
+        self.kv_index = layer  # its KV cache layer
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
@@ -93,6 +94,23 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
+
+
+class DenseMTPModule(nn.Module):
+    """An MTP module whose decoder layer is a dense layer (a head trained for a Llama / Qwen3 / Gemma 3 target, its
+    target's own layer kind): fc([norm_e(embedding), norm_h(hidden)]) -> Block -> norm (forward.module_forward)."""
+
+    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
+
+    def __init__(self, cfg: DenseConfig, rotary: Rotary) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        norm = lambda: RMSNorm(h, cfg.norm_eps, cfg.norm_zero_centred, cfg.row_kernels)  # noqa: E731
+        self.pre_fc_norm_embedding = norm()
+        self.pre_fc_norm_hidden = norm()
+        self.fc = Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([Block(cfg, 0, rotary)])
+        self.norm = norm()
 
 
 class DenseBody(nn.Module):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..errors import ConfigError, ModelLoadError
+from .common import Linear
 from ..weight_cache import weights_version
 
 FILE = "draft_vocab.json"
@@ -57,11 +59,17 @@ def write_draft_vocab(directory: str | Path, stream: Tensor, vocab_size: int, so
     """Count the token ids of `stream` (a training corpus) and write draft_vocab.json into `directory`."""
     counts = torch.bincount(stream.flatten(), minlength=vocab_size)[:vocab_size]  # (V,)
     order, size = ranking_from_counts(counts)
+    return write_ranking(directory, TokenRanking(order, size), counts[order].tolist(), f"{source} ({int(counts.sum())} tokens)")
+
+
+def write_ranking(directory: str | Path, ranking: TokenRanking, counts: list[int] | None = None, source: str = "") -> Path:
     path = Path(directory) / FILE
-    path.write_text(json.dumps({
-        "ranked_ids": order.tolist(), "counts": counts[order].tolist(), "default_size": size,
-        "source": f"{source} ({int(counts.sum())} tokens)",
-    }) + "\n")
+    meta = {"ranked_ids": ranking.ranked_ids.tolist(), "default_size": ranking.default_size}
+    if counts is not None:
+        meta["counts"] = counts
+    if source:
+        meta["source"] = source
+    path.write_text(json.dumps(meta) + "\n")
     return path
 
 
@@ -84,14 +92,23 @@ def read_draft_vocab(directory: Path, vocab_size: int) -> TokenRanking | None:
 class DraftHead:
     """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids."""
 
-    def __init__(self, lm_head_weight: Tensor, ids: Tensor) -> None:
+    def __init__(self, lm_head, ids: Tensor) -> None:
         self.ids = ids  # (N,)
-        self.vocab_size = lm_head_weight.shape[0]
-        self.product = kernels.Product(lm_head_weight.detach()[ids])  # (N, H) a copy in the small-row kernel's layout
+        self.vocab_size = lm_head.out_features
+        q = lm_head.__dict__.get("qweight")
+        if q is not None:  # GGUF blocks: the subset's rows in the same block type, on the block kernel
+            from ..kernels.quantized import embedding, from_gguf
+            from ..quant import quantize_gguf
+
+            rows = embedding(q, ids)  # (N, H) exact
+            sub = from_gguf(quantize_gguf(rows, q.qtype.name.lower()), q.qtype, tuple(rows.shape))
+            self.product = Linear.of_blocks(sub).wide
+        else:
+            self.product = partial(kernels.Product(lm_head.weight.detach()[ids]), widen=True)  # (N, H) in the kernel's layout
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
-        return self.product(h, widen=True).float()
+        return self.product(h).float()
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]
@@ -118,10 +135,10 @@ def make_draft_head(target, size: int | None) -> DraftHead | None:
             f"--draft-vocab {size} needs the model's token ranking ({FILE} next to the checkpoint, written by "
             "`mtpspec train pretrain`); this model has none"
         )
-    weight = target.lm_head.weight
-    key = (size, weights_version([weight]))
-    cached = target.__dict__.setdefault("_draft_heads", {})  # built once per size and weights version
+    lm_head = target.lm_head
+    key = (size, weights_version(lm_head.parameters()), id(ranking))
+    cached = target.__dict__.setdefault("_draft_heads", {})  # built once per size, weights version and ranking
     if key not in cached:
         cached.clear()
-        cached[key] = DraftHead(weight, ranking.top(size))
+        cached[key] = DraftHead(lm_head, ranking.top(size))
     return cached[key]

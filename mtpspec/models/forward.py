@@ -106,9 +106,23 @@ def _dense_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None,
     rot = att.rotary[0].rot_dim
     q = rope(q.transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
     k = rope(k.transpose(1, 2), cos, sin, rot)  # (B, nkv, W, hd)
-    keys, vals = write(k_buf, v_buf, k, v, fb)
-    y = attend(q, keys, vals, fb, att.window, att.rows)  # (B, nh, W, hd)
+    y = _write_attend(q, k, v, k_buf, v_buf, fb, att.window, att.rows)  # (B, nh, W, hd)
     return att.o_proj(fb.real(y.transpose(1, 2)))
+
+
+def _write_attend(q: Tensor, k: Tensor, v: Tensor, k_buf, v_buf, fb: ForwardBatch, window: int = 0, by_row: bool = False) -> Tensor:
+    """Write k, v (B, nkv, W, hd) and attend q (B, nh, W, hd) -> (B, nh, W, hd). k_buf / v_buf: the buffers (B, nkv, S,
+    hd), or a list of one (1, nkv, S, hd) per sequence (a draft module over several sequences' own caches, in place:
+    fb from ForwardBatch.many), each sequence's padding rows then zero."""
+    if not isinstance(k_buf, list):
+        keys, vals = write(k_buf, v_buf, k, v, fb)
+        return attend(q, keys, vals, fb, window, by_row)
+    y = q.new_zeros(q.shape)
+    for i, (kb, vb, (start, n)) in enumerate(zip(k_buf, v_buf, fb.runs)):
+        one = ForwardBatch.one(start, n)
+        keys, vals = write(kb, vb, k[i : i + 1, :, :n], v[i : i + 1, :, :n], one)
+        y[i : i + 1, :, :n] = attend(q[i : i + 1, :, :n], keys, vals, one, window, by_row)
+    return y
 
 
 def _gated_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch, kv=None) -> Tensor:
@@ -123,19 +137,11 @@ def _gated_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None,
     rot = att.rotary[0].rot_dim
     q = rope(att.q_norm(q).transpose(1, 2), cos, sin, rot)  # (B, nh, W, hd)
     k = rope(att.k_norm(k).transpose(1, 2), cos, sin, rot)
-    if isinstance(k_buf, list):  # each sequence its own cache (a draft module over several sequences' caches, in place)
-        y = q.new_zeros(b, att.nh, t, att.hd)  # (B, nh, W, hd), padding rows zero
-        for i, (kb, vb, (start, n)) in enumerate(zip(k_buf, v_buf, fb.runs)):
-            one = ForwardBatch.one(start, n)
-            keys, vals = write(kb, vb, k[i : i + 1, :, :n], v[i : i + 1, :, :n], one)
-            y[i : i + 1, :, :n] = attend(q[i : i + 1, :, :n], keys, vals, one)
-        y = y.transpose(1, 2).reshape(b, t, att.nh * att.hd)
-    elif att.sparse is not None:
+    if att.sparse is not None and not isinstance(k_buf, list):
         keys, vals = write(k_buf, v_buf, k, v, fb)
         y = _sparse_attention(att, x, q, keys, vals, fb, kv)  # (B, W, nh hd)
     else:
-        keys, vals = write(k_buf, v_buf, k, v, fb)
-        y = attend(q, keys, vals, fb).transpose(1, 2).reshape(b, t, att.nh * att.hd)
+        y = _write_attend(q, k, v, k_buf, v_buf, fb).transpose(1, 2).reshape(b, t, att.nh * att.hd)
     return att.o_proj(fb.real(y * torch.sigmoid(gate.reshape(b, t, -1))))
 
 
@@ -225,16 +231,19 @@ def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None
     when fb.logits is False), hidden (N, H) post final norm, prenorm (N, H) of the real rows."""
     x = fb.real(model.embed(tokens))  # (N, H)
     for i, layer in enumerate(model.model.layers):
-        k_buf, v_buf = (None, None) if k_bufs is None else (k_bufs[i], v_bufs[i])
-        a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_buf, v_buf, fb)
-        if layer.sandwich:  # Gemma 3: norms after attention and around the MLP
-            x = x + layer.post_attention_layernorm(a)
-            x = x + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(x)))
-        else:
-            x = x + a
-            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb)
     hid = model.model.norm(x)
     return (model.head(hid) if fb.logits else None), hid, x
+
+
+def _dense_layer(layer, x: Tensor, k_buf, v_buf, fb: ForwardBatch) -> Tensor:
+    """One dense decoder layer (dense.Block): x (N, H) -> (N, H)."""
+    a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_buf, v_buf, fb)
+    if layer.sandwich:  # Gemma 3: norms after attention and around the MLP
+        x = x + layer.post_attention_layernorm(a)
+        return x + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(x)))
+    x = x + a
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
 def hybrid_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None,
@@ -271,7 +280,8 @@ def module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor | None, v_
     """An MTP module (fc([norm(e), norm(h)]) -> decoder layer -> norm) or an EAGLE module (fc([e, h]) with a bias ->
     decoder layer): hidden, emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV (or one
     (1, nkv, S, hd) per sequence, each its own cache: fb from ForwardBatch.many) -> (B, W, H), padding rows zero. The
-    decoder layer is the hybrid's full-attention layer, run by the same code."""
+    decoder layer is a layer of the target's kind, run by the same code: the hybrid's full-attention layer, or a dense
+    layer (dense.Block: a head trained for a Llama / Qwen3 / Gemma 3 target)."""
     mtp = hasattr(module, "pre_fc_norm_hidden")
     hidden, emb = fb.real(hidden), fb.real(emb)  # (N, H)
     if mtp:
@@ -279,8 +289,11 @@ def module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor | None, v_
     else:
         x = module.fc(torch.cat([emb, hidden], dim=-1))
     block = module.layers[layer]
-    x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf, v_buf, fb, kv)
-    x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
+    if hasattr(block, "sandwich"):
+        x = _dense_layer(block, x, k_buf, v_buf, fb)
+    else:
+        x = x + _gated_attention(block.self_attn, block.input_layernorm(x), k_buf, v_buf, fb, kv)
+        x = x + _mlp(block.mlp, block.post_attention_layernorm(x))
     return fb.grid(module.norm(x) if mtp else x)  # (B, W, H)
 
 

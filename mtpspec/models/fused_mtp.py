@@ -223,7 +223,9 @@ def _foldable(module: nn.Module) -> bool:
         return False
     for block in module.layers:
         att, mlp = getattr(block, "self_attn", None), block.mlp
-        if att is None or type(mlp) is not SwiGLU or any(lin.bias is not None for lin in (
+        if att is None or hasattr(block, "sandwich"):  # a dense layer (a head for a dense target) runs as it is
+            return False
+        if type(mlp) is not SwiGLU or any(lin.bias is not None for lin in (
             att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
         )):
             return False

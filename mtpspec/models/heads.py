@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import ConfigError, ModelLoadError
 from .common import Linear, Rotary
+from .dense import DenseMTPModule
+from .draft_vocab import read_draft_vocab, write_ranking
 from .mtp_source import MTPSource
 from .forward import module_tokens
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
@@ -52,10 +54,26 @@ class DraftHeadConfig:
     intermediate_size: int = 256
     rope_theta: float = 10000.0
     num_medusa: int = 3  # K (medusa)
+    # the decoder layer's kind: None = Qwen3.5's gated full attention of the fields above; else the fields of a
+    # DenseConfig of one layer (mtp: its target's own layer kind, a Llama / Qwen3 / Gemma 3 target's)
+    dense: dict | None = None
 
     @property
     def mtp_num_layers(self) -> int:  # what MTPDrafter reads from a target's config
         return 1
+
+    def dense_config(self):
+        from .dense import DenseConfig
+
+        return DenseConfig(**{**self.dense, "layer_windows": tuple(self.dense.get("layer_windows", ()))})
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(KV heads, head size) of the decoder layer's cache."""
+        if self.dense is not None:
+            d = self.dense_config()
+            return d.num_kv_heads, d.hd
+        return self.num_kv_heads, self.head_dim
 
     def layer_config(self) -> HybridConfig:
         return HybridConfig(
@@ -100,22 +118,35 @@ class DraftHead(nn.Module):
         if cfg.kind not in KINDS:
             raise ConfigError(f"unknown head kind '{cfg.kind}' (choose from: {', '.join(KINDS)})")
         self.config = cfg
+        self.token_ranking = None  # its draft vocabulary (draft_vocab.json beside the head), when it has one
         if cfg.kind == "medusa":
             self.medusa = MedusaHeads(cfg.hidden_size, cfg.num_medusa)
+            return
+        if cfg.dense is not None:
+            if cfg.kind != "mtp":
+                raise ConfigError(f"a {cfg.kind} head has the Qwen3.5 layer; a dense layer is for MTP heads")
+            dc = cfg.dense_config()
+            window = dc.layer_windows[0] if dc.layer_windows else 0
+            self.rotary = Rotary(dc.hd, dc.max_seq_len, dc.rope_local_theta if window and dc.rope_local_theta else dc.rope_theta,
+                                 dc.rope_scaling)
+            self.mtp = DenseMTPModule(dc, self.rotary)
             return
         lc = cfg.layer_config()
         self.rotary = Rotary(lc.rot_dim, lc.max_seq_len, lc.rope_theta)
         self.mtp = MTPModule(lc, self.rotary) if cfg.kind == "mtp" else EagleModule(lc, self.rotary)
 
 
-def save_head(head: DraftHead, directory: str | Path) -> Path:
+def save_head(head: DraftHead, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """head.json + head.safetensors (the weights in `dtype`, default their own) + draft_vocab.json when it has one."""
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
+    save_file({k: v.detach().to(dtype or v.dtype).contiguous() for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
     meta = {"format": FORMAT, "version": 1, "kind": head.config.kind, "config": asdict(head.config)}
     (d / "head.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if head.token_ranking is not None:
+        write_ranking(d, head.token_ranking)
     return d
 
 
@@ -155,6 +186,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead
         head.load_state_dict(state)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise ModelLoadError(f"{d}: head tensors do not match head.json: {str(e).splitlines()[-1].strip()}") from None
+    head.token_ranking = read_draft_vocab(d, cfg.vocab_size)
     return head.to(dtype).eval()
 
 
@@ -165,6 +197,12 @@ def _check_config(cfg: DraftHeadConfig) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
         raise ValueError(f"num_heads {cfg.num_heads} / num_kv_heads {cfg.num_kv_heads} / head_dim {cfg.head_dim} do not fit")
+    if cfg.dense is not None:
+        if not isinstance(cfg.dense, dict):
+            raise ValueError(f"dense must be a layer config (an object), got {cfg.dense!r}")
+        d = cfg.dense_config()
+        if d.num_layers != 1 or d.hidden_size != cfg.hidden_size or d.num_heads % d.num_kv_heads:
+            raise ValueError(f"dense: one layer of width {cfg.hidden_size} expected, got {d.num_layers} of width {d.hidden_size}")
 
 
 def check_fits(head: DraftHead, target) -> None:
@@ -193,11 +231,11 @@ class AttachedHead(MTPSource):
         self.max_seq_len = min(target.max_seq_len, head.config.max_seq_len)
         self.vocab_size: int = target.vocab_size
         self.lm_head: nn.Linear = target.lm_head
-        self.token_ranking = getattr(target, "token_ranking", None)  # the target's draft vocabulary, if any
+        # the draft vocabulary: the head's own (its training text's), else the target's, if any
+        self.token_ranking = head.token_ranking or getattr(target, "token_ranking", None)
 
     def new_mtp_cache(self) -> KVCache:
-        c = self.config
-        return KVCache(1, c.num_kv_heads, c.head_dim, self.max_seq_len, self.target.dtype)
+        return KVCache(1, *self.config.kv_shape, self.max_seq_len, self.target.dtype)
 
     def head(self, hidden: Tensor) -> Tensor:
         return self.target.head(hidden)

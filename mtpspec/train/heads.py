@@ -11,6 +11,7 @@ fly. The head is fitted to them (soft cross-entropy = KL up to a constant):
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..models.batch import ForwardBatch
+from ..models.draft_vocab import TokenRanking, ranking_from_counts
 from ..models.forward import module_forward
-from ..models.heads import DraftHead, DraftHeadConfig, save_head
+from ..models.heads import DraftHead, DraftHeadConfig, load_head, save_head
 
 
 @dataclass
@@ -51,10 +54,57 @@ class HeadConfig:
     eval_prompts: int = 20  # held-out prompts measured at the end (greedy, D = depth or K)
     eval_tokens: int = 128
     data_cache: str = ""  # a .pt file: self-distillation data is loaded from it if present, else written to it
+    # mtp: "own" = a Qwen3.5 gated-attention layer of the sizes above; "target" = one decoder layer of the target's own
+    # kind (a dense target: Llama / Qwen3 / Gemma 3), initialised from its last layer, the output norm from its final norm
+    layer: str = "own"
+    draft_vocab: int = 0  # > 0: train (and draft) over the N tokens the target emits most in the data (FR-Spec); 0 = all
+    gen_batch: int = 1  # continuations generated together (the batched engine)
+    context_tokens: int = 0  # > 0: of each prompt only its last N tokens are kept in the data (before the continuation)
+    text_tokens: int = 0  # > 0: teacher-forced windows over the stdlib's training modules, this many tokens in all
+    checkpoint_every: int = 0  # > 0: a resumable checkpoint (out/train_state.pt) every N steps; a rerun continues from it
+    save_dtype: str = "float32"  # the head's weights as written: float32 | bfloat16 (half the size; measured as written)
+
+
+REAL_SETS = ("humaneval", "mt_bench", "spec_bench")  # `--prompts realsets`: the shared benchmark sets
+
+
+def heldout_texts(per_category: int) -> set[str]:
+    """The evaluation prompts of the benchmark sets: the first `per_category` of each category in each set's file order,
+    the prompts `mtpspec bench --prompts SET --limit N` measures (N <= per_category per category)."""
+    from ..prompts import load_prompts
+
+    held: set[str] = set()
+    for name in REAL_SETS:
+        seen: dict[str, int] = {}
+        for p in load_prompts(name):
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] <= per_category:
+                held.add(p.text)
+    return held
+
+
+def real_prompts(heldout_per_category: int) -> tuple[list[str], list[str]]:
+    """(train, held-out): every prompt of the benchmark sets whose text is not an evaluation prompt (heldout_texts),
+    each text once; held-out: the code (HumanEval), chat (MT-bench) and summary (Spec-Bench) evaluation prompts."""
+    from ..prompts import load_prompts
+
+    held = heldout_texts(heldout_per_category)
+    train, seen = [], set()
+    for name in REAL_SETS:
+        for p in load_prompts(name):
+            if p.text not in held and p.text not in seen:
+                seen.add(p.text)
+                train.append(p.text)
+    groups = [[p.text for p in load_prompts(name) if p.category == cat][:heldout_per_category]
+              for name, cat in (("humaneval", "humaneval"), ("mt_bench", "mt_bench"), ("spec_bench", "summarization"))]
+    return train, [t for g in zip(*groups) for t in g]  # interleaved: code, chat, summary, code, ...
 
 
 def training_prompts(cfg: HeadConfig, tokenizer) -> tuple[list[str], list[str]]:
-    """(train, held-out) prompt texts; held-out = the first cfg.heldout_prompts of the set."""
+    """(train, held-out) prompt texts; held-out = the first cfg.heldout_prompts of the set (realsets: of each category)."""
+    if cfg.prompts == "realsets":
+        train, held = real_prompts(cfg.heldout_prompts)
+        return train[: cfg.train_prompts], held
     if cfg.prompts == "tinystories":
         from ..prompts import tinystories_prompts
 
@@ -71,33 +121,85 @@ def training_prompts(cfg: HeadConfig, tokenizer) -> tuple[list[str], list[str]]:
 
 
 @torch.inference_mode()
-def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
-    """[(tokens (T,), hidden (T, H))]: the target's own continuations and its teacher pass over them."""
+def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, progress_bar: bool = True,
+                      done: list | None = None, save=None) -> list[tuple[Tensor, Tensor]]:
+    """[(tokens (T,), hidden (T, H))]: the target's own continuations (cfg.gen_batch at a time through the batched
+    engine; even prompts greedy, odd ones sampled) and its teacher pass over prompt + continuation (hidden in fp16
+    when the target is fp32: half the memory, within 2^-11 of each value). `done`: sequences of a run cut short,
+    kept; `save(seqs)` is called after each batch (resumable data)."""
     from tqdm import tqdm
 
     from ..drafters.base import NoDrafter
-    from ..engine import generate_tokens
+    from ..engine import Engine
     from ..sampling import Sampler, SamplingParams
 
-    seqs = []
-    for i, p in enumerate(tqdm(prompts, desc="self-distillation data", disable=not progress_bar)):
-        ids = tokenizer.encode(p)[-(target.max_seq_len // 2) :]
-        temp = 0.0 if i % 2 == 0 else cfg.gen_temperature
-        n = min(cfg.gen_tokens, target.max_seq_len - len(ids) - 1)
-        r = generate_tokens(target, ids, NoDrafter(), 1, Sampler(SamplingParams(temperature=temp), seed=cfg.seed + i), n)
-        toks = torch.tensor(ids + r.tokens, dtype=torch.long)
-        out = target.forward_tokens(toks, target.new_cache())
-        seqs.append((toks.clone(), out.hidden.clone()))
+    seqs = list(done or [])
+    store = torch.float16 if target.dtype == torch.float32 else target.dtype
+    room = target.max_seq_len - cfg.gen_tokens - 1
+    bar = tqdm(total=len(prompts), initial=len(seqs), desc="self-distillation data", disable=not progress_bar)
+    for b0 in range(len(seqs), len(prompts), cfg.gen_batch):
+        engine = Engine(target, min(cfg.gen_batch, len(prompts) - b0), prefill_chunk=4096)
+        ids = {}
+        for i in range(b0, min(b0 + cfg.gen_batch, len(prompts))):
+            x = tokenizer.encode(prompts[i])
+            x = x[:1] + x[1:][-min(room, cfg.context_tokens or room) + 1 :]  # BOS and the prompt's end
+            temp = 0.0 if i % 2 == 0 else cfg.gen_temperature
+            ids[engine.add(x, NoDrafter(), Sampler(SamplingParams(temperature=temp), seed=cfg.seed + i), 1, cfg.gen_tokens)] = x
+        for sid, r in sorted(engine.run().items()):
+            toks = torch.tensor(ids[sid] + r.tokens, dtype=torch.long)
+            out = target.forward_tokens(toks, target.new_cache(toks.shape[0]), prefill=True, logits=False)
+            seqs.append((toks.clone(), out.hidden.to(store).clone()))
+            bar.update(1)
+        if save is not None:
+            save(seqs)
+    bar.close()
     return seqs
 
 
+@torch.inference_mode()
+def text_data(target, tokenizer, n_tokens: int, length: int, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
+    """Teacher-forced windows of `length` tokens over the stdlib's training modules (never its held-out ones), about
+    n_tokens in all: [(tokens (T,), hidden (T, H))]."""
+    from tqdm import tqdm
+
+    from . import data as D
+
+    store = torch.float16 if target.dtype == torch.float32 else target.dtype
+    texts = D.read_texts(D.stdlib_files()[0])
+    random.Random(0).shuffle(texts)
+    out, total = [], 0
+    bar = tqdm(total=n_tokens, desc="teacher-forced text", disable=not progress_bar)
+    for text in texts:  # at most two windows of each module, spread over it
+        ids = tokenizer.encode(text)
+        for s in range(1, len(ids) - length, max(length, (len(ids) - length) // 2 + 1)):
+            if total >= n_tokens:
+                bar.close()
+                return out
+            toks = torch.tensor(ids[:1] + ids[s : s + length - 1], dtype=torch.long)
+            h = target.forward_tokens(toks, target.new_cache(length), prefill=True, logits=False).hidden
+            out.append((toks, h.to(store).clone()))
+            total += length
+            bar.update(length)
+    bar.close()
+    return out
+
+
 def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
-    """`self_distill_data`, read from / written to cfg.data_cache when it names a file."""
-    if cfg.data_cache and Path(cfg.data_cache).exists():
-        return torch.load(cfg.data_cache)
-    seqs = self_distill_data(target, tokenizer, prompts, cfg, progress_bar)
-    if cfg.data_cache:
-        torch.save(seqs, cfg.data_cache)
+    """`self_distill_data` (+ `text_data` with cfg.text_tokens), read from / written to cfg.data_cache when it names a
+    file; an interrupted generation continues from the sequences it had written."""
+    path = Path(cfg.data_cache) if cfg.data_cache else None
+    if path is not None and path.exists():
+        return torch.load(path)
+    partial = path.with_name(path.name + ".partial") if path is not None else None
+    done = torch.load(partial) if partial is not None and partial.exists() else None
+    save = (lambda seqs: torch.save(seqs, partial)) if partial is not None else None
+    seqs = self_distill_data(target, tokenizer, prompts, cfg, progress_bar, done, save)
+    if getattr(cfg, "text_tokens", 0):
+        seqs += text_data(target, tokenizer, cfg.text_tokens, cfg.seq_len, progress_bar)
+    if path is not None:
+        torch.save(seqs, path)
+        if partial.exists():
+            partial.unlink()
     return seqs
 
 
@@ -111,25 +213,28 @@ def _batch(seqs, n: int, length: int, rng: random.Random) -> tuple[Tensor, Tenso
         toks.append(t[s : s + L])
         hid.append(h[s : s + L])
     m = min(x.shape[0] for x in toks)
-    return torch.stack([x[:m] for x in toks]), torch.stack([x[:m] for x in hid])
+    return torch.stack([x[:m] for x in toks]), torch.stack([x[:m] for x in hid]).float()
 
 
 def _soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
     return -(torch.softmax(teacher_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
 
 
-def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: HeadConfig) -> tuple[Tensor, dict]:
-    """tokens (B, T), hidden (B, T, H) target post-norm hiddens -> (loss, {per-part values})."""
+def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: HeadConfig, lm=None) -> tuple[Tensor, dict]:
+    """tokens (B, T), hidden (B, T, H) target post-norm hiddens -> (loss, {per-part values}). lm: the LM head the
+    teacher and the head are read through (a draft vocabulary's rows: both distributions over its tokens), else the
+    target's."""
     kind = head.config.kind
+    lm = lm or target.head
     with torch.no_grad():
-        teacher = target.head(hidden)  # (B, T, V) p_i = distribution of t_{i+1}
+        teacher = lm(hidden)  # (B, T, V) p_i = distribution of t_{i+1}
         emb = target.embed(tokens)  # (B, T, H)
     parts, total = {}, 0.0
     if kind == "medusa":
         feats = head.medusa(hidden)  # (K, B, T, H)
         for k in range(1, feats.shape[0] + 1):
             T = tokens.shape[1] - k
-            loss = _soft_ce(target.head(feats[k - 1, :, :T]), teacher[:, k:])
+            loss = _soft_ce(lm(feats[k - 1, :, :T]), teacher[:, k:])
             parts[f"head_{k}"] = loss.item()
             total = total + cfg.depth_decay ** (k - 1) * loss
         return total, parts
@@ -137,7 +242,7 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
     for k in range(1, cfg.depth + 1):
         e = emb[:, k:]  # (B, T-k, H) e(t_{i+k})
         h = module_forward(head.mtp, h[:, : e.shape[1]], e, None, None, ForwardBatch.window(*e.shape[:2]), 0)  # MTP or EAGLE
-        loss = _soft_ce(target.head(h), teacher[:, k:])  # position i predicts t_{i+k+1}
+        loss = _soft_ce(lm(h), teacher[:, k:])  # position i predicts t_{i+k+1}
         parts[f"ce_{k}"] = loss.item()
         w = cfg.depth_decay ** (k - 1)
         total = total + w * loss
@@ -172,8 +277,51 @@ def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: in
     }
 
 
+def head_config(target, cfg: HeadConfig) -> DraftHeadConfig:
+    """The head's shape for `target`: cfg's sizes (layer "own"), or one layer of the target's own dense kind."""
+    h = target.config.hidden_size
+    dense = None
+    if cfg.layer == "target":
+        from ..models.dense import DenseConfig
+
+        if not isinstance(target.config, DenseConfig) or cfg.kind != "mtp":
+            raise ConfigError("--layer target makes an MTP head with the target's own decoder layer: a dense target "
+                              f"(Llama / Qwen3 / Gemma 3) and --kind mtp (got {type(target.config).__name__}, --kind {cfg.kind})")
+        dense = {**asdict(target.config), "num_layers": 1, "layer_windows": [0], "row_kernels": False}
+    elif cfg.layer != "own":
+        raise ConfigError(f"--layer is 'own' or 'target', got {cfg.layer!r}")
+    return DraftHeadConfig(
+        kind=cfg.kind, hidden_size=h, vocab_size=target.vocab_size, max_seq_len=target.max_seq_len,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size or 4 * h, num_medusa=cfg.num_medusa,
+        rope_theta=getattr(target.config, "rope_theta", 10000.0), dense=dense,
+    )
+
+
+@torch.no_grad()
+def init_from_target(head: DraftHead, target) -> None:
+    """A dense-layer MTP head starts from the target's last decoder layer (its weights dequantized) and its final
+    norm: the module's output then lives where the LM head reads."""
+    src, dst = target.model.layers[-1], head.mtp.layers[0]
+    own = dict(dst.named_modules())
+    for name, m in src.named_modules():
+        if name in own and hasattr(m, "weight") and not isinstance(m, torch.nn.ModuleList):
+            own[name].weight.copy_(m.weight.float())
+    head.mtp.norm.weight.copy_(target.model.norm.weight.float())
+
+
+def draft_vocabulary(seqs: list[tuple[Tensor, Tensor]], vocab_size: int, size: int) -> TokenRanking:
+    """The target's tokens by how often its data holds them (prompts and continuations), `size` the default."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for t, _ in seqs:
+        counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
+    order, _ = ranking_from_counts(counts)
+    return TokenRanking(order[: 4 * size], min(size, vocab_size))  # (a larger --draft-vocab than trained stays possible)
+
+
 def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar: bool = True, target=None) -> dict:
-    """Train a head for the frozen target at `model` (or the given (module, tokenizer) pair in `target`)."""
+    """Train a head for the frozen target at `model` (or the given (module, tokenizer) pair in `target`). With
+    cfg.checkpoint_every, a run cut short continues from out/train_state.pt (the head, the optimizer, the step)."""
     from tqdm import tqdm
 
     from ..loading import load_checkpoint
@@ -185,38 +333,57 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
+    hc = head_config(module, cfg)
     train_p, held_p = training_prompts(cfg, tok)
     t0 = time.perf_counter()
     seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
     gen_s = time.perf_counter() - t0
-    h = module.config.hidden_size
-    hc = DraftHeadConfig(
-        kind=cfg.kind, hidden_size=h, vocab_size=module.vocab_size, max_seq_len=module.max_seq_len,
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size or 4 * h, num_medusa=cfg.num_medusa,
-        rope_theta=getattr(module.config, "rope_theta", 10000.0),
-    )
     head = DraftHead(hc)
+    if hc.dense is not None:
+        init_from_target(head, module)
+    lm, coverage = None, 1.0
+    if cfg.draft_vocab:
+        head.token_ranking = draft_vocabulary(seqs, module.vocab_size, cfg.draft_vocab)
+        ids = head.token_ranking.top(cfg.draft_vocab)
+        rows = module.lm_head.rows(ids).float().contiguous()  # (N, H) the LM head's rows of the draft vocabulary
+        lm = lambda h: h @ rows.t()  # noqa: E731
+        coverage = round(float(sum(torch.isin(t, ids).sum() for t, _ in seqs)) / sum(t.numel() for t, _ in seqs), 4)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
-    history = []
-    bar = tqdm(range(cfg.steps), desc=f"train {cfg.kind} head", disable=not progress_bar)
-    t1 = time.perf_counter()
+    history, first, train_s = [], 0, 0.0
+    state_path = Path(cfg.out) / "train_state.pt"
+    if cfg.checkpoint_every and state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        history, first, train_s = state["history"], state["step"], state["train_seconds"]
+    bar = tqdm(range(first, cfg.steps), desc=f"train {cfg.kind} head", disable=not progress_bar, initial=first, total=cfg.steps)
+    t1 = time.perf_counter() - train_s
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cfg.steps * 3.14159)).item()))
+        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(step / cfg.steps * math.pi)))
         toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)
-        loss, parts = head_losses(head, module, toks, hid, cfg)
+        loss, parts = head_losses(head, module, toks, hid, cfg, lm)
         optimizer_step(opt, head.parameters(), loss, lr)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:
             history.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}})
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "history": history,
+                        "step": step + 1, "train_seconds": time.perf_counter() - t1}, state_path)
     train_s = time.perf_counter() - t1
-    head.eval()
-    save_head(head, cfg.out)
+    if cfg.save_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--save-dtype is float32 or bfloat16, got {cfg.save_dtype!r}")
+    save_head(head, cfg.out, getattr(torch, cfg.save_dtype))
+    head = load_head(cfg.out)  # measured as written
+    if state_path.exists():
+        state_path.unlink()
     k = cfg.num_medusa if cfg.kind == "medusa" else max(cfg.depth, 1)
     report = {
         "kind": cfg.kind, "target": str(model), "parameters": sum(p.numel() for p in head.parameters()),
         "train_prompts": len(train_p), "heldout_prompts_skipped": len(held_p), "distill_tokens": sum(t.shape[0] for t, _ in seqs),
+        "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": coverage,  # share of the data's tokens inside it
         "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,
         "final_loss": history[-1] if history else None,
         "heldout_greedy": measure(module, tok, head, held_p[: cfg.eval_prompts], k, cfg.eval_tokens) if cfg.eval_prompts else None,
