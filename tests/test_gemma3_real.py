@@ -76,6 +76,7 @@ def test_greedy_text(gemma):
 
 @pytest.mark.parametrize("drafter,k,extra", [
     ("ngram", 4, {}), ("ngram", 4, {"exact": True}), ("lookahead", 3, {}), ("suffix", 4, {}), ("ngram", 3, {"tree": 6}),
+    ("mtp", 3, {}), ("mtp", 3, {"tree": 8}), ("mtp", 2, {"mtp_lookup": 3}),  # the shipped head (models/heads/gemma3-270m-mtp)
 ])
 def test_every_drafter_is_lossless_on_gemma(gemma, prompts, drafter, k, extra):
     for ids in prompts:
@@ -86,9 +87,45 @@ def test_every_drafter_is_lossless_on_gemma(gemma, prompts, drafter, k, extra):
 
 def test_a_batch_equals_each_prompt_alone(gemma, prompts):
     alone = [_plain(gemma, ids) for ids in prompts]
-    for drafter in ("none", "ngram"):
+    for drafter in ("none", "ngram", "mtp"):
         batch = gemma.generate_batch([list(p) for p in prompts], drafter=drafter, k=3, max_new_tokens=N_NEW)
         assert [r.tokens for r in batch] == alone, drafter
+
+
+def test_the_shipped_head_drafts_by_default_and_accepts(gemma, prompts):
+    """`--drafter mtp` (and `auto`, the default) on the Gemma file drafts with the head trained for it; on a held-out
+    code prompt it accepts most of its first draft."""
+    from mtpspec.cli import auto_drafter
+
+    assert gemma.module.default_head is not None and auto_drafter(gemma.module) == "mtp"
+    res = gemma.generate(list(prompts[0]), drafter="mtp", k=3, max_new_tokens=48)
+    assert res.tokens == gemma.generate(list(prompts[0]), drafter="none", max_new_tokens=48).tokens
+    assert res.stats.acceptance_by_position[0] > 0.5, res.stats
+
+
+def test_sampling_with_the_head_is_the_targets_distribution(gemma):
+    """Rejection sampling against the trained head on the real model: the first two tokens after a prompt, sampled
+    with top-k 3 (9 outcomes), are distributed as plain sampling's exact joint distribution (chi-square)."""
+    from mtpspec.sampling import Sampler, SamplingParams
+    from test_mtp_lossless import _chi_square_ok
+
+    m, params = gemma.module, SamplingParams(temperature=1.0, top_k=3)
+    ids = gemma.tokenizer.encode("def add(a, b):\n    return")
+    s = Sampler(params)
+    with torch.inference_mode():
+        p1 = s.probs(m.forward_tokens(torch.tensor(ids), m.new_cache()).logits[-1])  # (V,)
+        firsts = p1.nonzero().flatten().tolist()
+        joint = {(a, b): float(p1[a]) * float(q) for a in firsts
+                 for b, q in enumerate(s.probs(m.forward_tokens(torch.tensor(ids + [a]), m.new_cache()).logits[-1]).tolist()) if q > 0}
+    keys = sorted(joint)
+    counts, n, drafted = torch.zeros(len(keys)), 240, 0
+    for seed in range(n):
+        r = gemma.generate(list(ids), drafter="mtp", k=2, max_new_tokens=2, temperature=1.0, top_k=3, seed=seed)
+        counts[keys.index(tuple(r.tokens))] += 1
+        drafted += r.stats.draft_tokens
+    assert drafted > 0
+    ok, stat, df = _chi_square_ok(counts, torch.tensor([joint[k] for k in keys], dtype=torch.float64), n)
+    assert ok, f"chi-square {stat:.1f} with {df} degrees of freedom"
 
 
 def test_verify_rows_equal_plain_steps_bitwise(gemma, prompts):

@@ -81,7 +81,8 @@ def test_more_threads_give_the_same_bits(dtype):
 def test_the_kernel_is_built_with_openmp_so_threads_split_it():
     """at::parallel_for runs on one thread when the extension is compiled without OpenMP: the kernel must be built
     with it (it once was not, and two threads read the weights no faster than one)."""
-    build = kernels.cache_dir() / f"{kernels._cpu_tag()}-torch{torch.__version__}" / "build.ninja"
+    assert kernels.available()
+    build = kernels.build_dir("small_linear.cpp", "", kernels._EXT.cflags) / "build.ninja"
     assert "-fopenmp" in build.read_text()
 
 

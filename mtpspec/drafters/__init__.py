@@ -165,21 +165,18 @@ def _head(draft_model, kind: str, target):
         )
     if head.config.kind != kind:
         raise ConfigError(f"--drafter {kind} was given a {head.config.kind} head")
-    return _on_blocks(head, target) if "qweight" in target.lm_head.__dict__ else head
+    return _on_blocks(head) if "qweight" in target.lm_head.__dict__ else head
 
 
 _BLOCK_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> its copy on Q8_0 blocks
 
 
-def _on_blocks(head, target):
-    """A head on a GGUF-block target drafts on the block kernel too: its matrices as Q8_0 (a quarter of fp32's bytes,
-    the draft step's cost; drafts only propose, the target's verify pass decides). Built once per head."""
-    from ..quant import quantize
+def _on_blocks(head):
+    """A head on a GGUF-block target drafts on the block kernel too (models.heads.on_blocks), built once per head."""
+    from ..models.heads import on_blocks
 
     if head not in _BLOCK_HEADS:
-        q = _cast(head, _dtype(head))
-        quantize(q, "q8_0", head=False)
-        _BLOCK_HEADS[head] = q
+        _BLOCK_HEADS[head] = on_blocks(head)
     return _BLOCK_HEADS[head]
 
 

@@ -55,13 +55,19 @@ EXACT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")  # no f
 
 def build_extension(name: str, source: str, subdir: str, cflags: tuple[str, ...] = EXACT_CFLAGS) -> None:
     """Compile (or load the cached build of) `source` beside this module as the torch extension `name`, under
-    cache_dir() in a folder for this CPU and torch version (`subdir` below it). Raises what the build raises."""
+    cache_dir() in a folder for this CPU, torch version and source text (`subdir` below it): two checkouts of the
+    same source share one build, and neither rebuilds the other's. Raises what the build raises."""
     from torch.utils.cpp_extension import load
 
-    build = cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / subdir
+    build = build_dir(source, subdir, cflags)
     build.mkdir(parents=True, exist_ok=True)
     load(name=name, sources=[str(Path(__file__).with_name(source))], build_directory=str(build), is_python_module=False,
          verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
+
+
+def build_dir(source: str, subdir: str, cflags: tuple[str, ...]) -> Path:
+    text = hashlib.sha256(Path(__file__).with_name(source).read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    return cache_dir() / f"{_cpu_tag()}-torch{torch.__version__}" / (subdir or "linear") / text
 
 
 class Extension:

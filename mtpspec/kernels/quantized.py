@@ -104,6 +104,13 @@ def from_gguf(raw, qtype, shape) -> QuantizedWeight:
     return QuantizedWeight(qtype, (n, k), rows, "rows")
 
 
+def q8_0(w: Tensor) -> QuantizedWeight:
+    """w (N, K) float, K a multiple of 32 -> the weight as Q8_0 blocks (gguf's reference quantizer), on the kernel."""
+    n, k = w.shape
+    raw = gguf.quants.quantize(np.ascontiguousarray(w.detach().float().numpy()), QT.Q8_0)
+    return from_gguf(raw, QT.Q8_0, (n, k))
+
+
 def _rows_dequantize(w: QuantizedWeight, ids: Tensor | None) -> Tensor:
     """gguf's numpy reference (and the float types' exact widening) on layout "rows"."""
     n, k = w.shape

@@ -17,6 +17,7 @@ Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -69,7 +70,50 @@ GEMMA_CHAT_TEMPLATE = (
 
 
 def build_tokenizer(f: GGUFFile):
-    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` metadata (strict: bad metadata names its key)."""
+    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` metadata (strict: bad metadata names its key).
+
+    Deriving a large vocabulary's merges takes seconds (Gemma's 262k tokens: about 9), so the result is kept as
+    tokenizer.json under the model cache, keyed by the metadata it was built from and the builder's versions."""
+    from tokenizers import Tokenizer
+
+    cached = _cache_path(f)
+    if cached is not None and cached.exists():
+        try:
+            return Tokenizer.from_file(str(cached))
+        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
+            cached.unlink(missing_ok=True)
+    tok = _checked_build(f)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+            tok.save(str(tmp))
+            os.replace(tmp, cached)  # readers see no file or a whole one
+        except OSError:
+            pass  # a read-only cache: built again next time
+    return tok
+
+
+def _cache_path(f: GGUFFile) -> Path | None:
+    import hashlib
+
+    import tokenizers
+
+    from .realmodels import model_cache_dir
+
+    md = f.metadata
+    h = hashlib.sha256(f"{tokenizers.__version__} {BUILDER_VERSION} {f.architecture}".encode())
+    for key in sorted(k for k in md if k.startswith("tokenizer.ggml.")):
+        v = md[key]
+        h.update(key.encode())
+        h.update(v.tobytes() if hasattr(v, "tobytes") else "\x00".join(map(str, v)).encode() if isinstance(v, list) else repr(v).encode())
+    return model_cache_dir() / "tokenizers" / f"{h.hexdigest()[:24]}.json"
+
+
+BUILDER_VERSION = 1  # bump when _build changes what it makes: cached tokenizers of older builds are then not read
+
+
+def _checked_build(f: GGUFFile):
     try:
         return _build(f)
     except ModelLoadError:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from torch import Tensor
 
 from .. import kernels
 from ..errors import ConfigError, ModelLoadError
-from .common import Linear
 from ..weight_cache import weights_version
 
 FILE = "draft_vocab.json"
@@ -95,20 +93,11 @@ class DraftHead:
     def __init__(self, lm_head, ids: Tensor) -> None:
         self.ids = ids  # (N,)
         self.vocab_size = lm_head.out_features
-        q = lm_head.__dict__.get("qweight")
-        if q is not None:  # GGUF blocks: the subset's rows in the same block type, on the block kernel
-            from ..kernels.quantized import embedding, from_gguf
-            from ..quant import quantize_gguf
-
-            rows = embedding(q, ids)  # (N, H) exact
-            sub = from_gguf(quantize_gguf(rows, q.qtype.name.lower()), q.qtype, tuple(rows.shape))
-            self.product = Linear.of_blocks(sub).wide
-        else:
-            self.product = partial(kernels.Product(lm_head.weight.detach()[ids]), widen=True)  # (N, H) in the kernel's layout
+        self.product = kernels.Product(lm_head.rows(ids))  # (N, H) a copy in the small-row kernel's layout (blocks: dequantized)
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
-        return self.product(h).float()
+        return self.product(h, widen=True).float()
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]

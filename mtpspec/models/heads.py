@@ -21,6 +21,7 @@ Checkpoint: a folder with head.json {"format": "mtpspec-head", "kind", "config"}
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,6 +149,20 @@ def save_head(head: DraftHead, directory: str | Path, dtype: torch.dtype | None 
     if head.token_ranking is not None:
         write_ranking(d, head.token_ranking)
     return d
+
+
+def on_blocks(head: DraftHead) -> DraftHead:
+    """A copy of `head` whose matrices are Q8_0 blocks on the block kernel (a head drafting for a GGUF-block target:
+    a quarter of fp32's bytes per draft step; drafts only propose, the target's verify pass decides)."""
+    from ..kernels.quantized import q8_0
+
+    q = copy.deepcopy(head)
+    for name, m in list(q.named_modules()):
+        if isinstance(m, Linear) and "qweight" not in m.__dict__ and m.in_features % 32 == 0:
+            parent, _, attr = name.rpartition(".")
+            bias = None if m.bias is None else m.bias.detach()
+            setattr(q.get_submodule(parent), attr, Linear.of_blocks(q8_0(m.weight), bias, m.weight.dtype))
+    return q
 
 
 def is_head_dir(path: str | Path) -> bool:

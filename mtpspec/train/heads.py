@@ -287,7 +287,8 @@ def head_config(target, cfg: HeadConfig) -> DraftHeadConfig:
         if not isinstance(target.config, DenseConfig) or cfg.kind != "mtp":
             raise ConfigError("--layer target makes an MTP head with the target's own decoder layer: a dense target "
                               f"(Llama / Qwen3 / Gemma 3) and --kind mtp (got {type(target.config).__name__}, --kind {cfg.kind})")
-        dense = {**asdict(target.config), "num_layers": 1, "layer_windows": [0], "row_kernels": False}
+        windows = target.config.layer_windows
+        dense = {**asdict(target.config), "num_layers": 1, "layer_windows": list(windows[-1:]), "row_kernels": False}  # its last layer's
     elif cfg.layer != "own":
         raise ConfigError(f"--layer is 'own' or 'target', got {cfg.layer!r}")
     return DraftHeadConfig(
