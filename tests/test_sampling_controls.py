@@ -1,0 +1,146 @@
+"""Sampling controls (repetition / frequency / presence penalties, min_p, logit_bias, banned ids, min_tokens) stay
+lossless under every drafter: each verify row and each draft step is transformed with its own context.
+
+- Greedy: ngram, mtp (chain and token tree) and the batched engine (3 sequences) give exactly plain greedy's
+  tokens under each control, on the tiny hybrid of test_mtp_lossless.py; the control changes plain's output.
+- Sampling: the first two tokens of mtp runs follow the exact joint distribution of plain sampling under each
+  control (chi-square and total variation, as test_mtp_lossless.py's distribution test).
+- The params are checked strictly; the transform itself matches a hand computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpspec.drafters import make_drafter
+from mtpspec.engine import Engine, generate_tokens
+from mtpspec.errors import ConfigError
+from mtpspec.sampling import Sampler, SamplingParams
+from test_mtp_lossless import V, _chi_square_ok, _exact_two_token_distribution, model  # noqa: F401 (fixture)
+
+PROMPTS = [[2, 9, 4, 2, 9, 4, 2, 9], [1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]]
+N = 24
+STOP = 4  # a token plain greedy emits early after PROMPTS[0] (checked): min_tokens holds it back
+CONTROLS = {
+    "repetition": dict(repetition_penalty=1.8),
+    "frequency": dict(frequency_penalty=1.5),
+    "presence": dict(presence_penalty=2.0),
+    "min_p": dict(min_p=0.3),
+    "logit_bias": dict(logit_bias={3: 3.0, 9: -4.0, 11: 1.5}),
+    "banned": dict(banned_ids=(2, 9)),
+    "min_tokens": dict(min_tokens=12),
+}
+
+
+def run(model, prompt, drafter, k, params, seed=0, n=N, **opts):
+    return generate_tokens(model, prompt, make_drafter(drafter, model, **opts), k, Sampler(params, seed), n, (STOP,))
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_greedy_equals_plain_greedy_under_the_control(model, control):
+    params = SamplingParams(**CONTROLS[control])
+    for prompt in PROMPTS:
+        want = run(model, prompt, "none", 1, params).tokens
+        if control != "min_p":  # (min_p never changes an argmax)
+            assert want != run(model, prompt, "none", 1, SamplingParams()).tokens or prompt != PROMPTS[0], control
+        for drafter, k, opts in (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6}), ("mtp", 1, {})):
+            assert run(model, prompt, drafter, k, params, **opts).tokens == want, (control, drafter, opts, prompt)
+    eng = Engine(model, max_batch=3, prefill_chunk=4)
+    ids = [eng.add(p, make_drafter(d, model), Sampler(params), k, N, (STOP,)) for p, d, k in
+           zip(PROMPTS, ("mtp", "ngram", "mtp"), (2, 3, 4))]
+    res = eng.run()
+    assert [res[i].tokens for i in ids] == [run(model, p, "none", 1, params).tokens for p in PROMPTS], control
+
+
+def test_min_tokens_holds_back_the_stop_token(model):
+    free = run(model, PROMPTS[0], "none", 1, SamplingParams())
+    assert free.finish_reason == "stop" and len(free.tokens) < 12
+    held = run(model, PROMPTS[0], "mtp", 3, SamplingParams(min_tokens=12))
+    assert len(held.tokens) >= 12 and STOP not in held.tokens[:12]
+
+
+SAMPLED = {  # each control at T = 0.9 with top-p 0.95 (min_p also holds T = 1.5: more tokens to drop)
+    **{c: {**kw, "temperature": 0.9, "top_p": 0.95} for c, kw in CONTROLS.items()},
+    "min_p": dict(min_p=0.1, temperature=1.5),
+    "min_tokens": dict(min_tokens=2, temperature=0.9),
+}
+
+
+def _distribution_ok(model, params, drafter, k, n_runs, **opts):
+    prompt = [2, 9, 4, 2, 9]
+    joint = _exact_two_token_distribution(model, prompt, params, (STOP,))
+    counts = torch.zeros(V, V)
+    for seed in range(n_runs):
+        r = run(model, prompt, drafter, k, params, seed=seed, n=2, **opts)
+        counts[r.tokens[0], r.tokens[1]] += 1
+    ok, stat, df = _chi_square_ok(counts, joint, n_runs)
+    assert ok, f"chi-square {stat:.1f} with {df} degrees of freedom"
+    tv = 0.5 * (counts.double() / n_runs - joint).abs().sum().item()
+    noise = 0.5 * (2 * joint * (1 - joint) / (torch.pi * n_runs)).sqrt().sum().item()  # E[TV] of exact sampling
+    assert tv < 1.5 * noise, f"total variation {tv:.3f}, sampling noise alone gives ~{noise:.3f}"
+    return joint
+
+
+@pytest.mark.parametrize("control", list(SAMPLED))
+def test_sampling_distribution_under_the_control(model, control):
+    params = SamplingParams(**SAMPLED[control])
+    joint = _distribution_ok(model, params, "mtp", 2, 600)
+    plain = _exact_two_token_distribution(model, [2, 9, 4, 2, 9], SamplingParams(temperature=params.temperature, top_p=params.top_p), (STOP,))
+    assert (joint - plain).abs().sum() > 0.05, "the control should change the distribution"
+
+
+ALL = dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.5, min_p=0.05, logit_bias={3: 2.0},
+           banned_ids=(11,), min_tokens=2, temperature=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter, k, opts", [("ngram", 2, {}), ("mtp", 3, {"tree": 5})])
+def test_sampling_distribution_with_every_control(model, drafter, k, opts):
+    _distribution_ok(model, SamplingParams(**ALL), drafter, k, 1500, **opts)
+
+
+def test_controlled_logits_by_hand():
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                            logit_bias={1: 1.0}, banned_ids=(3,), min_tokens=2)
+    s = Sampler(params).bind([1], stop_ids=(0,), vocab_size=4)
+    s.advance([2])  # generated: one 2
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5], [1.0, 2.0, -1.0, 0.5]])
+    got = s.logits(logits, [[], [2]])  # row 1 after one more 2: two generated, stops allowed
+    inf = float("-inf")
+    want = torch.tensor([[inf, 1.5, -2.0 - 0.75, inf], [1.0, 1.5, -2.0 - 1.0 - 0.25, inf]])
+    assert torch.equal(got, want)
+    assert torch.equal(s.logits(logits, torch.tensor([2])), want)  # a chain: row i after d[:i]
+    with pytest.raises(ConfigError, match="leave no token"):
+        Sampler(SamplingParams(banned_ids=(0, 1, 2, 3))).bind([1], (), 4).logits(logits)
+
+
+def test_min_p_drops_the_unlikely():
+    probs = Sampler(SamplingParams(temperature=1.0, min_p=0.5)).probs(torch.log(torch.tensor([0.5, 0.3, 0.2])))
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0]))
+
+
+def test_no_controls_is_the_same_sampler():
+    s = Sampler(SamplingParams(temperature=0.7, top_k=3))
+    assert s.bind([1, 2], (0,), 8) is s and not s.reads_context
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(repetition_penalty=0), "repetition penalty"), (dict(repetition_penalty=True), "repetition penalty must be a number"),
+    (dict(frequency_penalty=2.5), r"frequency penalty must be in \[-2, 2\]"), (dict(presence_penalty=-3), "presence penalty"),
+    (dict(min_p=1.5), r"min-p must be in \[0, 1\]"), (dict(min_p="0.1"), "min-p must be a number"),
+    (dict(logit_bias={1: 200}), r"\[-100, 100\]"), (dict(logit_bias={-1: 1.0}), "logit bias token ids"),
+    (dict(logit_bias={"1": 1.0}), "logit bias token ids"), (dict(logit_bias=[1, 2]), "logit bias must map"),
+    (dict(banned_ids=(1.5,)), "banned token ids"), (dict(banned_ids=3), "banned ids must be a list"),
+    (dict(min_tokens=-1), "min-tokens"), (dict(min_tokens=1.0), "min-tokens"),
+])
+def test_bad_params_are_one_clear_error(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_ids_outside_the_vocabulary(model):
+    with pytest.raises(ConfigError, match=f"banned token id {V} is outside the model's vocabulary"):
+        run(model, PROMPTS[0], "mtp", 2, SamplingParams(banned_ids=(V,)))
+    with pytest.raises(ConfigError, match="logit bias token id 99"):
+        run(model, PROMPTS[0], "none", 1, SamplingParams(logit_bias={99: 1.0}))
