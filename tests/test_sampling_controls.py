@@ -17,7 +17,8 @@ from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
 from mtpspec.sampling import Sampler, SamplingParams
-from test_mtp_lossless import V, _chi_square_ok, _exact_two_token_distribution, model  # noqa: F401 (fixture)
+from test_mtp_lossless import V, OracleDrafter, _chi_square_ok, _exact_two_token_distribution, model  # noqa: F401 (fixture)
+from test_trees import RandomTree
 
 PROMPTS = [[2, 9, 4, 2, 9, 4, 2, 9], [1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]]
 N = 24
@@ -39,18 +40,28 @@ def run(model, prompt, drafter, k, params, seed=0, n=N, **opts):
 
 @pytest.mark.parametrize("control", list(CONTROLS))
 def test_greedy_equals_plain_greedy_under_the_control(model, control):
+    """ngram, mtp (chain, tree), and oracle chains and trees (the true continuation, corrupted at random: every accept
+    count occurs, so every row's context is read), alone and 3 to a batch."""
     params = SamplingParams(**CONTROLS[control])
-    for prompt in PROMPTS:
-        want = run(model, prompt, "none", 1, params).tokens
-        if control != "min_p":  # (min_p never changes an argmax)
-            assert want != run(model, prompt, "none", 1, SamplingParams()).tokens or prompt != PROMPTS[0], control
+    wants = [run(model, p, "none", 1, params).tokens for p in PROMPTS]
+    if control != "min_p":  # (min_p never changes an argmax)
+        assert wants[0] != run(model, PROMPTS[0], "none", 1, SamplingParams()).tokens, control
+    oracles = lambda p, want, seed: [OracleDrafter(len(p), want + [0] * 8, seed), RandomTree(want + [0] * 8, len(p), V, seed)]  # noqa: E731
+    accepted = 0
+    for prompt, want in zip(PROMPTS, wants):
         for drafter, k, opts in (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6}), ("mtp", 1, {})):
             assert run(model, prompt, drafter, k, params, **opts).tokens == want, (control, drafter, opts, prompt)
+        for seed in range(2):
+            for d in oracles(prompt, want, seed):
+                got = generate_tokens(model, prompt, d, 4, Sampler(params), N, (STOP,))
+                assert got.tokens == want, (control, d.name, seed, prompt)
+                accepted += got.stats.accepted_tokens
+    assert accepted > sum(map(len, wants)) // 2  # the oracles' drafts were accepted: rows past the first were read
     eng = Engine(model, max_batch=3, prefill_chunk=4)
-    ids = [eng.add(p, make_drafter(d, model), Sampler(params), k, N, (STOP,)) for p, d, k in
-           zip(PROMPTS, ("mtp", "ngram", "mtp"), (2, 3, 4))]
+    drafters = [make_drafter("mtp", model), *oracles(PROMPTS[1], wants[1], 0)[:1], oracles(PROMPTS[2], wants[2], 1)[1]]
+    ids = [eng.add(p, d, Sampler(params), 3, N, (STOP,)) for p, d in zip(PROMPTS, drafters)]
     res = eng.run()
-    assert [res[i].tokens for i in ids] == [run(model, p, "none", 1, params).tokens for p in PROMPTS], control
+    assert [res[i].tokens for i in ids] == wants, control
 
 
 def test_min_tokens_holds_back_the_stop_token(model):
