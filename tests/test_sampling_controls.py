@@ -10,9 +10,12 @@ lossless under every drafter: each verify row and each draft step is transformed
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from mtpspec.cli import main
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
@@ -167,3 +170,62 @@ def test_ids_outside_the_vocabulary(model):
         run(model, PROMPTS[0], "mtp", 2, SamplingParams(banned_ids=(V,)))
     with pytest.raises(ConfigError, match="logit bias token id 99"):
         run(model, PROMPTS[0], "none", 1, SamplingParams(logit_bias={99: 1.0}))
+
+
+STORY = dict(repetition_penalty=1.3, frequency_penalty=0.8, presence_penalty=0.4, logit_bias={263: -3.0, 265: 2.0},
+             banned_ids=(267,), min_tokens=30)
+
+
+@pytest.mark.parametrize("drafter, opts", [("draft", {}), ("medusa", {}), ("eagle", {}), ("mtp", {"tree": 8}),
+                                           ("draft", {"tree": 6}), ("medusa", {"tree": 8}), ("lookahead", {})])
+def test_every_drafter_on_real_weights(stories, stories_q80, drafter, opts):
+    """stories260K with its trained heads, its Q8_0 copy as the draft model: greedy equals plain greedy under every
+    control at once; sampled runs are seeded (the same seed, the same tokens)."""
+    dm = stories_q80.module if drafter == "draft" else (f"models/heads/stories260K-{drafter}" if drafter != "lookahead" else None)
+    prompt = "Once upon a time, there was a little girl"
+    want = stories.generate(prompt, max_new_tokens=40, **STORY)
+    assert want.tokens != stories.generate(prompt, max_new_tokens=40).tokens
+    got = stories.generate(prompt, max_new_tokens=40, drafter=drafter, draft_model=dm, k=4, **STORY, **opts)
+    assert got.tokens == want.tokens and got.stats.accepted_tokens > 0
+    sampled = [stories.generate(prompt, max_new_tokens=20, drafter=drafter, draft_model=dm, k=3, temperature=0.8, min_p=0.05,
+                                seed=7, **STORY, **opts).tokens for _ in range(2)]
+    assert sampled[0] == sampled[1] and 267 not in sampled[0]
+
+
+def test_traces_read_the_controlled_rows(model):
+    """A traced greedy step's target choices are the controlled argmaxes: the emitted tokens, row by row."""
+    params = SamplingParams(**CONTROLS["frequency"])
+    for opts in ({}, {"tree": 6}):
+        res = generate_tokens(model, PROMPTS[0], make_drafter("mtp", model, **opts), 3, Sampler(params), N, (STOP,), trace=True)
+        for s in res.steps:
+            assert s.target_choice[: len(s.emitted)] == s.emitted
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--frequency-penalty", "3"], "frequency penalty must be in [-2, 2], got 3.0"),
+    (["--repetition-penalty", "0"], "repetition penalty must be a finite number > 0"),
+    (["--min-p", "2"], "min-p must be in [0, 1], got 2.0"),
+    (["--logit-bias", "3=500"], "logit bias of token 3 must be in [-100, 100], got 500.0"),
+    (["--logit-bias", "3"], "--logit-bias takes ID=BIAS pairs"),
+    (["--ban", "1,x"], "--ban takes token ids"),
+    (["--ban", "512"], "banned token id 512 is outside the model's vocabulary [0, 512)"),
+    (["--min-tokens", "-2"], "min-tokens must be an integer >= 0"),
+])
+def test_cli_flags_are_checked(capsys, assets, flags, message):
+    m = assets / "models"
+    try:
+        rc = main(["generate", "hi", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"), *flags])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_runs_with_the_controls(capsys, assets, stories):
+    m = assets / "models"
+    flags = ["--repetition-penalty", "1.3", "--frequency-penalty", "0.8", "--presence-penalty", "0.4", "--logit-bias",
+             "263=-3,265=2", "--ban", "267", "--min-tokens", "30"]
+    assert main(["generate", "Once upon a time, there was a little girl", "--model", str(m / "stories260K.bin"), "--tokenizer",
+                 str(m / "tok512.bin"), "--drafter", "ngram", "--max-new-tokens", "40", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == stories.generate("Once upon a time, there was a little girl", max_new_tokens=40, **STORY).tokens
