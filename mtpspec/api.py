@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import check_compilable, compile_model
 from .quant import check_quant, quantize
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 from .threads import apply_threads, check_threads, resolve_threads
 from .types import GenerationResult
 
@@ -118,7 +118,7 @@ class Model:
         if not isinstance(cfg.exact, bool):
             raise ConfigError(f"exact must be True or False, got {cfg.exact!r}")
         max_batch = check_count("max batch", max_batch, 1)
-        SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)  # checked before any work
+        cfg.sampling()  # checked before any work
         apply_threads(n_threads)
         return Engine(self.module, max_batch, cfg.exact, depth_policy), k, depth_policy
 
@@ -126,7 +126,7 @@ class Model:
         check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
         ids = [int(t) for t in ids]  # (numpy integers too)
         d = make_drafter(cfg.drafter, self.module, draft_model=draft_model_arg(cfg.draft_model, cfg.drafter), **cfg.options)
-        sampler = Sampler(SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p), cfg.seed + index)
+        sampler = Sampler(cfg.sampling(), cfg.seed + index)
         return engine.add(ids, d, sampler, k, cfg.max_new_tokens, self.tokenizer.stop_ids, callback, cfg.trace)
 
 

@@ -74,6 +74,28 @@ def parse_tree(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--tree must be a node budget (an integer) or 'auto', got {text!r}") from None
 
 
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias ID=BIAS,... -> {id: bias} (the ranges are SamplingParams')."""
+    out: dict[int, float] = {}
+    for item in text.split(","):
+        tid, eq, bias = item.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS pairs separated by commas (3=-1.5,17=2), got {item!r}") from None
+    return out
+
+
+def parse_ids(text: str) -> tuple[int, ...]:
+    """--ban ID,... -> token ids."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ban takes token ids separated by commas (3,17), got {text!r}") from None
+
+
 THREADS_RULE = ("chosen per model: 1 under 256 MiB of weights (unless --compile) or on a busy machine, else the idle cores "
                 "(mtpspec.threads)")
 
@@ -131,6 +153,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (default); T -> 0 samples among tied argmaxes, inf uniformly over the allowed tokens")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than MIN_P x the most likely one (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: the logits of tokens in the prompt or generated divided by it (> 0) or multiplied (< 0) (default 1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from a token's logit once per time it was generated (default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from the logit of every token generated at least once (default 0)")
+    p.add_argument("--logit-bias", type=parse_logit_bias, default={}, metavar="ID=BIAS,...",
+                   help="added to those tokens' logits, each in [-100, 100]")
+    p.add_argument("--ban", type=parse_ids, default=(), metavar="ID,...", help="token ids never generated")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many new tokens (default 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, an integer in [0, 2**64)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--exact", action="store_true",
@@ -165,7 +198,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     """Model.generate keyword arguments; drafter options left unset are None (make_drafter skips them)."""
     return dict(
         drafter=args.drafter, k=args.k, draft_model=args.draft_model, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, logit_bias=args.logit_bias, banned_ids=args.ban, min_tokens=args.min_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
         tree=args.tree, tree_beam=args.tree_beam, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
         suffix_shared=args.suffix_shared, sparse_select=args.sparse_select, mtp_lookup=args.mtp_lookup,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import ConfigError
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,26 @@ class GenerationConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off; the rest: sampling.SamplingParams (each row with its own context, lossless)
+    repetition_penalty: float = 1.0  # 1 = off; over prompt + generated tokens
+    frequency_penalty: float = 0.0  # in [-2, 2], over generated tokens
+    presence_penalty: float = 0.0  # in [-2, 2], over generated tokens
+    logit_bias: dict = field(default_factory=dict)  # {token id: bias in [-100, 100]}
+    banned_ids: tuple = ()  # token ids never generated
+    min_tokens: int = 0  # no stop token before this many new tokens
     seed: int = 0  # the sampler's RNG (each sequence of a batch: seed + its index)
     max_new_tokens: int = 256
     exact: bool = False  # every position computed as a one-token step computes it: bitwise batch / k invariant
     trace: bool = False  # record per-step probabilities and timings (traces, the verify page)
     threads: int | None = None  # torch threads; None = the model's (mtpspec.threads)
     options: dict = field(default_factory=dict)  # the drafter's options (ngram_min, draft_vocab, ...)
+
+    def sampling(self) -> SamplingParams:
+        """The sampling params these fields ask for (a ConfigError names a bad one)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, logit_bias=self.logit_bias, banned_ids=self.banned_ids,
+                              min_tokens=self.min_tokens)
 
     def with_overrides(self, **kw) -> "GenerationConfig":
         """A copy with fields replaced; keywords that are not fields join `options`."""

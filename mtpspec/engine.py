@@ -32,7 +32,7 @@ from .metrics import Metrics
 from .models.batch import TreeLayout
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
-from .tree import kept_rows, verify_tree, verify_tree_lazily
+from .tree import kept_rows, row_paths, verify_tree, verify_tree_lazily
 from .verify import verify, verify_greedy_many
 
 
@@ -89,7 +89,8 @@ class Sequence:
     def __init__(self, sid: int, target: Target, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int,
                  max_new_tokens: int, stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
                  trace: bool = False, logprobs: int | None = None) -> None:
-        self.id, self.drafter, self.sampler, self.k = sid, drafter, sampler, min(k, target.max_seq_len)
+        self.id, self.drafter, self.k = sid, drafter, min(k, target.max_seq_len)
+        self.sampler = sampler.bind(prompt, stop_ids, getattr(target, "vocab_size", None))  # its own context (the controls')
         self.prompt, self.max_new_tokens, self.stop_ids = list(prompt), max_new_tokens, stop_ids
         self.on_tokens, self.trace, self.logprobs = on_tokens, trace, logprobs
         self.cache = target.new_cache()
@@ -157,7 +158,8 @@ class Sequence:
         if draft.is_tree:  # `out` holds the kept rows only; `full`, every row of the tree's verify window
             step = replace(step, draft_parents=draft.parents.tolist(), path=[r - 1 for r in verdict.path])
         if self.trace:
-            step = _traced(step, out.logits, draft, t0 - self.metrics.start, self.sampler, None if full is None else full.logits)
+            step = _traced(step, out.logits, draft, verdict, t0 - self.metrics.start, self.sampler, None if full is None else full.logits)
+        self.sampler.advance(kept)  # after the trace: it reads the rows with this step's context
         self.steps.append(step)
         self.pending = emitted  # handed to on_tokens once the step's clock has stopped (a slow reader is not engine time)
         if self.logprobs is not None:
@@ -208,17 +210,22 @@ def _cut(tokens: list[int], stop_ids: tuple[int, ...], budget: int) -> tuple[lis
     return tokens[:budget], ("length" if len(tokens) >= budget else None)
 
 
-def _traced(step: StepRecord, logits: Tensor, draft: Draft, start: float, sampler: Sampler, tree_logits: Tensor | None = None) -> StepRecord:
+def _traced(step: StepRecord, logits: Tensor, draft: Draft, verdict: Verdict, start: float, sampler: Sampler,
+            tree_logits: Tensor | None = None) -> StepRecord:
     """The step with what a trace shows: the target's probabilities p (D+1, V) and argmaxes.
 
-    p is softmax(logits) when greedy (the target's confidence), else the sampling distribution itself.
-    A tree: logits are its kept rows; a node's p comes from its parent's row of the whole window (tree_logits).
+    p is softmax(logits) when greedy (the target's confidence; after the sampling controls), else the sampling
+    distribution itself. A tree: logits are its kept rows; a node's p comes from its parent's row of the whole
+    window (tree_logits). Each row with its own context (sampling.Paths).
     """
-    probs = lambda lg: torch.softmax(lg.float(), dim=-1) if sampler.params.greedy else sampler.probs(lg)  # noqa: E731
-    p = probs(logits)  # (D+1, V)
+    def probs(lg: Tensor, paths) -> Tensor:
+        return torch.softmax(sampler.logits(lg, paths).float(), dim=-1) if sampler.params.greedy else sampler.probs(lg, paths)
+
     d = draft.size
+    p = probs(logits, verdict.tokens if draft.is_tree else draft.tokens)  # (D+1, V) (a tree's kept rows: its accepted path)
     if draft.is_tree:
-        p_draft = probs(tree_logits)[draft.parents + 1, draft.tokens].tolist()  # (N,) at each node's parent row
+        paths = row_paths(draft.tokens.tolist(), draft.parents.tolist()) if sampler.reads_context else None
+        p_draft = probs(tree_logits, paths)[draft.parents + 1, draft.tokens].tolist()  # (N,) at each node's parent row
     else:
         p_draft = p[torch.arange(d), draft.tokens].tolist()  # (D,)
     p_emitted = p[torch.arange(len(step.emitted)), torch.tensor(step.emitted, dtype=torch.long)].tolist()
@@ -265,10 +272,10 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     if trees and exact:
         raise ConfigError("token trees are not available in exact mode (its verify pass is one-position forwards)")
     # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
-    heads_later = [d.is_tree and not s.trace and s.sampler.params.greedy for d, s in zip(drafts, seqs)]
+    heads_later = [d.is_tree and not s.trace and s.sampler.params.greedy and not s.sampler.reads_context for d, s in zip(drafts, seqs)]
     outs = verify_pass(target, storage, [s.cache for s in seqs], tokens, layouts, heads_later, exact)  # 2. ONE pass
     lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
-    if all(s.sampler.params.greedy for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
+    if all(s.sampler.params.greedy and not s.sampler.reads_context for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
         verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())
     else:
         verdicts = []

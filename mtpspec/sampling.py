@@ -2,10 +2,19 @@
 
 The lossless guarantee of rejection sampling holds for the distribution both sides are drawn from,
 so the target (p) and the drafter (q) must go through exactly this transform with the same params.
+
+Context controls (repetition / frequency / presence penalties, logit_bias, banned ids, min_tokens) read what came
+before the row they transform, so every row is transformed with its own context: a verify window's row i sees the
+committed tokens plus draft tokens 0..i-1 (a token tree's row: the tokens on its node's path), a drafter's step j the
+committed tokens plus its own drafts 0..j-1 (`Paths`). The speculative output then has exactly plain sampling's
+distribution under the same controls, and greedy output is exactly plain greedy's (the argmax of the controlled
+logits). Each sequence's sampler is bound to its prompt (`Sampler.bind`) and told what it emits (`advance`).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -32,15 +41,35 @@ def _real(name: str, v) -> None:
         raise ConfigError(f"{name} must be a number, got {v!r}")
 
 
+def _token_id(name: str, t) -> int:
+    if not isinstance(t, Integral) or isinstance(t, bool) or t < 0:
+        raise ConfigError(f"{name} token ids must be integers >= 0, got {t!r}")
+    return int(t)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature limits: T -> 0+ samples uniformly among the tied argmaxes (one-hot without ties),
     T = inf (or a T too large for logits / T to differ from 0) uniformly over the allowed tokens (top-k / top-p / a draft
-    vocabulary still apply); neither ever gives NaN. T = 0 is greedy decoding."""
+    vocabulary still apply); neither ever gives NaN. T = 0 is greedy decoding.
+
+    The logits of a row go through, in this order (vLLM's): logit_bias added; repetition_penalty over the tokens present
+    in the prompt and the generated tokens (HF / vLLM / llama.cpp: a logit > 0 divided by it, one < 0 multiplied);
+    frequency_penalty * count and presence_penalty * [count > 0] subtracted, counting generated tokens only (OpenAI);
+    banned_ids, and the sequence's stop ids while fewer than min_tokens tokens were generated, set to -inf. Then
+    temperature, top-k, top-p, and min_p (tokens of probability < min_p * the largest dropped; the largest survives,
+    so greedy decoding is the argmax of the controlled logits). "Generated" includes the drafts before the row."""
 
     temperature: float = 0.0  # 0 = greedy (argmax); > 0 = sample from softmax(logits / T)
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest prefix of sorted tokens with mass >= top_p; 1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs; a {id: bias} mapping is taken too
+    banned_ids: tuple[int, ...] = ()  # token ids never sampled
+    min_tokens: int = 0  # no stop token before this many new tokens
 
     def __post_init__(self) -> None:
         _real("temperature", self.temperature)
@@ -53,14 +82,115 @@ class SamplingParams:
             raise ConfigError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        for name, v in (("min-p", self.min_p), ("repetition penalty", self.repetition_penalty),
+                        ("frequency penalty", self.frequency_penalty), ("presence penalty", self.presence_penalty)):
+            _real(name, v)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ConfigError(f"min-p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            raise ConfigError(f"repetition penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for name, v in (("frequency penalty", self.frequency_penalty), ("presence penalty", self.presence_penalty)):
+            if not (-2.0 <= v <= 2.0):
+                raise ConfigError(f"{name} must be in [-2, 2], got {v}")
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = tuple(bias.items())
+        if not isinstance(bias, (tuple, list)) or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in bias):
+            raise ConfigError(f"logit bias must map token ids to numbers ({{id: bias}}), got {self.logit_bias!r}")
+        for t, b in bias:
+            _token_id("logit bias", t)
+            _real(f"logit bias of token {t}", b)
+            if not (-100.0 <= b <= 100.0):
+                raise ConfigError(f"logit bias of token {t} must be in [-100, 100], got {b}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ConfigError("logit bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if isinstance(self.banned_ids, (str, bytes)) or not isinstance(self.banned_ids, Sequence):
+            raise ConfigError(f"banned ids must be a list of token ids, got {self.banned_ids!r}")
+        object.__setattr__(self, "banned_ids", tuple(_token_id("banned", t) for t in self.banned_ids))
+        if not isinstance(self.min_tokens, Integral) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ConfigError(f"min-tokens must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def controls(self) -> bool:
+        """Whether any logit control is on: then each row is transformed with its own context (`Sampler.bind`)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.banned_ids or self.min_tokens)
+
+
+# What each row of a window saw beyond the committed context: None, nothing (every row right after it); a 1-D tensor
+# d, a chain's drafts (row i after d[:i]); a list, row r's own tokens (a tree node's path, a drafter's drafts so far).
+Paths = Tensor | Sequence[Sequence[int]] | None
+
+
+class History:
+    """What the context controls read of one sequence's committed tokens: the tokens present (prompt + generated),
+    the generated tokens' counts, and how many were generated."""
+
+    def __init__(self, prompt: Sequence[int], vocab_size: int) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
+        self.seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab_size)  # (V,) float32
+        self.generated = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        t = torch.as_tensor(list(tokens), dtype=torch.long)  # (n,)
+        self.seen[t] = True
+        self.counts.index_put_((t,), torch.ones(t.shape[0]), accumulate=True)
+        self.generated += t.shape[0]
+
+
+def _row_paths(paths: Paths, rows: int) -> list[list[int]]:
+    if paths is None:
+        return [[] for _ in range(rows)]
+    if isinstance(paths, Tensor):  # a chain: row i after its first i drafts
+        d = paths.tolist()
+        return [d[:i] for i in range(rows)]
+    if len(paths) != rows:
+        raise ValueError(f"{len(paths)} paths for {rows} rows")
+    return [[int(t) for t in p] for p in paths]
+
+
+def controlled_logits(logits: Tensor, params: SamplingParams, history: History, stop_ids: tuple[int, ...],
+                      paths: Paths = None) -> Tensor:
+    """(..., V) logits -> (..., V) float32 logits after the context controls (SamplingParams' order), row r seeing the
+    committed context (`history`) plus paths' row r."""
+    shape = logits.shape
+    x = logits.float().reshape(-1, shape[-1]).clone()  # (R, V)
+    rows = _row_paths(paths, x.shape[0])
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        x[:, list(ids)] += torch.tensor(bias)
+    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        r_idx = torch.tensor([r for r, p in enumerate(rows) for _ in p], dtype=torch.long)
+        t_idx = torch.tensor([t for p in rows for t in p], dtype=torch.long)
+        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0]), accumulate=True)  # (R, V)
+        if params.repetition_penalty != 1.0:
+            r = params.repetition_penalty
+            seen = history.seen | (extra > 0)  # (R, V) prompt + generated + the row's path
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        if params.frequency_penalty or params.presence_penalty:
+            counts = history.counts + extra  # (R, V) generated only
+            x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.banned_ids:
+        x[:, list(params.banned_ids)] = float("-inf")
+    if params.min_tokens and stop_ids:
+        early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows])  # (R,)
+        if bool(early.any()):
+            x[early.nonzero()[:, :1], torch.tensor(stop_ids)] = float("-inf")
+    if bool((x == float("-inf")).all(-1).any()):
+        raise ConfigError("the sampling controls leave no token to sample (banned ids and min-tokens' stop ids cover the "
+                          "whole vocabulary)")
+    return x.reshape(shape)
+
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p (greedy: a one-hot)."""
+    """(..., V) logits (after the context controls) -> (..., V) float32 probabilities after temperature, top-k, top-p
+    and min-p (greedy: a one-hot)."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -79,6 +209,9 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         drop_sorted[..., 0] = False  # ... even when top_p is below float32's range (compared as 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)  # the largest survives
         probs = probs / probs.sum(-1, keepdim=True)
     if not bool(torch.isfinite(probs).all()):  # only from non-finite logits: the model itself is broken
         raise ModelLoadError("the model produced non-finite logits (NaN or inf): its weights are broken or overflow this dtype")
@@ -99,15 +232,54 @@ def _scale(logits: Tensor, t: float) -> Tensor:
 
 
 class Sampler:
-    """Owns the sampling params and the seeded generator, so a run with the same seed reproduces."""
+    """Owns the sampling params and the seeded generator, so a run with the same seed reproduces.
+
+    With context controls on, each sequence samples through its own bound copy (`bind`: its prompt, stop ids and
+    emitted tokens, sharing this generator); without them `bind` returns the sampler itself and no context is read."""
 
     def __init__(self, params: SamplingParams, seed: int = 0) -> None:
         self.params = params
         self.seed = check_seed(seed)
         self.generator = torch.Generator().manual_seed(self.seed)
+        self.history: History | None = None  # set on a bound copy
+        self.stop_ids: tuple[int, ...] = ()
 
-    def probs(self, logits: Tensor) -> Tensor:
-        return logits_to_probs(logits, self.params)
+    def bind(self, prompt: Sequence[int], stop_ids: Sequence[int], vocab_size: int | None) -> "Sampler":
+        """The sampler of one sequence after `prompt`, whose generation ends at `stop_ids` (min_tokens bans them)."""
+        if not self.params.controls:
+            return self
+        if vocab_size is None:
+            raise ConfigError("sampling controls need the model's vocabulary size (the target has no vocab_size)")
+        for name, ids in (("logit bias", [t for t, _ in self.params.logit_bias]), ("banned", self.params.banned_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ConfigError(f"{name} token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+        bound = copy.copy(self)
+        bound.history = History(prompt, vocab_size)
+        bound.stop_ids = tuple(int(t) for t in stop_ids if 0 <= t < vocab_size)
+        return bound
+
+    @property
+    def reads_context(self) -> bool:
+        """Whether a row's transform depends on what came before it (then greedy choices are argmaxes of `logits`)."""
+        return self.history is not None
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The sequence committed `tokens` (its context grew by them)."""
+        if self.history is not None:
+            self.history.add(tokens)
+
+    def logits(self, logits: Tensor, paths: Paths = None) -> Tensor:
+        """(..., V) -> the logits after the context controls (row r after paths' row r); themselves when none are on."""
+        if self.history is None:
+            if self.params.controls:
+                raise ConfigError("sampling controls need the sequence's context: use Sampler.bind(prompt, stop_ids, vocab_size)")
+            return logits
+        return controlled_logits(logits, self.params, self.history, self.stop_ids, paths)
+
+    def probs(self, logits: Tensor, paths: Paths = None) -> Tensor:
+        """(..., V) logits -> (..., V) the sampling distribution of each row (row r after paths' row r)."""
+        return logits_to_probs(self.logits(logits, paths), self.params)
 
     def sample(self, probs: Tensor) -> Tensor:
         """(..., V) probabilities -> (...,) int64 token ids (argmax when greedy)."""

@@ -11,7 +11,8 @@ the target's choice (bonus): exactly plain greedy decoding. Sampling (SpecInfer'
 are tried in order, child x (drawn from q; a point mass at x where the drafter gives none) accepted with probability
 min(1, p(x) / q(x)), a rejection replacing p by norm(max(p - q, 0)); when all are rejected the token is drawn from what
 is left of p. Children with a q must be drawn independently from that q, children without one must be distinct: then
-every emitted token has the target's distribution. The accepted rows are moved to the front of the window (`keep`: KV
+every emitted token has the target's distribution. Each row is transformed with its node's path as the context beyond
+the committed tokens (`row_paths`; sampling.py's context controls). The accepted rows are moved to the front of the window (`keep`: KV
 entries copied, a Gated DeltaNet's per-row records re-indexed) and the cache cropped to them, as after a chain.
 """
 
@@ -67,6 +68,14 @@ class GrowingTree:
         self.scores.append(score)
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
         return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root to `node`, itself included (its context beyond the committed tokens)."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def rows_for(self, nodes: list[int]) -> TreeRows | None:
         """The attention of new cache entries for `nodes` (appended in this order): each sees the committed
@@ -348,11 +357,20 @@ def verify_tree_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
     return Verdict(num_accepted=len(path), tokens=torch.tensor(out), num_drafted=len(tokens), path=tuple(path))
 
 
+def row_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """The tokens on the path to each row of a tree's verify window (row 0, the root: none; row i + 1: node i's)."""
+    paths = [[]]
+    for t, p in zip(tokens, parents):
+        paths.append(paths[p + 1] + [t])
+    return paths
+
+
 def verify_tree(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
     """A tree draft against the target's logits (T, V) over its verify window."""
+    paths = row_paths(draft.tokens.tolist(), draft.parents.tolist()) if sampler.reads_context else None
     if sampler.params.greedy:
-        return verify_tree_greedy(draft, p_logits.argmax(-1).tolist())
-    return verify_tree_sampling(draft, sampler.probs(p_logits), sampler)
+        return verify_tree_greedy(draft, sampler.logits(p_logits, paths).argmax(-1).tolist())
+    return verify_tree_sampling(draft, sampler.probs(p_logits, paths), sampler)
 
 
 def kept_rows(verdict: Verdict) -> list[int]:

@@ -8,6 +8,9 @@ Sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): draft x_i ~ q_i is a
 probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the recovered token is drawn from
 norm(max(p_i - q_i, 0)); if all survive the bonus is drawn from p_D. The emitted stream then has
 exactly the target's distribution. A drafter without q is a point mass at its token (q(x) = 1).
+
+Row i of the window is transformed (sampling.py's context controls) with the committed context plus d1..di as its
+context: the distribution, or the argmax, a plain step would have there.
 """
 
 from __future__ import annotations
@@ -69,5 +72,5 @@ def verify_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
 def verify(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
     """draft (D tokens, q (D, V) or None), p_logits (D+1, V) -> Verdict (n accepted + 1 token)."""
     if sampler.params.greedy:
-        return verify_greedy(draft.tokens, p_logits)
-    return verify_sampling(draft, sampler.probs(p_logits), sampler)
+        return verify_greedy(draft.tokens, sampler.logits(p_logits, draft.tokens))  # row i after d1..di
+    return verify_sampling(draft, sampler.probs(p_logits, draft.tokens), sampler)

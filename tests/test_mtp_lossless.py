@@ -118,9 +118,9 @@ def test_model_without_mtp_is_a_clear_error():
         make_drafter("mtp", m)
 
 
-def _exact_two_token_distribution(model, prompt, params):
-    """P(t1, t2) of plain sampling after `prompt`: (V, V)."""
-    s = Sampler(params)
+def _exact_two_token_distribution(model, prompt, params, stop_ids=()):
+    """P(t1, t2) of plain sampling after `prompt` (its second token with t1 in its context): (V, V)."""
+    s = Sampler(params).bind(prompt, stop_ids, V)
     cache = model.new_cache()
     p1 = s.probs(model.forward_tokens(torch.tensor(prompt), cache).logits[-1])  # (V,)
     joint = torch.zeros(V, V, dtype=torch.float64)
@@ -128,7 +128,7 @@ def _exact_two_token_distribution(model, prompt, params):
         if p1[t1] == 0:
             continue
         c = model.new_cache()
-        p2 = s.probs(model.forward_tokens(torch.tensor(prompt + [t1]), c).logits[-1])
+        p2 = s.probs(model.forward_tokens(torch.tensor(prompt + [t1]), c).logits[-1], [[t1]])
         joint[t1] = p1[t1].double() * p2.double()
     return joint
 

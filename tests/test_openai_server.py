@@ -216,7 +216,7 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ({"prompt": [1, 99999]}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),

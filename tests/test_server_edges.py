@@ -163,11 +163,27 @@ def test_json_with_a_charset_is_json(server):
 PLAIN = [
     ("/v1/completions", {"prompt": "\ud800 x"}, "prompt", "prompt: not valid Unicode text (a lone surrogate)"),
     ("/v1/completions", {"prompt": [True]}, "prompt", "prompt: must be a string, a list of token ids"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty",
-     "frequency_penalty is not supported yet; send 0 or omit it"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": -1}, "presence_penalty",
-     "presence_penalty is not supported yet; send 0 or omit it"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported yet; send {} or omit it"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty",
+     "frequency_penalty: must be a number in [-2, 2], got 2.5"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -3}, "presence_penalty", "presence_penalty: must be a number in [-2, 2], got -3"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": "1"}, "presence_penalty", "presence_penalty: must be a number in [-2, 2]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias",
+     "logit_bias: the bias of token 5 must be a number in [-100, 100], got 500"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": float("nan")}}, "logit_bias",
+     "logit_bias: the bias of token 5 must be a number in [-100, 100], got nan"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, "logit_bias", 'logit_bias: must be an object {"token id": bias}'),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias",
+     "logit_bias: key 'five' is not a token id in the vocabulary [0, 512)"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"512": 1}}, "logit_bias",
+     "logit_bias: key '512' is not a token id in the vocabulary [0, 512)"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p: must be a number in [0, 1], got 1.5"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty: must be a finite number > 0 (1: off), got 0"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens: must be an integer >= 0, got -1"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens",
+     "min_tokens: 9 is more than the max_tokens asked for (4)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1.5}, "min_tokens",
+     "min_tokens: must be an integer >= 0, got 1.5"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n: only 1 is supported"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "echo is not supported yet"),
     ("/v1/completions", {"prompt": "x", "temperature": 3}, "temperature", "temperature: must be a number in [0, 2], got 3"),
@@ -193,6 +209,34 @@ def test_errors_speak_the_clients_words(server, path, body, param, message):
     assert err["param"] == param and err["message"].startswith(message), err
     for library in ("function-after", "unicode_text", "should be", "Input should", "items", "constrained", "list[int]"):
         assert library not in err["message"], err
+
+
+CONTROLS = [  # the sampling controls: a greedy answer is plain greedy's under them (the server drafts with ngram, k=3)
+    {"frequency_penalty": 1.5}, {"presence_penalty": 2}, {"repetition_penalty": 1.6}, {"min_p": 0.2},
+    {"logit_bias": {"5": 100}}, {"logit_bias": {"444": -100, "335": 8.5}}, {"min_tokens": 40, "frequency_penalty": -1},
+]
+
+
+@pytest.mark.parametrize("fields", CONTROLS, ids=[",".join(c) for c in CONTROLS])
+def test_sampling_controls_are_plain_greedys(server, stories, fields):
+    kw = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in fields.items()}
+    want = stories.generate(PROMPTS[1], max_new_tokens=40, **kw)
+    r = post(server[0], "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.text
+    assert want.tokens != stories.generate(PROMPTS[1], max_new_tokens=40).tokens or "min_p" in fields  # the control acted
+    if "logit_bias" in fields and fields["logit_bias"].get("5") == 100:
+        assert set(want.tokens) == {5}
+
+
+def test_sampling_controls_in_a_chat_and_sampled(server):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.8, "seed": 3,
+            "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"7": -2}, "min_p": 0.05,
+            "repetition_penalty": 1.2, "min_tokens": 2}
+    r = post(server[0], "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 2
+    assert post(server[0], "/v1/chat/completions", chat).json()["choices"] == r.json()["choices"]  # seeded: reproducible
 
 
 def _requests_counted(url: str) -> dict[str, float]:

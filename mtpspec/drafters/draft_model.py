@@ -68,10 +68,10 @@ class DraftModelDrafter:
             self.snap = self.cache.snapshot()
         tokens, qs = [], []
         for i in range(k):
-            if sampler.params.greedy:
-                x = logits.argmax(-1)
+            if sampler.params.greedy:  # (after the controls, with this round's drafts so far as context)
+                x = sampler.logits(logits, [tokens]).argmax(-1)
             else:
-                q = sampler.probs(logits)  # (V,) same transform as the target's p
+                q = sampler.probs(logits, [tokens])  # (V,) same transform as the target's p, at the same context
                 x = sampler.sample(q)
                 qs.append(q)
             tokens.append(x)
@@ -89,12 +89,14 @@ class DraftModelDrafter:
 
         grown = GrowingTree(self.cache.length)
 
-        def top(lg: Tensor) -> tuple[Tensor, Tensor]:  # (n, V) -> the draft's best guesses: log q, ids (n, branch)
-            return top_guesses(lg, branch) if self.sampler.params.greedy else self.sampler.probs(lg).log().topk(branch, dim=-1)
+        def top(lg: Tensor, paths=None) -> tuple[Tensor, Tensor]:  # (n, V) -> the draft's best guesses: log q, ids (n, branch)
+            if self.sampler.params.greedy:
+                return top_guesses(self.sampler.logits(lg, paths), branch)
+            return self.sampler.probs(lg, paths).log().topk(branch, dim=-1)
 
         def expand(nodes: list[int]) -> tuple[Tensor, Tensor]:
             out = self.model.forward_tokens(torch.tensor([grown.tokens[n] for n in nodes]), self.cache, tree=grown.rows_for(nodes))
-            return top(out.logits)
+            return top(out.logits, [grown.path(n) for n in nodes] if self.sampler.reads_context else None)
 
         branch = tree_branch(self.tree_beam)
         self.ranks = self.ranks or RankAcceptance(branch)

@@ -52,10 +52,23 @@ class MedusaDrafter:
         budget = tree_budget(self.tree, self.sizer)
         if budget is not None:
             return self._tree(logits, budget)
+        if self.sampler.reads_context:  # head j's row after the drafts before it, as the target's row j
+            return self._in_context(logits)
         if self.sampler.params.greedy:
             return Draft(tokens=logits.argmax(-1))
         q = self.sampler.probs(logits)  # (k, V) the same transform as p
         return Draft(tokens=self.sampler.sample(q), q=q)
+
+    def _in_context(self, logits: Tensor) -> Draft:
+        """logits (k, V) -> the chain drawn head by head, row j transformed after drafts 0..j-1 (the context controls)."""
+        tokens, qs = [], []
+        for row in logits:
+            if self.sampler.params.greedy:
+                tokens.append(self.sampler.logits(row, [tokens]).argmax(-1))
+                continue
+            qs.append(self.sampler.probs(row, [tokens]))  # (V,)
+            tokens.append(self.sampler.sample(qs[-1]))
+        return Draft(tokens=torch.stack(tokens), q=torch.stack(qs) if qs else None)  # (k,), q (k, V)
 
     def _tree(self, logits: Tensor, budget: int) -> Draft:
         """Block j's top guesses as the children of every node at depth j (the blocks do not read the drafts

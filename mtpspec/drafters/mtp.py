@@ -18,7 +18,8 @@ commit crops each depth to the entries whose inputs were real. That path runs ea
 time: no token trees (refused), no batched or compiled draft step.
 
 Greedy drafts are argmaxes (q None); sampled drafts come from q = sampler.probs (the target's transform),
-returned so rejection sampling stays exact. A draft vocabulary (models/draft_vocab.py) restricts both to its N
+returned so rejection sampling stays exact. Draft step j is transformed with the round's drafts 0..j-1 as its context
+beyond the committed tokens (a tree node: its path), as the target's row j is (sampling.py's context controls). A draft vocabulary (models/draft_vocab.py) restricts both to its N
 most frequent tokens (q zero outside them).
 
 Prompt-lookup shortcut (`lookup=N`, `--mtp-lookup N`, docs/models.md): when the context's last N tokens
@@ -179,7 +180,7 @@ class MTPDrafter:
             return Draft(tokens=tokens, q=None)
         tokens, qs = [], []
         for j in range(k):
-            x, q = self._next(h)
+            x, q = self._next(h, tokens)
             if q is not None:
                 qs.append(q)
             tokens.append(x)
@@ -227,7 +228,7 @@ class MTPDrafter:
         qs: list[list[Tensor]] = [[] for _ in drafters]
         going = list(range(len(drafters)))  # sequences drafting this step
         for j in range(max(ks)):
-            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h)):
+            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h, [tokens[i] for i in going])):
                 tokens[i].append(x)
                 if q is not None:
                     qs[i].append(q)
@@ -250,7 +251,7 @@ class MTPDrafter:
             return Draft.empty()  # (known == 0: the prompt was BOS alone, no hidden state yet)
         tokens, qs = [], []
         for depth in range(1, k + 1):
-            x, q = self._next(self.depths.run(context, tokens, depth))
+            x, q = self._next(self.depths.run(context, tokens, depth), tokens)
             tokens.append(x)
             if q is not None:
                 qs.append(q)
@@ -270,7 +271,7 @@ class MTPDrafter:
             out = self._mtp(parent_h, toks, grown.depth[nodes[0]] % self.n_layers, grown.rows_for(nodes))  # (n, H)
             for n, o in zip(nodes, out):
                 hid[n] = o
-            return self._top(out, branch)
+            return self._top(out, branch, [grown.path(n) for n in nodes] if self.sampler.reads_context else None)
 
         branch = tree_branch(self.tree_beam)
         if self.ranks is None:
@@ -283,19 +284,23 @@ class MTPDrafter:
     def _chains(self) -> bool:
         """Whether this round's drafts come from one compiled graph (CompiledDraftStep.chain): greedy, and a compiled
         one-layer module with dense attention."""
-        return (self.compiled is not None and self.sampler.params.greedy and self.n_layers == 1 and not self.sparse
-                and self.compiled.handles(1, self.cache))
+        return (self.compiled is not None and self.sampler.params.greedy and not self.sampler.reads_context and self.n_layers == 1
+                and not self.sparse and self.compiled.handles(1, self.cache))
 
-    def _top(self, h: Tensor, branch: int) -> tuple[Tensor, Tensor]:
+    def _top(self, h: Tensor, branch: int, paths=None) -> tuple[Tensor, Tensor]:
         """h (n, H) MTP outputs -> the drafter's `branch` best guesses after each: log q values and token ids (n, branch)
-        (a tree ranks its nodes by them). Greedy: the top of the logits (the draft vocabulary's, mapped to ids)."""
-        if self.sampler.params.greedy:
+        (a tree ranks its nodes by them). Greedy: the top of the logits (the draft vocabulary's, mapped to ids).
+        paths: each row's tokens beyond the committed context (sampling.Paths)."""
+        greedy = self.sampler.params.greedy
+        if greedy and not self.sampler.reads_context:
             if self.head is None:
                 return top_guesses(self.target.head(h), branch)
             vals, idx = top_guesses(self.head.logits(h), branch)
             return vals, self.head.token(idx)
         logits = self.target.head(h) if self.head is None else self.head.full(self.head.logits(h))  # (n, V)
-        return self.sampler.probs(logits).log().topk(branch, dim=-1)
+        if greedy:
+            return top_guesses(self.sampler.logits(logits, paths), branch)
+        return self.sampler.probs(logits, paths).log().topk(branch, dim=-1)
 
     def _mtp(self, hidden: Tensor, tokens: Tensor, layer: int, tree=None, sparse: str | None = None) -> Tensor:
         """The MTP over pairs (hidden[i], tokens[i]) at the next cache positions (a token tree's rows: `tree`; a sparse
@@ -310,21 +315,24 @@ class MTPDrafter:
         return out
 
     @staticmethod
-    def _next_many(drafters: list["MTPDrafter"], h: Tensor) -> list[tuple[Tensor, Tensor | None]]:
-        """_next for each drafter's row of h (n, H): one head product for all of them when they are greedy and
-        share a head (the target's, or the same draft-vocabulary head)."""
+    def _next_many(drafters: list["MTPDrafter"], h: Tensor, drafted: list[list[Tensor]]) -> list[tuple[Tensor, Tensor | None]]:
+        """_next for each drafter's row of h (n, H) after its drafts so far: one head product for all of them when they
+        are greedy without context controls and share a head (the target's, or the same draft-vocabulary head)."""
         head = drafters[0].head
-        if all(d.sampler.params.greedy and d.head is head for d in drafters):
+        if all(d.sampler.params.greedy and not d.sampler.reads_context and d.head is head for d in drafters):
             return [(x, None) for x in greedy_draft(drafters[0].target, head, h)]  # (n,) tokens
-        return [d._next(h[i : i + 1]) for i, d in enumerate(drafters)]
+        return [d._next(h[i : i + 1], t) for i, (d, t) in enumerate(zip(drafters, drafted))]
 
-    def _next(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        """h (1, H) MTP output -> the drafted token and q (V,) (None when greedy)."""
+    def _next(self, h: Tensor, drafted: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """h (1, H) MTP output, the round's drafts before it -> the drafted token and q (V,) (None when greedy)."""
         head = self.head
-        if self.sampler.params.greedy:
+        greedy = self.sampler.params.greedy
+        if greedy and not self.sampler.reads_context:
             return greedy_draft(self.target, head, h)[0], None
         logits = self.target.head(h)[0] if head is None else head.full(head.logits(h))[0]  # (V,)
-        q = self.sampler.probs(logits)  # (V,) the same transform as p; zero outside a draft vocabulary
+        if greedy:  # the argmax after the controls (-inf outside a draft vocabulary stays -inf)
+            return self.sampler.logits(logits, [drafted]).argmax(-1), None
+        q = self.sampler.probs(logits, [drafted])  # (V,) the same transform as p; zero outside a draft vocabulary
         return self.sampler.sample(q), q
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:

@@ -33,6 +33,7 @@ from .verify_page import FieldError
 MAX_STOPS = 16
 MAX_STOP_CHARS = 200
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024
 DISCONNECT_POLL_S = 0.25  # how often a request in flight checks that its client is still connected
 
@@ -78,9 +79,14 @@ class Sampling(Body):
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS)] | None = Field(None, description="extension: token ids that end the text")
     seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not supported: only empty")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this from the logit of each token generated before")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this times the count of each token generated before")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description='{"token id": bias in [-100, 100]} added to the logits')
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension (vLLM): drop tokens less likely than min_p x the most likely")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                      description="extension (vLLM): logits of prompt and generated tokens divided (> 0) or multiplied (< 0) by it")
+    min_tokens: int = Field(0, ge=0, description="extension (vLLM): no end-of-text or stop_token_ids token before this many")
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
     @model_validator(mode="before")
@@ -130,9 +136,12 @@ _SHARED_RULES = {
     "seed": "must be an integer in [0, 2**63)",
     "user": "must be a string of at most 256 characters",
     "n": "n: only 1 is supported (one choice per request); send 1 or omit it",
-    "presence_penalty": "presence_penalty is not supported yet; send 0 or omit it",
-    "frequency_penalty": "frequency_penalty is not supported yet; send 0 or omit it",
-    "logit_bias": "logit_bias is not supported yet; send {} or omit it",
+    "presence_penalty": "must be a number in [-2, 2]",
+    "frequency_penalty": "must be a number in [-2, 2]",
+    "logit_bias": f'must be an object {{"token id": bias}} of at most {MAX_LOGIT_BIAS} entries, each bias a number in [-100, 100]',
+    "min_p": "must be a number in [0, 1]",
+    "repetition_penalty": "must be a finite number > 0 (1: off)",
+    "min_tokens": "must be an integer >= 0",
 }
 RULES = {  # route -> field -> "must be ..." (said after the field's name) or a whole message (it starts with the name)
     "/v1/completions": {
@@ -288,7 +297,18 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             if not 0 <= t < vocab:
                 raise FieldError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
         top_k = max(req.top_k, 0)
-        params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p))
+        bias = {}
+        for key, b in (req.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab:
+                raise FieldError("logit_bias", f"key {key[:40]!r} is not a token id in the vocabulary [0, {vocab})")
+            if not -100.0 <= b <= 100.0:
+                raise FieldError("logit_bias", f"the bias of token {key} must be a number in [-100, 100], got {b:g}")
+            bias[int(key)] = b
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise FieldError("min_tokens", f"{req.min_tokens} is more than the max_tokens asked for ({max_tokens})")
+        params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
+                                repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
+                                presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens)
         want = max_tokens if max_tokens is not None else options.max_tokens_default
         return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs)
 
