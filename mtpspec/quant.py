@@ -305,9 +305,8 @@ def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantR
         report.layers[kind] = report.layers.get(kind, 0) + 1
         report.bytes_before += lin.weight.numel() * lin.weight.element_size()
         report.bytes_after += q.qweight.nbytes
-    for m in module.modules():  # copies derived from the old weights (folded MTP, draft-vocabulary heads) are stale
+    for m in module.modules():  # a folded MTP copy of the old weights is stale (a draft vocabulary's head is keyed by its LM head)
         m.__dict__.pop("_fused_mtp", None)
-        m.__dict__.pop("_draft_heads", None)
     return report
 
 

@@ -93,14 +93,14 @@ def test_a_batch_equals_each_prompt_alone(gemma, prompts):
 
 
 def test_the_shipped_head_drafts_by_default_and_accepts(gemma, prompts):
-    """`--drafter mtp` (and `auto`, the default) on the Gemma file drafts with the head trained for it; on a held-out
-    code prompt it accepts most of its first draft."""
+    """`--drafter mtp` (and `auto`, the default) on the Gemma file drafts with the head trained for it (its MODEL_CARD:
+    mean accepted length 1.59 at D = 3 on the held-out prompts); on a held-out code prompt it gains tokens per step."""
     from mtpspec.cli import auto_drafter
 
     assert gemma.module.default_head is not None and auto_drafter(gemma.module) == "mtp"
     res = gemma.generate(list(prompts[0]), drafter="mtp", k=3, max_new_tokens=48)
     assert res.tokens == gemma.generate(list(prompts[0]), drafter="none", max_new_tokens=48).tokens
-    assert res.stats.acceptance_by_position[0] > 0.5, res.stats
+    assert res.stats.mean_accepted_length > 1.25, res.stats
 
 
 def test_sampling_with_the_head_is_the_targets_distribution(gemma):
@@ -118,7 +118,7 @@ def test_sampling_with_the_head_is_the_targets_distribution(gemma):
         joint = {(a, b): float(p1[a]) * float(q) for a in firsts
                  for b, q in enumerate(s.probs(m.forward_tokens(torch.tensor(ids + [a]), m.new_cache()).logits[-1]).tolist()) if q > 0}
     keys = sorted(joint)
-    counts, n, drafted = torch.zeros(len(keys)), 240, 0
+    counts, n, drafted = torch.zeros(len(keys)), 100, 0
     for seed in range(n):
         r = gemma.generate(list(ids), drafter="mtp", k=2, max_new_tokens=2, temperature=1.0, top_k=3, seed=seed)
         counts[keys.index(tuple(r.tokens))] += 1

@@ -19,6 +19,7 @@ from the token counts of its training data):
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,8 +127,11 @@ def make_draft_head(target, size: int | None) -> DraftHead | None:
         )
     lm_head = target.lm_head
     key = (size, weights_version(lm_head.parameters()), id(ranking))
-    cached = target.__dict__.setdefault("_draft_heads", {})  # built once per size, weights version and ranking
+    cached = _HEADS.setdefault(lm_head, {})  # built once per LM head, size, weights version and ranking
     if key not in cached:
         cached.clear()
         cached[key] = DraftHead(lm_head, ranking.top(size))
     return cached[key]
+
+
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # LM head -> {key: its DraftHead}: drafters share it
