@@ -226,7 +226,7 @@ def test_a_dense_head_is_the_targets_layer_started_from_its_last(dense_pair):
         head_config(HybridLM(CFG), HeadConfig(out="", layer="target"))
 
 
-@pytest.mark.parametrize("extra", [{}, {"tree": 6}])
+@pytest.mark.parametrize("extra", [{}, pytest.param({"tree": 6}, marks=pytest.mark.slow)])
 def test_a_dense_head_is_lossless_alone_and_in_a_batch(dense_pair, extra):
     """fp64: every prompt's tokens equal plain greedy's, one at a time and four sequences sharing each forward."""
     from mtpspec.engine import Engine

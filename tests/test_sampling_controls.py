@@ -108,7 +108,9 @@ def _distribution_ok(model, params, drafter, k, n_runs, **opts):
     return joint
 
 
-@pytest.mark.parametrize("control", list(SAMPLED))
+# the default suite keeps two controls' distributions (a count penalty and a logit change); all seven run in make test-slow
+@pytest.mark.parametrize("control", [c if c in ("frequency", "logit_bias") else pytest.param(c, marks=pytest.mark.slow)
+                                     for c in SAMPLED])
 def test_sampling_distribution_under_the_control(model, control):
     params = SamplingParams(**SAMPLED[control])
     joint = _distribution_ok(model, params, "mtp", 2, 600)
