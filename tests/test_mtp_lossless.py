@@ -23,12 +23,17 @@ PROMPTS = [[3], [1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7], list(range(16)) + list(rang
 N = 48
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_hybrid() -> HybridLM:
+    """The tiny hybrid with an MTP module these tests (and test_sampling_controls.py) run on: V = 16."""
     torch.manual_seed(0)
     m = HybridLM(CFG)
     randomize(m, 5)
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hybrid()
 
 
 def run(model, prompt, drafter, k, params=SamplingParams(), seed=0, n=N, **opts):

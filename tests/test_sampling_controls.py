@@ -20,9 +20,7 @@ from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine, generate_tokens
 from mtpspec.errors import ConfigError
 from mtpspec.sampling import Sampler, SamplingParams
-from mtpspec.models.qwen35 import HybridLM
-from qwen35_tiny import randomize
-from test_mtp_lossless import CFG, V, OracleDrafter, _chi_square_ok, _exact_two_token_distribution
+from test_mtp_lossless import V, OracleDrafter, _chi_square_ok, _exact_two_token_distribution, tiny_hybrid
 from test_trees import RandomTree
 
 PROMPTS = [[2, 9, 4, 2, 9, 4, 2, 9], [1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]]
@@ -41,11 +39,7 @@ CONTROLS = {
 
 @pytest.fixture(scope="module")
 def model():
-    """test_mtp_lossless.py's tiny hybrid (V = 16)."""
-    torch.manual_seed(0)
-    m = HybridLM(CFG)
-    randomize(m, 5)
-    return m.eval()
+    return tiny_hybrid()
 
 
 def run(model, prompt, drafter, k, params, seed=0, n=N, stop=(STOP,), **opts):

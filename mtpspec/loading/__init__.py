@@ -28,9 +28,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "models"  # the models and heads the project trained (in git)
+
+
 def shipped_demo_dir() -> Path:
     """The project's own demo model (models/demo: trained by `mtpspec train pretrain`, see its MODEL_CARD.md)."""
-    return Path(__file__).resolve().parents[2] / "models" / "demo"
+    return SHIPPED / "demo"
 
 
 # `--model demo` = the shipped hybrid; stories260K from the assets if the folder is missing.
@@ -41,7 +44,7 @@ SHIPPED_HEADS = {"gemma3-270m-mtp": GEMMA3_270M}
 
 
 def shipped_head_dir(name: str) -> Path:
-    return Path(__file__).resolve().parents[2] / "models" / "heads" / name
+    return SHIPPED / "heads" / name
 
 
 def resolve_demo() -> tuple[Path, Path | None]:
@@ -69,11 +72,10 @@ def default_head(path: Path) -> Path | None:
     mtp` drafts with on a model that has no MTP module of its own."""
     from .realmodels import GEMMA3_270M_FILE, model_cache_dir
 
-    for name, model in SHIPPED_HEADS.items():
-        if model == GEMMA3_270M and path.resolve() == (model_cache_dir() / GEMMA3_270M_FILE).resolve():
-            d = shipped_head_dir(name)
-            return d if (d / "head.json").exists() else None
-    return None
+    if path.resolve() != (model_cache_dir() / GEMMA3_270M_FILE).resolve():
+        return None
+    d = next((shipped_head_dir(name) for name, model in SHIPPED_HEADS.items() if model == GEMMA3_270M), None)
+    return d if d is not None and (d / "head.json").exists() else None
 
 
 def load_checkpoint(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True):

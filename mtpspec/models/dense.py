@@ -57,6 +57,14 @@ class DenseConfig:
         return {"arch": "dense", **asdict(self)}
 
 
+def layer_rotary(cfg: DenseConfig, window: int) -> Rotary:
+    """The rotary of a layer with this sliding window (0: full attention): Gemma 3's local layers rotate with their own
+    base, unscaled; every other layer with rope_theta and the config's scaling."""
+    if window and cfg.rope_local_theta:
+        return Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_local_theta)
+    return Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+
+
 class Attention(nn.Module):
     """The attention's weights and shape (forward._dense_attention computes it)."""
 
@@ -128,10 +136,10 @@ class DenseLM(CausalLM):
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = layer_rotary(cfg, 0)
         rotaries = [self.rotary] * cfg.num_layers
         if cfg.rope_local_theta and any(cfg.layer_windows):  # Gemma 3: sliding-window layers rotate with their own base
-            self.local_rotary = Rotary(cfg.hd, cfg.max_seq_len, cfg.rope_local_theta)
+            self.local_rotary = layer_rotary(cfg, max(cfg.layer_windows))
             rotaries = [self.local_rotary if w else self.rotary for w in cfg.layer_windows]
         self.model = DenseBody(cfg, rotaries)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import ConfigError, ModelLoadError
 from .common import Linear, Rotary
-from .dense import DenseMTPModule
+from .dense import DenseMTPModule, layer_rotary
 from .draft_vocab import read_draft_vocab, write_ranking
 from .mtp_source import MTPSource
 from .forward import module_tokens
@@ -127,9 +127,7 @@ class DraftHead(nn.Module):
             if cfg.kind != "mtp":
                 raise ConfigError(f"a {cfg.kind} head has the Qwen3.5 layer; a dense layer is for MTP heads")
             dc = cfg.dense_config()
-            window = dc.layer_windows[0] if dc.layer_windows else 0
-            self.rotary = Rotary(dc.hd, dc.max_seq_len, dc.rope_local_theta if window and dc.rope_local_theta else dc.rope_theta,
-                                 dc.rope_scaling)
+            self.rotary = layer_rotary(dc, dc.layer_windows[0] if dc.layer_windows else 0)
             self.mtp = DenseMTPModule(dc, self.rotary)
             return
         lc = cfg.layer_config()

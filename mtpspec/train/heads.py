@@ -68,35 +68,24 @@ class HeadConfig:
 REAL_SETS = ("humaneval", "mt_bench", "spec_bench")  # `--prompts realsets`: the shared benchmark sets
 
 
-def heldout_texts(per_category: int) -> set[str]:
-    """The evaluation prompts of the benchmark sets: the first `per_category` of each category in each set's file order,
-    the prompts `mtpspec bench --prompts SET --limit N` measures (N <= per_category per category)."""
-    from ..prompts import load_prompts
-
-    held: set[str] = set()
-    for name in REAL_SETS:
-        seen: dict[str, int] = {}
-        for p in load_prompts(name):
-            seen[p.category] = seen.get(p.category, 0) + 1
-            if seen[p.category] <= per_category:
-                held.add(p.text)
-    return held
-
-
 def real_prompts(heldout_per_category: int) -> tuple[list[str], list[str]]:
-    """(train, held-out): every prompt of the benchmark sets whose text is not an evaluation prompt (heldout_texts),
-    each text once; held-out: the code (HumanEval), chat (MT-bench) and summary (Spec-Bench) evaluation prompts."""
+    """(train, held-out). The evaluation prompts are the first `heldout_per_category` of each category in each set's
+    file order, the prompts `mtpspec bench --prompts SET --limit N` measures; train: every other prompt of the sets
+    whose text is none of them, each text once; held-out: the code (HumanEval), chat (MT-bench) and summary
+    (Spec-Bench) evaluation prompts, interleaved."""
     from ..prompts import load_prompts
 
-    held = heldout_texts(heldout_per_category)
-    train, seen = [], set()
-    for name in REAL_SETS:
-        for p in load_prompts(name):
-            if p.text not in held and p.text not in seen:
-                seen.add(p.text)
-                train.append(p.text)
-    groups = [[p.text for p in load_prompts(name) if p.category == cat][:heldout_per_category]
-              for name, cat in (("humaneval", "humaneval"), ("mt_bench", "mt_bench"), ("spec_bench", "summarization"))]
+    sets = {name: load_prompts(name) for name in REAL_SETS}
+    firsts = {name: {} for name in REAL_SETS}  # set -> category -> its evaluation prompts
+    for name, prompts in sets.items():
+        for p in prompts:
+            rows = firsts[name].setdefault(p.category, [])
+            if len(rows) < heldout_per_category:
+                rows.append(p.text)
+    held = {t for cats in firsts.values() for rows in cats.values() for t in rows}
+    train = list(dict.fromkeys(p.text for prompts in sets.values() for p in prompts if p.text not in held))
+    groups = [firsts[name].get(cat, []) for name, cat in (("humaneval", "humaneval"), ("mt_bench", "mt_bench"),
+                                                          ("spec_bench", "summarization"))]
     return train, [t for g in zip(*groups) for t in g]  # interleaved: code, chat, summary, code, ...
 
 
@@ -120,13 +109,19 @@ def training_prompts(cfg: HeadConfig, tokenizer) -> tuple[list[str], list[str]]:
     return allp[cfg.heldout_prompts :], allp[: cfg.heldout_prompts]
 
 
+def _teacher(target, toks: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequence's teacher pass: (tokens (T,), the target's post-norm hidden (T, H), in fp16 when the target is
+    fp32: half the memory, within 2^-11 of each value)."""
+    h = target.forward_tokens(toks, target.new_cache(toks.shape[0]), prefill=True, logits=False).hidden
+    return toks, h.to(torch.float16 if target.dtype == torch.float32 else target.dtype).clone()
+
+
 @torch.inference_mode()
 def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, progress_bar: bool = True,
                       done: list | None = None, save=None) -> list[tuple[Tensor, Tensor]]:
     """[(tokens (T,), hidden (T, H))]: the target's own continuations (cfg.gen_batch at a time through the batched
-    engine; even prompts greedy, odd ones sampled) and its teacher pass over prompt + continuation (hidden in fp16
-    when the target is fp32: half the memory, within 2^-11 of each value). `done`: sequences of a run cut short,
-    kept; `save(seqs)` is called after each batch (resumable data)."""
+    engine; even prompts greedy, odd ones sampled) and its teacher pass over prompt + continuation (`_teacher`).
+    `done`: sequences of a run cut short, kept; `save(seqs)` is called after each batch (resumable data)."""
     from tqdm import tqdm
 
     from ..drafters.base import NoDrafter
@@ -134,7 +129,6 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
     from ..sampling import Sampler, SamplingParams
 
     seqs = list(done or [])
-    store = torch.float16 if target.dtype == torch.float32 else target.dtype
     room = target.max_seq_len - cfg.gen_tokens - 1
     bar = tqdm(total=len(prompts), initial=len(seqs), desc="self-distillation data", disable=not progress_bar)
     for b0 in range(len(seqs), len(prompts), cfg.gen_batch):
@@ -146,9 +140,7 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
             temp = 0.0 if i % 2 == 0 else cfg.gen_temperature
             ids[engine.add(x, NoDrafter(), Sampler(SamplingParams(temperature=temp), seed=cfg.seed + i), 1, cfg.gen_tokens)] = x
         for sid, r in sorted(engine.run().items()):
-            toks = torch.tensor(ids[sid] + r.tokens, dtype=torch.long)
-            out = target.forward_tokens(toks, target.new_cache(toks.shape[0]), prefill=True, logits=False)
-            seqs.append((toks.clone(), out.hidden.to(store).clone()))
+            seqs.append(_teacher(target, torch.tensor(ids[sid] + r.tokens, dtype=torch.long)))
             bar.update(1)
         if save is not None:
             save(seqs)
@@ -164,7 +156,6 @@ def text_data(target, tokenizer, n_tokens: int, length: int, progress_bar: bool 
 
     from . import data as D
 
-    store = torch.float16 if target.dtype == torch.float32 else target.dtype
     texts = D.read_texts(D.stdlib_files()[0])
     random.Random(0).shuffle(texts)
     out, total = [], 0
@@ -175,9 +166,7 @@ def text_data(target, tokenizer, n_tokens: int, length: int, progress_bar: bool 
             if total >= n_tokens:
                 bar.close()
                 return out
-            toks = torch.tensor(ids[:1] + ids[s : s + length - 1], dtype=torch.long)
-            h = target.forward_tokens(toks, target.new_cache(length), prefill=True, logits=False).hidden
-            out.append((toks, h.to(store).clone()))
+            out.append(_teacher(target, torch.tensor(ids[:1] + ids[s : s + length - 1], dtype=torch.long)))
             total += length
             bar.update(length)
     bar.close()
@@ -306,7 +295,7 @@ def init_from_target(head: DraftHead, target) -> None:
     src, dst = target.model.layers[-1], head.mtp.layers[0]
     own = dict(dst.named_modules())
     for name, m in src.named_modules():
-        if name in own and hasattr(m, "weight") and not isinstance(m, torch.nn.ModuleList):
+        if name in own and hasattr(m, "weight"):
             own[name].weight.copy_(m.weight.float())
     head.mtp.norm.weight.copy_(target.model.norm.weight.float())
 
@@ -328,6 +317,8 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     from ..loading import load_checkpoint
     from .pretrain import optimizer_step
 
+    if cfg.save_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--save-dtype is float32 or bfloat16, got {cfg.save_dtype!r}")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     module, tok = target if target is not None else load_checkpoint(model, tokenizer)
@@ -374,8 +365,6 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "history": history,
                         "step": step + 1, "train_seconds": time.perf_counter() - t1}, state_path)
     train_s = time.perf_counter() - t1
-    if cfg.save_dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--save-dtype is float32 or bfloat16, got {cfg.save_dtype!r}")
     save_head(head, cfg.out, getattr(torch, cfg.save_dtype))
     head = load_head(cfg.out)  # measured as written
     if state_path.exists():
