@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .cache import KVCache
+from .cache import KVCache, lazy_zeros
 from .models.batch import ForwardBatch
 from .models.forward import dense_forward, hybrid_forward, record
 from .models.hybrid_cache import HybridCache
@@ -35,8 +35,8 @@ class SlotKV:
         n_layers, _, n_kv, _, hd = like.k.shape  # (L, 1, n_kv, max_len, hd)
         self.max_len = like.max_len
         shape = (n_layers, slots, n_kv, like.max_len + 1, hd)  # + 1: the scratch position of padded rows
-        self.k = torch.zeros(shape, dtype=like.k.dtype)  # (L, slots, n_kv, max_len + 1, hd)
-        self.v = torch.zeros(shape, dtype=like.v.dtype)
+        self.k = lazy_zeros(shape, like.k.dtype)  # (L, slots, n_kv, max_len + 1, hd)
+        self.v = lazy_zeros(shape, like.v.dtype)
 
     @property
     def slots(self) -> int:

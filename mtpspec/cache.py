@@ -7,6 +7,8 @@ overwritten by the next forward.
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -19,6 +21,19 @@ def check_room(end: int, max_len: int, what: str = "model") -> None:
     """A forward that would write up to position `end` into a cache of `max_len` positions: a ConfigError naming both."""
     if end > max_len:
         raise ConfigError(f"context full: {end} positions exceed the {what}'s context of {max_len}")
+
+
+LAZY_BYTES = 1 << 20  # buffers from this size on are mapped, not filled
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A zero tensor whose memory is committed page by page as it is written: a large buffer is an anonymous mapping
+    (zero pages by definition), so a cache sized for the model's whole context costs what a sequence writes (Gemma 3's
+    8192 positions are 302 MB of fp32 K / V, a short request touches a few MB) and nothing to allocate."""
+    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if size < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 @runtime_checkable
@@ -53,8 +68,8 @@ class KVCache:
         batch: int = 1,
     ) -> None:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
-        self.v = torch.zeros(shape, dtype=dtype)  # (L, B, n_kv, max_len, hd)
+        self.k = lazy_zeros(shape, dtype)  # (L, B, n_kv, max_len, hd)
+        self.v = lazy_zeros(shape, dtype)  # (L, B, n_kv, max_len, hd)
         self.max_len = max_len
         self.length = 0  # committed positions
 

@@ -146,7 +146,22 @@ def _load_gguf(path: Path, tokenizer, dtype: torch.dtype, with_tokenizer: bool):
     f = read_gguf(path)  # parsed once for the model and the tokenizer
     model = load_gguf_model(f, dtype)
     model.default_head = default_head(path)
-    return model, (load_gguf_tokenizer(f) if with_tokenizer else None)
+    tok = load_gguf_tokenizer(f) if with_tokenizer else None
+    del f  # the file's mapping and the packing's scratch go now ...
+    _return_freed_memory()  # ... and back to the system (Gemma 3 270M: 190 MB the heap would otherwise keep)
+    return model, tok
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_module(path: str | Path, dtype: str | torch.dtype = "fp32"):
