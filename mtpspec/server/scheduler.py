@@ -90,7 +90,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=perf_counter)
     sids: list[int] = field(default_factory=list)  # the engine's ids, choice by choice, set on the worker thread
-    last_emit: float | None = None
+    last_emit: dict[int, float] = field(default_factory=dict)  # choice -> when it last emitted
 
     def post(self, event) -> None:  # from the worker thread
         try:
@@ -301,13 +301,14 @@ class Scheduler:
 
     def _emit(self, handle: Handle, index: int, seq: Sequence, toks: list[int]) -> None:
         now = perf_counter()
-        if handle.last_emit is None:
-            self.metrics.ttft(now - handle.submitted)
-        else:
-            gap = (now - handle.last_emit) / len(toks)
+        last = handle.last_emit.get(index)
+        if last is not None:
+            gap = (now - last) / len(toks)
             for _ in toks:
                 self.metrics.itl(gap)
-        handle.last_emit = now
+        elif not handle.last_emit:  # the request's first token (the choices' firsts come in the same step)
+            self.metrics.ttft(now - handle.submitted)
+        handle.last_emit[index] = now
         self.metrics.generated(len(toks))
         first = seq.prompt_logprobs is not None and len(seq.new) == len(toks)  # the choice's first tokens
         handle.post(Chunk(index, list(toks), list(seq.pending_logprobs), list(seq.prompt_lps) if first else None))
