@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
@@ -204,7 +205,7 @@ class Output:
         first, each at its offset in the echoed text; the first token's log p is null (nothing comes before it)."""
         self.text = echo.text
         if self.want_logprobs:
-            offsets = [sum(len(p) for p in echo.pieces[:j]) for j in range(len(echo.pieces))]
+            offsets = list(accumulate((len(p) for p in echo.pieces[:-1]), initial=0))
             rows = [None, *(lps or [])]
             self.logprobs = [(lp, piece, off) for lp, piece, off in zip(rows, echo.pieces, offsets)]
         return echo.text
@@ -252,6 +253,23 @@ class Output:
         return sum(1 for _, _, offset in self.logprobs if offset < len(self.text))  # offsets never decrease
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What `echo: true` puts in front of each choice: the prompt's text, and each prompt token's text (logprobs rows)."""
+
+    text: str
+    pieces: list[str]
+
+    @classmethod
+    def of(cls, model: Model, prompt, ids: list[int]) -> "Echo":
+        """The prompt as sent (text), or its ids decoded; a leading BOS is no text. Each token decoded after the one
+        before it, as generated tokens are."""
+        tok = model.tokenizer
+        pieces = ["" if ids[0] == getattr(tok, "bos_id", None) else tok.decode([ids[0]], prev=None)]
+        pieces += [tok.decode([t], prev=p) for p, t in zip(ids, ids[1:])]
+        return cls(prompt if isinstance(prompt, str) else "".join(pieces), pieces)
+
+
 @dataclass
 class Answer:
     """One request's answer in the making: an Output per choice, its echo, its speculation and its ids."""
@@ -277,23 +295,6 @@ def _stops(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-@dataclass(frozen=True)
-class Echo:
-    """What `echo: true` puts in front of each choice: the prompt's text, and each prompt token's text (logprobs rows)."""
-
-    text: str
-    pieces: list[str]
-
-    @classmethod
-    def of(cls, model: Model, prompt, ids: list[int]) -> "Echo":
-        """The prompt as sent (text), or its ids decoded; a leading BOS is no text. Each token decoded after the one
-        before it, as generated tokens are."""
-        tok = model.tokenizer
-        pieces = ["" if ids[0] == getattr(tok, "bos_id", None) else tok.decode([ids[0]], prev=None)]
-        pieces += [tok.decode([t], prev=p) for p, t in zip(ids, ids[1:])]
-        return cls(prompt if isinstance(prompt, str) else "".join(pieces), pieces)
 
 
 def _counts(acc: Acceptance) -> dict:

@@ -27,10 +27,9 @@ from ..adaptive import ByBatchSize
 from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
-from ..types import BatchStep
 from ..sampling import Sampler, SamplingParams
 from ..threads import apply_threads
-from ..types import GenerationResult
+from ..types import BatchStep, GenerationResult
 from .metrics import ServerMetrics
 
 AUTO_K_MAX = 8  # the deepest draft `--k auto` may choose; also the deepest fixed D a request may ask (or --k, if deeper)
