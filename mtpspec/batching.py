@@ -16,6 +16,7 @@ not fit).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -55,6 +56,17 @@ class SlotKV:
         self.k[:, dst, :, :n] = kv.k[:, 0, :, :n]
         self.v[:, dst, :, :n] = kv.v[:, 0, :, :n]
         kv.k, kv.v = self.k[:, dst : dst + 1], self.v[:, dst : dst + 1]
+
+
+def clone_cache(src, fresh):
+    """A copy of cache `src` (a sequence's, after its prompt's prefill) into `fresh`, a new cache of the same model:
+    its KV buffers receive src's committed positions (the rest of their length is not copied), the rest of the state
+    (a hybrid's recurrent state, sparse attention's keys) is deep-copied. Returns the copy (a cache of src's class)."""
+    kv, dst = src.kv, fresh.kv
+    n = kv.length
+    dst.k[:, :, :, :n] = kv.k[:, :, :, :n]  # (L, 1, n_kv, n, hd)
+    dst.v[:, :, :, :n] = kv.v[:, :, :, :n]
+    return copy.deepcopy(src, {id(kv.k): dst.k, id(kv.v): dst.v})
 
 
 def stack_rows(rows: list[Tensor]) -> Tensor:

@@ -24,7 +24,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .batching import SlotKV, verify_pass
+from .batching import SlotKV, clone_cache, verify_pass
 from .cache import Cache
 from .drafters.base import Drafter
 from .errors import ConfigError
@@ -88,7 +88,7 @@ class Sequence:
 
     def __init__(self, sid: int, target: Target, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int,
                  max_new_tokens: int, stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None,
-                 trace: bool = False, logprobs: int | None = None) -> None:
+                 trace: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
         self.id, self.drafter, self.k = sid, drafter, min(k, target.max_seq_len)
         self.sampler = sampler.bind(prompt, stop_ids, getattr(target, "vocab_size", None))  # its own context (the controls')
         self.prompt, self.max_new_tokens, self.stop_ids = list(prompt), max_new_tokens, stop_ids
@@ -102,6 +102,9 @@ class Sequence:
         self.prefilled = 0  # prompt positions in the cache (the prefill covers all but the last token)
         self.prefill_outs: list[TargetOutput] = []
         self.prefilled_all = False  # the whole prompt is in and the drafter was told
+        self.copies: list[Sequence] = []  # sequences of the same prompt that take this one's prefill (Engine.add prefill_from)
+        self.prompt_logprobs = prompt_logprobs  # n: the prompt tokens' log p (and n most likely) from the prefill's logits
+        self.prompt_lps: list[TokenLogprob] = []  # then: one per prompt token after the first
         self.new: list[int] = []
         self.pending: list[int] = []  # emitted by the last step, not yet given to on_tokens
         self.pending_logprobs: list[TokenLogprob] = []  # with logprobs: one per pending token
@@ -125,24 +128,37 @@ class Sequence:
         return min(self.k, self.max_new_tokens - len(self.new) - 1, self.max_seq_len - self.cache.length - 1)
 
     def prefill(self, target: Target, chunk: int, exact: bool) -> None:
-        """The next `chunk` prompt positions into the cache; the drafter is told when the prompt is in."""
+        """The next `chunk` prompt positions into the cache; the drafter is told when the prompt is in (and each copy
+        gets the prompt's cache and prefill output, computed once)."""
         end = min(self.prefilled + chunk, len(self.prompt) - 1)
         if end > self.prefilled:
-            # the LM head over the prompt's rows only for a drafter that reads them (with a large vocabulary, a long
-            # prompt's logits are gigabytes and teraflops that nothing would use)
+            # the LM head over the prompt's rows only where something reads them (a drafter, the prompt's log-probs):
+            # with a large vocabulary, a long prompt's logits are gigabytes and teraflops that nothing would use
             # nothing is cropped inside a prefill: a hybrid keeps its final state only
+            logits = self.prompt_logprobs is not None or any(s.drafter.prefill_logits for s in [self, *self.copies])
             self.prefill_outs.append(target.forward_tokens(self.context[self.prefilled : end], self.cache, exact,
-                                                           logits=self.drafter.prefill_logits, prefill=True))
+                                                           logits=logits, prefill=True))
             self.prefilled = end
         if self.prefilled >= len(self.prompt) - 1:
-            outs = self.prefill_outs
-            out = TargetOutput.cat(outs) if outs else None
-            self.drafter.prefill(self.context, out, self.sampler)
+            out = TargetOutput.cat(self.prefill_outs) if self.prefill_outs else None
             self.prefill_outs = []
-            self.prefilled_all = True
-            self.metrics.prefill_done()
-            if self.room() < 0:
-                self.finish_reason = "length"
+            if self.prompt_logprobs is not None and out is not None:  # row i of the prefill predicts prompt[i + 1]
+                self.prompt_lps = token_logprobs(out.logits, self.prompt[1:], self.prompt_logprobs)
+            for s in self.copies:
+                if not s.done:
+                    s.cache = clone_cache(self.cache, s.cache)
+                    s.prefilled, s.prompt_lps = self.prefilled, self.prompt_lps
+                    s._prefilled(out)
+            self.copies = []
+            self._prefilled(out)
+
+    def _prefilled(self, out: TargetOutput | None) -> None:
+        """The prompt is in the cache (`out`: the prefill's output): the drafter is told; the sequence is ready."""
+        self.drafter.prefill(self.context, out, self.sampler)
+        self.prefilled_all = True
+        self.metrics.prefill_done()
+        if self.room() < 0:
+            self.finish_reason = "length"
 
     def accept(self, verdict: Verdict, draft: Draft, out: TargetOutput, draft_s: float, verify_s: float, t0: float,
                full: TargetOutput | None = None) -> StepRecord:
@@ -331,13 +347,22 @@ class Engine:
     @torch.inference_mode()  # the caches are inference tensors: in-place writes then skip autograd's version counting
     def add(self, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4, max_new_tokens: int = 256,
             stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False,
-            logprobs: int | None = None) -> int:
+            logprobs: int | None = None, prompt_logprobs: int | None = None, prefill_from: int | None = None) -> int:
         """Queue a generation; returns its id. logprobs=n: each step's emitted tokens also get their log p under the
-        target and the n most likely tokens (Sequence.pending_logprobs, beside `pending`)."""
+        target and the n most likely tokens (Sequence.pending_logprobs, beside `pending`); prompt_logprobs=n: the
+        prompt's tokens too, from the prefill's logits (Sequence.prompt_lps). prefill_from: a waiting sequence with
+        the same prompt whose prefill this one takes (its cache copied when that prefill is done, instead of a
+        second prefill; if that sequence leaves first, this one prefills itself)."""
         k = check_count("k (draft length)", k, 1)
         max_new_tokens = check_count("max-new-tokens", max_new_tokens, 0)
         check_prompt(prompt, self.target.max_seq_len, getattr(self.target, "vocab_size", None))
-        seq = Sequence(self.next_id, self.target, prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace, logprobs)
+        seq = Sequence(self.next_id, self.target, prompt, drafter, sampler, k, max_new_tokens, stop_ids, on_tokens, trace, logprobs,
+                       prompt_logprobs)
+        if prefill_from is not None:
+            source = next((s for s in self.waiting if s.id == prefill_from), None)
+            if source is None or source.prompt != seq.prompt or source.prompt_logprobs != prompt_logprobs:
+                raise ConfigError(f"prefill_from: sequence {prefill_from} is not waiting with the same prompt (and prompt_logprobs)")
+            source.copies.append(seq)
         self.next_id += 1
         self.waiting.append(seq)
         return seq.id
@@ -366,7 +391,8 @@ class Engine:
         while self.admitting and budget > 0:
             seq = self.waiting[0]
             before = seq.prefilled
-            seq.prefill(self.target, budget, self.exact)
+            if not seq.ready:  # (a copy of an earlier prompt's prefill is ready on arrival here)
+                seq.prefill(self.target, budget, self.exact)
             budget -= max(seq.prefilled - before, 1)  # (a one-token prompt has nothing to prefill: it still counts)
             if not seq.ready:
                 break
@@ -407,6 +433,10 @@ class Engine:
         for s in [s for s in self.waiting if s.done]:
             self.waiting.remove(s)
             self.finished[s.id] = s
+            heirs = [c for c in s.copies if not c.done]  # copies of a prompt whose prefill left unfinished:
+            if heirs:  # the first prefills it for the others
+                heirs[0].copies += heirs[1:]
+            s.copies = []
         i = 0
         while i < len(self.running):
             s = self.running[i]

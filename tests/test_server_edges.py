@@ -184,8 +184,11 @@ PLAIN = [
      "min_tokens: 9 is more than the max_tokens asked for (4)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1.5}, "min_tokens",
      "min_tokens: must be an integer >= 0, got 1.5"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n: only 1 is supported"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "echo is not supported yet"),
+    ("/v1/completions", {"prompt": "x", "n": 5}, "n", "n: 5 choices; the server runs at most 4 sequences together (its --max-batch)"),
+    ("/v1/completions", {"prompt": "x", "n": 1.0}, "n", "n: must be an integer >= 1 (and at most the server's --max-batch), got 1.0"),
+    ("/v1/completions", {"prompt": "x", "echo": 1}, "echo", "echo: must be true or false, got 1"),
+    ("/v1/completions", {"prompt": "x", "mtpspec": {"speculation": 4.5}}, "mtpspec",
+     'mtpspec: speculation must be "off", "auto" or a draft depth D (an integer >= 1), got 4.5'),
     ("/v1/completions", {"prompt": "x", "temperature": 3}, "temperature", "temperature: must be a number in [0, 2], got 3"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens", 'max_tokens: must be an integer >= 1, got "8"'),
     ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop", "stop: must be a non-empty string"),
@@ -255,7 +258,7 @@ def test_metrics_count_every_status(server):
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     assert httpx.post(url + "/v1/completions", content=b"x" * (2 << 20), headers=JSON).status_code == 413
     assert httpx.post(url + "/v1/completions", content=b"{}", headers={**KEY, "content-type": "text/plain"}).status_code == 415
-    assert post(url, "/v1/completions", {"prompt": "x", "n": 2}).status_code == 400
+    assert post(url, "/v1/completions", {"prompt": "x", "n": 99}).status_code == 400
     assert httpx.get(url + "/v1/nothing", headers=KEY).status_code == 404
     after = _requests_counted(url)
     for status in ("401", "413", "415", "400", "404"):

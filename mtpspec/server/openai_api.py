@@ -1,10 +1,12 @@
 """The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health.
 
 Requests and responses follow OpenAI's shapes, so its client libraries work unchanged. Sampling,
-length, stops, seed and logprobs are the request's; the speculation (drafter, k or auto) is the
-server's, and each response reports what it did in the extension field `mtpspec`. Every request joins
-its model's running batch (scheduler.Scheduler); `stream: true` answers with server-sent events.
-A client that disconnects cancels its sequence. Errors are OpenAI's shape (app.error_body).
+length, stops, seed, logprobs, `n` choices (one prefill of the prompt, choice i seeded seed + i) and
+`echo` are the request's; the drafter is the server's, and how deep it drafts is the request's choice
+in the extension field `mtpspec` ({"speculation": "off" | "auto" | D}; omitted: the server's --k).
+Each response reports what speculation did in its own `mtpspec` field. Every request joins its model's
+running batch (scheduler.Scheduler); `stream: true` answers with server-sent events. A client that
+disconnects cancels its sequences. Errors are OpenAI's shape (app.error_body).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
@@ -27,7 +30,7 @@ from ..metrics import Acceptance
 from ..sampling import SamplingParams
 from .chat import ChatTemplate
 from .options import ServeOptions
-from .scheduler import Chunk, Failed, Finished, GenRequest, Handle, QueueFull, Scheduler
+from .scheduler import Chunk, Failed, Finished, GenRequest, Handle, QueueFull, RequestSpec, Scheduler
 from .verify_page import FieldError
 
 MAX_STOPS = 16
@@ -65,6 +68,13 @@ class StreamOptions(Body):
 NOT_NULLABLE = ("model", "prompt", "messages")  # required by OpenAI (model too), so a null there is a client's bug
 
 
+class RequestOptions(Body):
+    """The request's extension field `mtpspec`: how it speculates (the server's drafter, at a depth it chooses)."""
+
+    speculation: Literal["off", "auto"] | Annotated[int, Field(ge=1)] | None = Field(
+        None, description='"off": plain decoding; "auto": the cost model\'s depth per step; D: always D drafts; omitted: the server\'s --k')
+
+
 class Sampling(Body):
     """The fields both endpoints share. An explicit null is "not given" (OpenAI's rule), except in NOT_NULLABLE."""
 
@@ -73,7 +83,8 @@ class Sampling(Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy (equals `mtpspec generate`)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens (0 or -1 = off)")
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = Field(1, ge=1, description="choices, at most the server's --max-batch: one prefill, choice i seeded seed + i")
+    mtpspec: RequestOptions | None = Field(None, description='extension: {"speculation": "off" | "auto" | D}')
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
@@ -100,8 +111,8 @@ class Sampling(Body):
 class CompletionRequest(Sampling):
     prompt: Text | Annotated[list[int], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1, max_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the n most likely")
-    echo: Literal[False] = False
-    best_of: int | None = Field(None, ge=1, le=1)
+    echo: bool = Field(False, description="the prompt in front of each choice's text (with logprobs: its tokens' too)")
+    best_of: int | None = Field(None, ge=1, description="only equal to n (choices are not ranked)")
     suffix: None = None
 
 
@@ -135,7 +146,9 @@ _SHARED_RULES = {
     "stop_token_ids": f"must be a list of at most {MAX_STOPS} token ids (integers)",
     "seed": "must be an integer in [0, 2**63)",
     "user": "must be a string of at most 256 characters",
-    "n": "n: only 1 is supported (one choice per request); send 1 or omit it",
+    "n": "must be an integer >= 1 (and at most the server's --max-batch)",
+    "mtpspec": 'must be an object {"speculation": "off" | "auto" | D}',
+    "speculation": 'must be "off", "auto" or a draft depth D (an integer >= 1)',
     "presence_penalty": "must be a number in [-2, 2]",
     "frequency_penalty": "must be a number in [-2, 2]",
     "logit_bias": f'must be an object {{"token id": bias}} of at most {MAX_LOGIT_BIAS} entries, each bias a number in [-100, 100]',
@@ -148,8 +161,8 @@ RULES = {  # route -> field -> "must be ..." (said after the field's name) or a 
         **_SHARED_RULES,
         "prompt": "must be a string, a list of token ids (integers) or a list holding one string",
         "logprobs": f"must be an integer in [0, {MAX_LOGPROBS}]",
-        "echo": "echo is not supported yet; send false or omit it",
-        "best_of": "best_of: only 1 is supported; send 1 or omit it",
+        "echo": "must be true or false",
+        "best_of": "must be an integer >= 1, equal to n",
         "suffix": "suffix is not supported; omit it",
     },
     "/v1/chat/completions": {
@@ -177,14 +190,25 @@ class Output:
     want_logprobs: bool
     text: str = ""
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[tuple[TokenLogprob, str, int]] = field(default_factory=list)  # (log-probs, token text, text offset)
+    logprobs: list[tuple[TokenLogprob | None, str, int]] = field(default_factory=list)  # (log-probs, token text, text offset)
     held: str = ""  # decoded text not yet sent: it may be the start of a stop string
     stopped: bool = False
+    started: bool = False  # an event of this choice has come (the echo goes in front of its first)
 
     def __post_init__(self) -> None:
         self.stream = self.model.tokenizer.stream(prev=self.prompt[-1])
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.prev = self.prompt[-1]
+
+    def echo(self, echo: "Echo", lps: list[TokenLogprob] | None) -> str:
+        """The prompt in front of the text (before any token): returns it. With logprobs, the prompt tokens' rows
+        first, each at its offset in the echoed text; the first token's log p is null (nothing comes before it)."""
+        self.text = echo.text
+        if self.want_logprobs:
+            offsets = list(accumulate((len(p) for p in echo.pieces[:-1]), initial=0))
+            rows = [None, *(lps or [])]
+            self.logprobs = [(lp, piece, off) for lp, piece, off in zip(rows, echo.pieces, offsets)]
+        return echo.text
 
     def push(self, chunk: Chunk) -> str:
         """The chunk's tokens in; returns the text that may be sent now (never part of a stop string)."""
@@ -229,19 +253,65 @@ class Output:
         return sum(1 for _, _, offset in self.logprobs if offset < len(self.text))  # offsets never decrease
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What `echo: true` puts in front of each choice: the prompt's text, and each prompt token's text (logprobs rows)."""
+
+    text: str
+    pieces: list[str]
+
+    @classmethod
+    def of(cls, model: Model, prompt, ids: list[int]) -> "Echo":
+        """The prompt as sent (text), or its ids decoded; a leading BOS is no text. Each token decoded after the one
+        before it, as generated tokens are."""
+        tok = model.tokenizer
+        pieces = ["" if ids[0] == getattr(tok, "bos_id", None) else tok.decode([ids[0]], prev=None)]
+        pieces += [tok.decode([t], prev=p) for p, t in zip(ids, ids[1:])]
+        return cls(prompt if isinstance(prompt, str) else "".join(pieces), pieces)
+
+
+@dataclass
+class Answer:
+    """One request's answer in the making: an Output per choice, its echo, its speculation and its ids."""
+
+    outs: list[Output]
+    echo: Echo | None
+    spec: RequestSpec
+    rid: str
+    created: int
+    name: str
+    chat: bool
+
+    def start(self, event: Chunk | Finished) -> str | None:
+        """Before the event is read: on its choice's first event, with echo, the prompt goes in front (returned)."""
+        out = self.outs[event.index]
+        if out.started:
+            return None
+        out.started = True
+        return None if self.echo is None else out.echo(self.echo, event.prompt_logprobs)
+
+
 def _stops(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def stats_field(result, spec) -> dict:
-    """The extension field `mtpspec`: what speculation did for this request."""
-    acc = Acceptance.from_steps(result.steps)
-    return {**spec.describe(), "target_forwards": acc.forwards, "drafted": acc.drafted, "accepted": acc.accepted,
+def _counts(acc: Acceptance) -> dict:
+    return {"target_forwards": acc.forwards, "drafted": acc.drafted, "accepted": acc.accepted,
             "mean_accepted_length": round(acc.mean_accepted_length, 4) if acc.forwards else None,
-            "acceptance_by_position": [None if a is None else round(a, 4) for a in acc.by_position()],
-            "engine_finish_reason": result.finish_reason}
+            "acceptance_by_position": [None if a is None else round(a, 4) for a in acc.by_position()]}
+
+
+def stats_field(results: list, spec: RequestSpec) -> dict:
+    """The extension field `mtpspec`: the request's speculation and what it did. n > 1: the counts summed over the
+    choices, and `choices`, each one's own counts and engine finish reason."""
+    accs = [Acceptance.from_steps(r.steps) for r in results]
+    total = sum(accs[1:], accs[0])
+    if len(results) == 1:
+        return {**spec.describe(), **_counts(total), "engine_finish_reason": results[0].finish_reason}
+    return {**spec.describe(), **_counts(total),
+            "choices": [{"index": i, **_counts(a), "engine_finish_reason": r.finish_reason} for i, (a, r) in enumerate(zip(accs, results))]}
 
 
 def _finish_reason(out: Output, reason: str) -> str:
@@ -253,8 +323,8 @@ def _completion_logprobs(out: Output, start: int, end: int) -> dict | None:
         return None
     rows = out.logprobs[start:end]
     tok = out.model.tokenizer
-    return {"tokens": [text for _, text, _ in rows], "token_logprobs": [lp.logprob for lp, _, _ in rows],
-            "top_logprobs": [{tok.decode([i], prev=None): v for i, v in lp.top} for lp, _, _ in rows],
+    return {"tokens": [text for _, text, _ in rows], "token_logprobs": [None if lp is None else lp.logprob for lp, _, _ in rows],
+            "top_logprobs": [None if lp is None else {tok.decode([i], prev=None): v for i, v in lp.top} for lp, _, _ in rows],
             "text_offset": [off for _, _, off in rows]}
 
 
@@ -271,8 +341,10 @@ def _chat_logprobs(out: Output, start: int, end: int) -> dict | None:
                         for lp, text, _ in rows]}
 
 
-def _usage(out: Output) -> dict:
-    return {"prompt_tokens": len(out.prompt), "completion_tokens": len(out.tokens), "total_tokens": len(out.prompt) + len(out.tokens)}
+def _usage(outs: list[Output]) -> dict:
+    """The prompt counted once (one prefill serves every choice), the completions summed."""
+    prompt, completion = len(outs[0].prompt), sum(len(o.tokens) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj) -> bytes:
@@ -287,7 +359,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         name, model = served.model(name)
         return name, model, schedulers[name]
 
-    def request_of(req: Sampling, model: Model, prompt: list[int], logprobs: int | None, max_tokens: int | None) -> GenRequest:
+    def request_of(req: Sampling, model: Model, sched: Scheduler, prompt: list[int], logprobs: int | None, max_tokens: int | None,
+                   prompt_logprobs: int | None = None) -> GenRequest:
         ctx = model.max_seq_len
         if len(prompt) >= ctx:
             raise FieldError("prompt" if isinstance(req, CompletionRequest) else "messages",
@@ -309,23 +382,35 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
                                 presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens)
+        if req.n > options.max_batch:
+            raise FieldError("n", f"{req.n} choices; the server runs at most {options.max_batch} sequences together (its --max-batch)")
+        asked = req.mtpspec.speculation if req.mtpspec is not None else None
+        if isinstance(asked, int):
+            if sched.max_k == 0:
+                raise FieldError("mtpspec", f'speculation: model {sched.name!r} is served without a drafter (--drafter none): '
+                                 'send "off" or "auto", or omit it')
+            if asked > sched.max_k:
+                raise FieldError("mtpspec", f'speculation: D = {asked} is deeper than the served drafter allows here ({sched.max_k}); '
+                                 f'send 1..{sched.max_k}, "auto" or "off"')
         want = max_tokens if max_tokens is not None else options.max_tokens_default
-        return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs)
+        return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs,
+                          req.n, asked, prompt_logprobs)
 
-    async def run(request: Request, req: Sampling, name: str, model: Model, sched: Scheduler, gen: GenRequest, chat: bool):
+    async def run(request: Request, req: Sampling, name: str, model: Model, sched: Scheduler, gen: GenRequest, chat: bool,
+                  echo: Echo | None = None):
         if req.stream_options is not None and not req.stream:
             raise FieldError("stream_options", "only with stream: true (send stream: true, or omit stream_options)")
         try:
             handle = sched.submit(gen)
         except QueueFull as e:
             raise Busy(str(e)) from None
-        out = Output(model, gen.prompt, _stops(req.stop), gen.logprobs is not None)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+        answer = Answer([Output(model, gen.prompt, _stops(req.stop), gen.logprobs is not None) for _ in range(gen.n)], echo,
+                        sched.request_spec(gen.speculation), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                        int(time.time()), name, chat)
         if req.stream:
-            return StreamingResponse(_stream(request, handle, out, sched, rid, created, name, chat, req),
+            return StreamingResponse(_stream(request, handle, answer, req),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        return await _whole(request, handle, out, sched, rid, created, name, chat)
+        return await _whole(request, handle, answer)
 
     @router.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
@@ -343,7 +428,12 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             ids = list(prompt)
         if not ids:
             raise FieldError("prompt", "holds no token")
-        return await run(request, req, name, model, sched, request_of(req, model, ids, req.logprobs, req.max_tokens), chat=False)
+        if req.best_of is not None and req.best_of != req.n:
+            raise FieldError("best_of", f"{req.best_of} is not n ({req.n}): choices are not ranked, every one is returned; "
+                             "send best_of equal to n, or omit it")
+        echo = Echo.of(model, prompt, ids) if req.echo else None
+        gen = request_of(req, model, sched, ids, req.logprobs, req.max_tokens, req.logprobs if req.echo else None)
+        return await run(request, req, name, model, sched, gen, chat=False, echo=echo)
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest):
@@ -360,24 +450,27 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         if req.top_logprobs and not req.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, name, model, sched, request_of(req, model, ids, top, max_tokens), chat=True)
+        return await run(request, req, name, model, sched, request_of(req, model, sched, ids, top, max_tokens), chat=True)
 
     @router.get("/v1/models")
     async def models() -> dict:
         created = int(time.time())
         return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "mtpspec",
-                                             "max_model_len": m.max_seq_len, "mtpspec": schedulers[n].spec.describe()}
+                                             "max_model_len": m.max_seq_len,
+                                             "mtpspec": {**schedulers[n].spec.describe(), "max_depth": schedulers[n].max_k}}
                                             for n, m in served.models.items()]}
 
     @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok", "models": {n: {"running": len(s.engine.running), "waiting": s.queue_length()} for n, s in schedulers.items()}}
 
-    async def _events(request: Request, handle: Handle):
-        """The request's events; a disconnected client cancels its sequence. The connection is checked every
-        DISCONNECT_POLL_S whether events come or not: a long answer emits a chunk every step, never a quiet moment."""
+    async def _events(request: Request, handle: Handle, n: int):
+        """The request's events, until each of its n choices has finished (or it failed); a disconnected client cancels
+        its sequences. The connection is checked every DISCONNECT_POLL_S whether events come or not: a long answer
+        emits a chunk every step, never a quiet moment."""
         loop = asyncio.get_running_loop()
         check_at = loop.time() + DISCONNECT_POLL_S
+        left = n
         while True:
             try:
                 event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
@@ -391,78 +484,100 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             if event is None:
                 continue
             yield event
-            if isinstance(event, (Finished, Failed)):
+            left -= isinstance(event, Finished)
+            if isinstance(event, Failed) or left == 0:
                 return
 
-    async def _whole(request, handle, out: Output, sched, rid, created, name, chat):
-        result = None
+    async def _whole(request, handle, answer: Answer):
+        results: dict[int, Finished] = {}
+        n = len(answer.outs)
         try:
-            async for event in _events(request, handle):
+            async for event in _events(request, handle, n):
+                if isinstance(event, Failed):
+                    return JSONResponse(error_body(f"generation failed: {event.message}", "server_error"), status_code=500)
+                answer.start(event)
+                out = answer.outs[event.index]
                 if isinstance(event, Chunk):
                     out.push(event)
                     if out.stopped:
-                        handle.cancel()
-                elif isinstance(event, Failed):
-                    return JSONResponse(error_body(f"generation failed: {event.message}", "server_error"), status_code=500)
+                        handle.cancel(event.index)
                 else:
-                    result = event
+                    results[event.index] = event
         finally:
-            if result is None:
+            if len(results) < n:
                 handle.cancel()
-        if result is None:  # the client went away: nobody reads this
+        if len(results) < n:  # the client went away: nobody reads this
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
-        out.flush()
-        reason = _finish_reason(out, result.reason)
-        body = {"id": rid, "created": created, "model": name, "usage": _usage(out), "mtpspec": stats_field(result.result, sched.spec)}
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": _chat_logprobs(out, 0, out.rows(True)),
-                      "finish_reason": reason}
-            return {"object": "chat.completion", **body, "choices": [choice]}
-        choice = {"index": 0, "text": out.text, "logprobs": _completion_logprobs(out, 0, out.rows(True)), "finish_reason": reason}
-        return {"object": "text_completion", **body, "choices": [choice]}
-
-    async def _stream(request, handle, out: Output, sched, rid, created, name, chat, req):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": obj, "created": created, "model": name}
-
-        def chunk(text: str, start: int, end: int, reason=None, extra=None) -> bytes:
-            if chat:
-                choice = {"index": 0, "delta": {"content": text} if text or reason is None else {},
-                          "logprobs": _chat_logprobs(out, start, end), "finish_reason": reason}
+        choices = []
+        for i, out in enumerate(answer.outs):
+            out.flush()
+            reason = _finish_reason(out, results[i].reason)
+            if answer.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": _chat_logprobs(out, 0, out.rows(True)), "finish_reason": reason})
             else:
-                choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(out, start, end), "finish_reason": reason}
+                choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out, 0, out.rows(True)), "finish_reason": reason})
+        body = {"id": answer.rid, "created": answer.created, "model": answer.name, "usage": _usage(answer.outs),
+                "mtpspec": stats_field([results[i].result for i in range(n)], answer.spec)}
+        return {"object": "chat.completion" if answer.chat else "text_completion", **body, "choices": choices}
+
+    async def _stream(request, handle, answer: Answer, req):
+        chat, outs = answer.chat, answer.outs
+        head = {"id": answer.rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": answer.created,
+                "model": answer.name}
+
+        def chunk(i: int, text: str, start: int, end: int, reason=None, extra=None) -> bytes:
+            if chat:
+                choice = {"index": i, "delta": {"content": text} if text or reason is None else {},
+                          "logprobs": _chat_logprobs(outs[i], start, end), "finish_reason": reason}
+            else:
+                choice = {"index": i, "text": text, "logprobs": _completion_logprobs(outs[i], start, end), "finish_reason": reason}
             return _sse({**head, "choices": [choice], **(extra or {})})
 
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         done = False
         try:
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-            sent = 0  # logprob rows already sent
-            async for event in _events(request, handle):
-                if isinstance(event, Chunk):
-                    text = out.push(event)
-                    if out.stopped:
-                        handle.cancel()
-                    if text:  # the rows of the text sent, no more: the whole answer's rows, chunk by chunk
-                        end = out.rows(False)
-                        yield chunk(text, sent, end)
-                        sent = end
-                elif isinstance(event, Failed):
+                for i in range(len(outs)):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                                     "finish_reason": None}]})
+            sent = [0] * len(outs)  # each choice's logprob rows already sent
+            results: dict[int, Finished] = {}
+            async for event in _events(request, handle, len(outs)):
+                if isinstance(event, Failed):
                     yield _sse(error_body(f"generation failed: {event.message}", "server_error"))
                     done = True
                     return
-                else:
-                    text = out.flush()
-                    extra = {"mtpspec": stats_field(event.result, sched.spec)}
-                    if not (req.stream_options and req.stream_options.include_usage):
-                        extra["usage"] = _usage(out)
-                    yield chunk(text, sent, out.rows(True), _finish_reason(out, event.reason), extra)
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(out)})
+                i = event.index
+                echoed = answer.start(event)
+                if echoed is not None:  # the prompt first (echo), its rows with it
+                    sent[i] = outs[i].rows(False)
+                    yield chunk(i, echoed, 0, sent[i])
+                out = outs[i]
+                if isinstance(event, Chunk):
+                    text = out.push(event)
+                    if out.stopped:
+                        handle.cancel(i)
+                    if text:  # the rows of the text sent, no more: the whole answer's rows, chunk by chunk
+                        end = out.rows(False)
+                        yield chunk(i, text, sent[i], end)
+                        sent[i] = end
+                    continue
+                results[i] = event
+                text = out.flush()
+                extra = None
+                if len(results) == len(outs):  # the last choice to end: the request's usage and speculation
+                    extra = {"mtpspec": stats_field([results[j].result for j in range(len(outs))], answer.spec)}
+                    if not include_usage:
+                        extra["usage"] = _usage(outs)
+                yield chunk(i, text, sent[i], out.rows(True), _finish_reason(out, event.reason), extra)
+                if extra is not None:
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(outs)})
                     yield b"data: [DONE]\n\n"
                     done = True
         finally:
-            if not done:  # the client went away mid-stream (the generator is closed): free the slot
+            if not done:  # the client went away mid-stream (the generator is closed): free the slots
                 handle.cancel()
 
     return router
