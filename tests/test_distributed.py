@@ -204,7 +204,8 @@ def test_pretraining_in_two_processes_follows_one(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_runs_the_command_unchanged(tmp_path):
-    """`python -m torch.distributed.run --nproc-per-node 2 -m mtpspec train head ...`: one report printed, one head."""
+    """`python -m torch.distributed.run --nproc-per-node 2 -m mtpspec train head | mtp ...`: one report printed, one
+    output; a batch that does not split is refused."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"Once upon a time there was a {w}." for w in ("cat", "dog", "king", "ship", "tree")) + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mtpspec", "train", "head",
@@ -218,3 +219,9 @@ def test_torchrun_runs_the_command_unchanged(tmp_path):
     assert (tmp_path / "h" / "head.safetensors").exists() and not (tmp_path / "h" / "train_state.pt").exists()
     bad = subprocess.run(cmd[:-1] + ["--batch-size", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "--batch-size 3 is the global batch, split equally over 2 processes" in bad.stderr
+    tune = cmd[:8] + ["mtp", "--model", "demo", "--out", str(tmp_path / "m"), "--prompts", str(prompts), "--heldout-prompts", "1",
+                      "--train-prompts", "4", "--gen-tokens", "12", "--steps", "2", "--batch-size", "2", "--seq-len", "12",
+                      "--depth", "1", "--eval-tokens", "8", "--no-progress"]
+    r = subprocess.run(tune, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count('"mtp_layers_trained"') == 1 and (tmp_path / "m" / "mtp_tune_report.json").exists()
