@@ -186,6 +186,7 @@ def _pretrain_job(rank: int, out: Path, steps: int) -> None:
     (out.parent / f"pretrain-rank{rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.slow  # ~15 s: pretraining's two processes beside one; the head's cases above keep DDP in the default suite
 def test_pretraining_in_two_processes_follows_one(tmp_path):
     """`train pretrain` under DDP: the history (the global batch's train loss, rank 0's held-out loss) and the
     weights of one process over the same batch; rank 0 alone returns the report."""
