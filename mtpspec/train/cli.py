@@ -62,6 +62,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 @command("train")(_train_args)
 def run_train(args: argparse.Namespace) -> int:
+    from .distributed import World
+
+    world = World.current()
+    if world.distributed and args.train_command not in ("head", "mtp", "pretrain"):
+        raise ConfigError(f"train {args.train_command} runs in one process; under torchrun (here {world.size} processes) "
+                          "run train head, mtp or pretrain")
     if args.train_command == "eval":
         return _run_eval(args)
     from .heads import HeadConfig, train_head
@@ -77,6 +83,8 @@ def run_train(args: argparse.Namespace) -> int:
         report = pretrain(cfg, progress_bar=not args.no_progress)
     else:
         report = run(args.model, cfg, tokenizer=args.tokenizer, progress_bar=not args.no_progress)
+    if not world.main:  # rank 0 reports
+        return 0
     if args.train_command == "longctx":
         print(json.dumps({k: v for k, v in report.items() if k not in ("history", "loss_by_position", "config")}, indent=2))
         print(loss_table(report))

@@ -26,6 +26,7 @@ from ..models.batch import ForwardBatch
 from ..models.draft_vocab import TokenRanking, ranking_from_counts
 from ..models.forward import module_forward
 from ..models.heads import DraftHead, DraftHeadConfig, load_head, save_head
+from .distributed import World, launch
 
 
 @dataclass
@@ -118,10 +119,11 @@ def _teacher(target, toks: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.inference_mode()
 def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, progress_bar: bool = True,
-                      done: list | None = None, save=None) -> list[tuple[Tensor, Tensor]]:
+                      done: list | None = None, save=None, indices: list[int] | None = None) -> list[tuple[Tensor, Tensor]]:
     """[(tokens (T,), hidden (T, H))]: the target's own continuations (cfg.gen_batch at a time through the batched
     engine; even prompts greedy, odd ones sampled) and its teacher pass over prompt + continuation (`_teacher`).
-    `done`: sequences of a run cut short, kept; `save(seqs)` is called after each batch (resumable data)."""
+    `done`: sequences of a run cut short, kept; `save(seqs)` is called after each batch (resumable data). indices:
+    the prompts to continue (a rank's share), default all; a prompt's greedy / sampled choice and seed follow its index."""
     from tqdm import tqdm
 
     from ..drafters.base import NoDrafter
@@ -129,12 +131,13 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
     from ..sampling import Sampler, SamplingParams
 
     seqs = list(done or [])
+    order = list(range(len(prompts))) if indices is None else indices
     room = target.max_seq_len - cfg.gen_tokens - 1
-    bar = tqdm(total=len(prompts), initial=len(seqs), desc="self-distillation data", disable=not progress_bar)
-    for b0 in range(len(seqs), len(prompts), cfg.gen_batch):
-        engine = Engine(target, min(cfg.gen_batch, len(prompts) - b0), prefill_chunk=4096)
+    bar = tqdm(total=len(order), initial=len(seqs), desc="self-distillation data", disable=not progress_bar)
+    for b0 in range(len(seqs), len(order), cfg.gen_batch):
+        engine = Engine(target, min(cfg.gen_batch, len(order) - b0), prefill_chunk=4096)
         ids = {}
-        for i in range(b0, min(b0 + cfg.gen_batch, len(prompts))):
+        for i in order[b0 : b0 + cfg.gen_batch]:
             x = tokenizer.encode(prompts[i])
             x = x[:1] + x[1:][-min(room, cfg.context_tokens or room) + 1 :]  # BOS and the prompt's end
             temp = 0.0 if i % 2 == 0 else cfg.gen_temperature
@@ -148,45 +151,55 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
     return seqs
 
 
-@torch.inference_mode()
-def text_data(target, tokenizer, n_tokens: int, length: int, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
-    """Teacher-forced windows of `length` tokens over the stdlib's training modules (never its held-out ones), about
-    n_tokens in all: [(tokens (T,), hidden (T, H))]."""
-    from tqdm import tqdm
-
+def text_windows(tokenizer, n_tokens: int, length: int) -> list[list[int]]:
+    """Windows of `length` tokens (BOS first) over the stdlib's training modules (never its held-out ones), at most
+    two spread over each module, about n_tokens in all."""
     from . import data as D
 
     texts = D.read_texts(D.stdlib_files()[0])
     random.Random(0).shuffle(texts)
-    out, total = [], 0
-    bar = tqdm(total=n_tokens, desc="teacher-forced text", disable=not progress_bar)
-    for text in texts:  # at most two windows of each module, spread over it
+    out: list[list[int]] = []
+    for text in texts:
         ids = tokenizer.encode(text)
         for s in range(1, len(ids) - length, max(length, (len(ids) - length) // 2 + 1)):
-            if total >= n_tokens:
-                bar.close()
+            if len(out) * length >= n_tokens:
                 return out
-            out.append(_teacher(target, torch.tensor(ids[:1] + ids[s : s + length - 1], dtype=torch.long)))
-            total += length
-            bar.update(length)
-    bar.close()
+            out.append(ids[:1] + ids[s : s + length - 1])
     return out
 
 
-def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar: bool = True) -> list[tuple[Tensor, Tensor]]:
+@torch.inference_mode()
+def text_data(target, tokenizer, n_tokens: int, length: int, progress_bar: bool = True,
+              world: World = World()) -> list[tuple[Tensor, Tensor]]:
+    """The target's teacher pass over `text_windows`: [(tokens (T,), hidden (T, H))], each rank passing its share."""
+    from tqdm import tqdm
+
+    windows = text_windows(tokenizer, n_tokens, length)
+    mine = world.mine(len(windows))
+    out = [_teacher(target, torch.tensor(windows[i], dtype=torch.long)) for i in tqdm(mine, desc="teacher-forced text", disable=not progress_bar)]
+    return world.gather(out)
+
+
+def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar: bool = True,
+                        world: World = World()) -> list[tuple[Tensor, Tensor]]:
     """`self_distill_data` (+ `text_data` with cfg.text_tokens), read from / written to cfg.data_cache when it names a
-    file; an interrupted generation continues from the sequences it had written."""
+    file; an interrupted generation continues from the sequences it had written. Under N processes each rank
+    generates its share of the prompts (its own partial file: a generation cut short continues under the same N) and
+    every rank gets all of it, in the one-process order; rank 0 writes the cache."""
     path = Path(cfg.data_cache) if cfg.data_cache else None
     if path is not None and path.exists():
         return torch.load(path)
-    partial = path.with_name(path.name + ".partial") if path is not None else None
+    suffix = ".partial" if not world.distributed else f".partial-{world.rank}-of-{world.size}"
+    partial = path.with_name(path.name + suffix) if path is not None else None
     done = torch.load(partial) if partial is not None and partial.exists() else None
     save = (lambda seqs: torch.save(seqs, partial)) if partial is not None else None
-    seqs = self_distill_data(target, tokenizer, prompts, cfg, progress_bar, done, save)
+    seqs = world.gather(self_distill_data(target, tokenizer, prompts, cfg, progress_bar, done, save, world.mine(len(prompts))))
     if getattr(cfg, "text_tokens", 0):
-        seqs += text_data(target, tokenizer, cfg.text_tokens, cfg.seq_len, progress_bar)
+        seqs += text_data(target, tokenizer, cfg.text_tokens, cfg.seq_len, progress_bar, world)
     if path is not None:
-        torch.save(seqs, path)
+        if world.main:
+            torch.save(seqs, path)
+        world.barrier()  # the cache is whole before any rank drops its share
         if partial.exists():
             partial.unlink()
     return seqs
@@ -311,7 +324,14 @@ def draft_vocabulary(seqs: list[tuple[Tensor, Tensor]], vocab_size: int, size: i
 
 def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar: bool = True, target=None) -> dict:
     """Train a head for the frozen target at `model` (or the given (module, tokenizer) pair in `target`). With
-    cfg.checkpoint_every, a run cut short continues from out/train_state.pt (the head, the optimizer, the step)."""
+    cfg.checkpoint_every, a run cut short continues from out/train_state.pt (the head, the optimizer, the step), under
+    any number of processes. Under torchrun: DDP over cfg.batch_size split among the ranks (distributed.py); rank 0
+    returns the report, the others {}."""
+    with launch() as world:
+        return _train_head(model, cfg, tokenizer, progress_bar, target, world)
+
+
+def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, world: World) -> dict:
     from tqdm import tqdm
 
     from ..loading import load_checkpoint
@@ -319,6 +339,8 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
 
     if cfg.save_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--save-dtype is float32 or bfloat16, got {cfg.save_dtype!r}")
+    world.check_batch(cfg.batch_size)
+    progress_bar = progress_bar and world.main
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     module, tok = target if target is not None else load_checkpoint(model, tokenizer)
@@ -328,7 +350,7 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     hc = head_config(module, cfg)
     train_p, held_p = training_prompts(cfg, tok)
     t0 = time.perf_counter()
-    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
+    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar, world)
     gen_s = time.perf_counter() - t0
     head = DraftHead(hc)
     if hc.dense is not None:
@@ -350,21 +372,28 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
         opt.load_state_dict(state["opt"])
         rng.setstate(state["rng"])
         history, first, train_s = state["history"], state["step"], state["train_seconds"]
+    loss_fn = world.wrap(head, lambda toks, hid: head_losses(head, module, toks, hid, cfg, lm))
     bar = tqdm(range(first, cfg.steps), desc=f"train {cfg.kind} head", disable=not progress_bar, initial=first, total=cfg.steps)
     t1 = time.perf_counter() - train_s
     for step in bar:
         lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(step / cfg.steps * math.pi)))
-        toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)
-        loss, parts = head_losses(head, module, toks, hid, cfg, lm)
+        toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
+        loss, parts = loss_fn(world.shard(toks), world.shard(hid))
         optimizer_step(opt, head.parameters(), loss, lr)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        logged = world.mean({"loss": loss.item(), **parts})
+        bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:
-            history.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}})
+            history.append({"step": step, **{k: round(v, 4) for k, v in logged.items()}})
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            Path(cfg.out).mkdir(parents=True, exist_ok=True)
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "history": history,
-                        "step": step + 1, "train_seconds": time.perf_counter() - t1}, state_path)
+            if world.main:  # global state only: resumable under any number of processes
+                Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "history": history,
+                            "step": step + 1, "train_seconds": time.perf_counter() - t1}, state_path)
+            world.barrier()
     train_s = time.perf_counter() - t1
+    world.barrier()
+    if not world.main:
+        return {}
     save_head(head, cfg.out, getattr(torch, cfg.save_dtype))
     head = load_head(cfg.out)  # measured as written
     if state_path.exists():

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from .distributed import World, launch
 from .heads import _batch, cached_distill_data, measure, training_prompts
 from .mtp_distill import mtp_distill_loss
 from .pretrain import optimizer_step
@@ -68,12 +69,23 @@ class MTPTuneConfig:
 
 
 def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progress_bar: bool = True) -> dict:
+    """Tune and write the checkpoint; returns the report. Under torchrun: DDP over cfg.batch_size split among the
+    ranks (distributed.py); rank 0 measures, writes and returns the report, the others return {}."""
+    with launch() as world:
+        return _tune(model, cfg, tokenizer, progress_bar, world)
+
+
+def _tune(model, cfg: MTPTuneConfig, tokenizer, progress_bar: bool, world: World) -> dict:
     from tqdm import tqdm
 
     from ..loading import load_checkpoint, resolve_demo
 
     if cfg.depth < 1 or cfg.steps < 0 or cfg.eval_k < 0:
         raise ConfigError(f"--depth must be >= 1, --steps and --eval-k >= 0 (got {cfg.depth}, {cfg.steps}, {cfg.eval_k})")
+    if cfg.sparse and world.distributed:
+        raise ConfigError(f"--sparse tunes in one process; run it without torchrun (got {world.size} processes)")
+    world.check_batch(cfg.batch_size)
+    progress_bar = progress_bar and world.main
     if cfg.sparse:
         check_sparse(cfg, sparse_config(cfg))  # before the model is loaded
     torch.set_num_threads(cfg.threads)
@@ -95,9 +107,10 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
     for p in params:
         p.requires_grad_(True)
     train_p, held_p = training_prompts(cfg, tok)
-    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.eval_k or cfg.depth, cfg.eval_tokens, drafter="mtp")
+    k = cfg.eval_k or cfg.depth
+    before = measure(module, tok, None, held_p[: cfg.heldout_prompts], k, cfg.eval_tokens, drafter="mtp") if world.main else None
     t0 = time.perf_counter()
-    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar)
+    seqs = cached_distill_data(module, tok, train_p, cfg, progress_bar, world)
     gen_s = time.perf_counter() - t0
     n_eval = max(1, len(seqs) // 10)  # a tenth of the generated sequences is held out: the distillation loss
     eval_seqs, seqs = seqs[:n_eval], seqs[n_eval:] or seqs[:n_eval]
@@ -107,23 +120,30 @@ def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progr
             toks, hid = _batch(eval_seqs, 4 * cfg.batch_size, cfg.seq_len, random.Random(12345))
             return mtp_distill_loss(module, toks, hid, cfg.depth, cfg.depth_decay)[1]
 
-    loss_before = distill_loss()
+    loss_before = distill_loss() if world.main else None
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng, history = random.Random(cfg.seed), []
+    # depth k trains MTP layer (k-1) % n: with depth < n layers the others get no gradient
+    loss_fn = world.wrap(module.mtp, lambda toks, hid: mtp_distill_loss(module, toks, hid, cfg.depth, cfg.depth_decay),
+                         find_unused=cfg.depth < len(module.mtp.layers))
     t1 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="tune the MTP module", disable=not progress_bar)
     for step in bar:
-        toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)
-        loss, parts = mtp_distill_loss(module, toks, hid, cfg.depth, cfg.depth_decay)
+        toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
+        loss, parts = loss_fn(world.shard(toks), world.shard(hid))
         optimizer_step(opt, params, loss, lr_at(cfg.lr, step, cfg.steps))
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        logged = world.mean({"loss": loss.item(), **parts})
+        bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 25 == 0 or step == cfg.steps - 1:
-            history.append({"step": step, "loss": round(loss.item(), 4), **parts})
+            history.append({"step": step, **{k: round(v, 4) for k, v in logged.items()}})
     train_s = time.perf_counter() - t1
+    world.barrier()
+    if not world.main:
+        return {}
     loss_after = distill_loss()
     for p in params:
         p.requires_grad_(False)
-    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], cfg.eval_k or cfg.depth, cfg.eval_tokens, drafter="mtp")
+    after = measure(module, tok, None, held_p[: cfg.heldout_prompts], k, cfg.eval_tokens, drafter="mtp")
     report = {
         "source": str(model), "train_prompts": len(train_p), "distill_tokens": sum(t.shape[0] for t, _ in seqs),
         "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,

@@ -24,6 +24,7 @@ from ..models.batch import ForwardBatch
 from ..models.forward import hybrid_forward, module_forward
 from ..models.qwen35 import HybridConfig, HybridLM
 from . import data as D
+from .distributed import World, launch
 
 
 @dataclass
@@ -199,7 +200,14 @@ def optimizer_step(opt, params, loss: Tensor, lr: float) -> None:
 
 
 def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
-    """Train (or resume) and write the checkpoint + report; returns the report."""
+    """Train (or resume, under any number of processes) and write the checkpoint + report; returns the report. Under
+    torchrun: DDP over cfg.batch_size split among the ranks (distributed.py); rank 0 evaluates, writes and returns
+    the report, the others return {}."""
+    with launch() as world:
+        return _pretrain(cfg, progress_bar, world)
+
+
+def _pretrain(cfg: PretrainConfig, progress_bar: bool, world: World) -> dict:
     from tqdm import tqdm
 
     from ..loading.native import save_checkpoint
@@ -208,11 +216,14 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     if not 1 <= cfg.mtp_num_layers <= cfg.mtp_depth:
         raise ConfigError(f"--mtp-num-layers must be from 1 to --mtp-depth ({cfg.mtp_depth}): depth k trains MTP layer "
                           f"(k-1) % n, so with {cfg.mtp_num_layers} layers some would never be trained")
+    world.check_batch(cfg.batch_size)
+    progress_bar = progress_bar and world.main
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok, train, held, held_files = prepare_data(cfg, out)
+    with world.main_first():  # rank 0 trains the tokenizer and encodes the data; the others read them
+        out.mkdir(parents=True, exist_ok=True)
+        tok, train, held, held_files = prepare_data(cfg, out)
     if tok.vocab_size != cfg.vocab_size:
         cfg.vocab_size = tok.vocab_size
     model = HybridLM(cfg.model_config())
@@ -221,40 +232,49 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     state_path = out / "train_state.pt"
     step, elapsed, history = resume(state_path, model, opt, gen)
     evalw = D.eval_windows(held, cfg.seq_len, cfg.eval_windows)
-    write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")  # the counts never change
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    if world.main:
+        write_draft_vocab(out, train, cfg.vocab_size, "token counts of the training split")  # the counts never change
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    loss_fn = world.wrap(model, lambda batch: losses(model, batch, cfg.mtp_depth))
 
     def progress() -> float:
         p = step / cfg.steps
         return max(p, elapsed / (cfg.max_minutes * 60)) if cfg.max_minutes > 0 else p
 
     def save() -> None:
-        save_state(state_path, model, opt, gen, step, elapsed, history)
-        save_checkpoint(model, tok, out)
+        if world.main:  # global state only: resumable under any number of processes
+            save_state(state_path, model, opt, gen, step, elapsed, history)
+            save_checkpoint(model, tok, out)
+        world.barrier()
 
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress_bar, dynamic_ncols=True)
     model.train()
     t_last = time.perf_counter()
     while progress() < 1.0:
         lr, lam = schedule(cfg, progress(), step)
-        batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)
-        main, mtp = losses(model, batch, cfg.mtp_depth)
+        batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)  # the global batch: every rank draws it alike
+        main, mtp = loss_fn(world.shard(batch))
         optimizer_step(opt, model.parameters(), main + lam * torch.stack(mtp).mean(), lr)
+        logged = world.mean({"main": main.item(), "mtp": mtp[0].item()})
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         elapsed += dt
+        if cfg.max_minutes > 0:
+            elapsed = world.agree(elapsed)  # the schedule reads the clock: rank 0's, so every rank steps alike and stops together
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp[0].item():.3f}", lam=lam, tok_s=f"{batch.numel() / dt:.0f}")
-        if step % cfg.eval_every == 0 or progress() >= 1.0:
+        bar.set_postfix(loss=f"{logged['main']:.3f}", mtp=f"{logged['mtp']:.3f}", lam=lam, tok_s=f"{batch.numel() / dt:.0f}")
+        if world.main and (step % cfg.eval_every == 0 or progress() >= 1.0):
             ev = evaluate(model, evalw, cfg.mtp_depth)
             history.append({"step": step, "elapsed_s": round(elapsed, 1), "tokens": step * cfg.batch_size * cfg.seq_len,
-                            "train_next_token": round(main.item(), 4), **{k: round(v, 4) for k, v in ev.items()}})
+                            "train_next_token": round(logged["main"], 4), **{k: round(v, 4) for k, v in ev.items()}})
             bar.write(f"step {step}: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
         if step % cfg.save_every == 0:
             save()
     bar.close()
     save()
+    if not world.main:
+        return {}
     report = final_report(model, tok, cfg, held, held_files, step, elapsed, history)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
