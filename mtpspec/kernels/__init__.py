@@ -61,7 +61,12 @@ def build_extension(name: str, source: str, subdir: str, cflags: tuple[str, ...]
 
     build = build_dir(source, subdir, cflags)
     build.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(Path(__file__).with_name(source))], build_directory=str(build), is_python_module=False,
+    copy = build / source  # compiled from here: the build names its source's path, and a checkout's own path
+    if not copy.exists():  # would make every other checkout's process rebuild it
+        tmp = build / f"{source}.{os.getpid()}.tmp"
+        tmp.write_bytes(Path(__file__).with_name(source).read_bytes())
+        tmp.replace(copy)  # atomic: a concurrent process reads a whole file or none
+    load(name=name, sources=[str(copy)], build_directory=str(build), is_python_module=False,
          verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
 
 
