@@ -19,7 +19,7 @@ import mtpspec
 from mtpspec.cli import main
 from mtpspec.config import GenerationConfig
 from mtpspec.drafters import make_drafter
-from mtpspec.engine import Engine, generate_tokens
+from mtpspec.engine import Engine
 from mtpspec.errors import ConfigError
 from mtpspec.loading import shipped_demo_dir
 from mtpspec.prompts import tinystories_prompts
