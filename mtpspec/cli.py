@@ -165,6 +165,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ban", type=parse_ids, default=(), metavar="ID,...", help="token ids never generated")
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many new tokens (default 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, an integer in [0, 2**64)")
+    p.add_argument("--sampler", choices=("auto", "gumbel", "rejection"), default="auto",
+                   help="how sampled tokens are drawn: gumbel (position-keyed noise: one seed, one text, whatever the drafter, "
+                        "--k or batch), rejection (rejection sampling: the text also depends on the drafts); auto: gumbel "
+                        "(default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--exact", action="store_true",
                    help="bit-exact mode: every position computed as a one-token step computes it (same tokens and logits for any k or batch; no speedup)")
@@ -201,7 +205,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, logit_bias=args.logit_bias, banned_ids=args.ban, min_tokens=args.min_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
+        sampler=args.sampler, ngram_min=args.ngram_min, ngram_max=args.ngram_max, exact=args.exact, draft_vocab=args.draft_vocab,
         tree=args.tree, tree_beam=args.tree_beam, lookahead_n=args.lookahead_n, lookahead_jacobi=args.lookahead_jacobi, suffix_depth=args.suffix_depth,
         suffix_shared=args.suffix_shared, sparse_select=args.sparse_select, mtp_lookup=args.mtp_lookup,
     )

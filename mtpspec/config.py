@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .errors import ConfigError
-from .sampling import SamplingParams
+from .sampling import SamplingParams, pick_sampler
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class GenerationConfig:
     banned_ids: tuple = ()  # token ids never generated
     min_tokens: int = 0  # no stop token before this many new tokens
     seed: int = 0  # the sampler's RNG (each sequence of a batch: seed + its index)
+    sampler: str = "auto"  # auto (= gumbel when sampling: the text a function of the seed alone) | gumbel | rejection
     max_new_tokens: int = 256
     exact: bool = False  # every position computed as a one-token step computes it: bitwise batch / k invariant
     trace: bool = False  # record per-step probabilities and timings (traces, the verify page)
@@ -41,7 +42,7 @@ class GenerationConfig:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, logit_bias=self.logit_bias, banned_ids=self.banned_ids,
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, sampler=pick_sampler(self.sampler, self.temperature, seeded=True))
 
     def with_overrides(self, **kw) -> "GenerationConfig":
         """A copy with fields replaced; keywords that are not fields join `options`."""

@@ -299,7 +299,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
             if d.is_tree and o.logits is None:
                 v, lazy[i] = verify_tree_lazily(d, o, target.head)
             else:
-                v = verify_tree(d, o.logits, s.sampler) if d.is_tree else verify(d, o.logits, s.sampler)
+                at = s.context.shape[0]  # the absolute position of the window's first new token (Gumbel noise's key)
+                v = verify_tree(d, o.logits, s.sampler, at) if d.is_tree else verify(d, o.logits, s.sampler, at)
             verdicts.append(v)
     full = list(outs)  # a tree's whole verify window (traces read every node's row)
     for i, (s, v, start) in enumerate(zip(seqs, verdicts, starts)):

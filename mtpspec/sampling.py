@@ -9,6 +9,12 @@ committed tokens plus draft tokens 0..i-1 (a token tree's row: the tokens on its
 committed tokens plus its own drafts 0..j-1 (`Paths`). The speculative output then has exactly plain sampling's
 distribution under the same controls, and greedy output is exactly plain greedy's (the argmax of the controlled
 logits). Each sequence's sampler is bound to its prompt (`Sampler.bind`) and told what it emits (`advance`).
+
+Two ways to draw a sampled token (`SamplingParams.sampler`): "rejection" takes the seeded generator's next draws
+(verify.py's rejection sampling: how many draws a step takes depends on its drafts, so the text depends on the drafter,
+the depth and the batch); "gumbel" takes the token at absolute position t as argmax_v(log p_t(v) + g_t(v)), the Gumbel
+noise g_t a fixed function of (seed, t) alone (`gumbel_noise`): every drafter, depth, batch, and plain decoding then
+give the same text for one seed, each token still an exact sample from p_t (Gumbel-max).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .errors import ConfigError, ModelLoadError
 
 
 SEED_LIMIT = 2**64  # torch generators take a 64-bit seed
+SAMPLERS = ("rejection", "gumbel")  # SamplingParams.sampler; a request may also ask for "auto" (pick_sampler)
 
 
 def check_seed(seed) -> int:
@@ -70,6 +77,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs; a {id: bias} mapping is taken too
     banned_ids: tuple[int, ...] = ()  # token ids never sampled
     min_tokens: int = 0  # no stop token before this many new tokens
+    sampler: str = "rejection"  # "rejection" or "gumbel" (position-keyed noise: the text a function of the seed alone)
 
     def __post_init__(self) -> None:
         _real("temperature", self.temperature)
@@ -110,6 +118,8 @@ class SamplingParams:
         object.__setattr__(self, "banned_ids", tuple(_token_id("banned", t) for t in self.banned_ids))
         if not isinstance(self.min_tokens, Integral) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ConfigError(f"min-tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
 
     @property
     def greedy(self) -> bool:
@@ -231,6 +241,77 @@ def _scale(logits: Tensor, t: float) -> Tensor:
     return out.masked_fill(~allowed, float("-inf"))  # (-inf / inf = NaN outside the allowed set)
 
 
+def pick_sampler(choice: str, temperature, seeded: bool) -> str:
+    """A request's sampler: "auto" is gumbel for a seeded sampled request (its text then depends on the seed alone, not
+    on what drafts it), rejection otherwise (an unseeded one keeps today's draws); "gumbel" / "rejection" as asked."""
+    if choice == "auto":
+        sampled = isinstance(temperature, Real) and not isinstance(temperature, bool) and temperature > 0
+        return "gumbel" if seeded and sampled else "rejection"
+    if choice not in SAMPLERS:
+        raise ConfigError(f"sampler must be one of auto, {', '.join(SAMPLERS)}, got {choice!r}")
+    return choice
+
+
+# Gumbel noise keyed by (seed, position): SplitMix64 (Steele et al. 2014), exact 64-bit integer arithmetic, so the same
+# uniforms come out on any machine. The key of position t is output t + 1 of SplitMix64 started at the seed's first
+# output; u_t(v) is output v + 1 of SplitMix64 started at that key, its top 52 bits as (m + 1/2) / 2**52 in (0, 1).
+# A hash of (key, v) rather than a generator's stream: a row needs the noise of the tokens it can emit only (its support).
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function of a 64-bit state (Python ints: the reference the tensor code follows)."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The 64-bit key of the noise at absolute position `position` of a sequence sampled with `seed`."""
+    return splitmix64(splitmix64(seed + _GOLDEN) + (position + 1) * _GOLDEN)
+
+
+def _i64(x: int) -> int:
+    """A 64-bit pattern as the int64 that holds it (torch's integers are signed; products wrap)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 patterns (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def gumbel_uniforms(key: int, ids: Tensor) -> Tensor:
+    """(n,) token ids -> (n,) float64 u(v) in (0, 1): splitmix64(key + (v + 1) * golden) in wrapping int64."""
+    z = ids.to(torch.int64) + 1
+    z.mul_(_i64(_GOLDEN)).add_(_i64(key & _MASK64))
+    z ^= _shr(z, 30)
+    z.mul_(_i64(_MIX1))
+    z ^= _shr(z, 27)
+    z.mul_(_i64(_MIX2))
+    z ^= _shr(z, 31)
+    return (_shr(z, 12).double() + 0.5) * 2.0**-52  # (n,) exact multiples of 2**-53, never 0 or 1
+
+
+def gumbel_noise(seed: int, position: int, ids: Tensor) -> Tensor:
+    """g_t(v) = -log(-log u_t(v)) (float64) for tokens `ids` at position t: standard Gumbel, independent over (t, v)."""
+    return -torch.log(-torch.log(gumbel_uniforms(position_key(seed, position), ids)))
+
+
+def gumbel_max(probs: Tensor, seed: int, position: int) -> Tensor:
+    """(V,) probabilities -> () int64: argmax_v(log p(v) + g_t(v)), an exact sample from p. Computed as argmax p(v) / E(v)
+    with E = -log u ~ Exp(1) (the same order: log p - log E), over p's support only (p = 0 is log p = -inf)."""
+    key = position_key(seed, position)
+    support = probs > 0  # (V,)
+    if 4 * int(support.sum()) < probs.shape[0]:  # a small support (top-k, top-p, min-p): its tokens' noise only
+        ids = torch.nonzero(support).flatten()  # (n,)
+        return ids[torch.argmax(probs[ids].double() / -torch.log(gumbel_uniforms(key, ids)))]
+    e = -torch.log(gumbel_uniforms(key, torch.arange(probs.shape[0])))  # (V,) > 0
+    return torch.argmax(probs.double() / e)  # p = 0 scores 0, below every token of the support
+
+
 class Sampler:
     """Owns the sampling params and the seeded generator, so a run with the same seed reproduces.
 
@@ -290,3 +371,26 @@ class Sampler:
 
     def uniform(self, n: int) -> Tensor:
         return torch.rand(n, generator=self.generator)
+
+    @property
+    def gumbel(self) -> bool:
+        """Whether sampled tokens are Gumbel-max choices under position-keyed noise (greedy stays the argmax)."""
+        return self.params.sampler == "gumbel" and not self.params.greedy
+
+    def choose(self, probs: Tensor, positions: Sequence[int]) -> Tensor:
+        """(R, V) probabilities, row r the distribution at absolute position positions[r] -> (R,) int64 Gumbel-max
+        tokens: what a plain step at that position emits, whichever window the row came from."""
+        if probs.shape[0] != len(positions):
+            raise ValueError(f"{len(positions)} positions for {probs.shape[0]} rows")
+        return torch.stack([gumbel_max(row, self.seed, int(t)) for row, t in zip(probs, positions)]) if len(positions) \
+            else torch.empty(0, dtype=torch.long)
+
+    def draw(self, probs: Tensor, position: int) -> Tensor:
+        """A drafter's token(s) from q: (V,) at absolute position `position`, or (n, V) at position..position+n-1.
+        Gumbel: argmax(log q + g_t) with the noise the target's token there will use, so a q close to p drafts that
+        token (acceptance rises; verification does not read q). Otherwise a draw of the generator (`sample`)."""
+        if not self.gumbel:
+            return self.sample(probs)
+        if probs.ndim == 1:
+            return self.choose(probs[None], [position])[0]
+        return self.choose(probs, range(position, position + probs.shape[0]))

@@ -11,7 +11,8 @@ the target's choice (bonus): exactly plain greedy decoding. Sampling (SpecInfer'
 are tried in order, child x (drawn from q; a point mass at x where the drafter gives none) accepted with probability
 min(1, p(x) / q(x)), a rejection replacing p by norm(max(p - q, 0)); when all are rejected the token is drawn from what
 is left of p. Children with a q must be drawn independently from that q, children without one must be distinct: then
-every emitted token has the target's distribution. Each row is transformed with its node's path as the context beyond
+every emitted token has the target's distribution. Gumbel sampling walks as greedy does, with the target's Gumbel-max
+token at each row (its noise keyed by the row's absolute position, committed + its depth: verify.py). Each row is transformed with its node's path as the context beyond
 the committed tokens (`row_paths`; sampling.py's context controls). The accepted rows are moved to the front of the window (`keep`: KV
 entries copied, a Gated DeltaNet's per-row records re-indexed) and the cache cropped to them, as after a chain.
 """
@@ -365,11 +366,31 @@ def row_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
     return paths
 
 
-def verify_tree(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
-    """A tree draft against the target's logits (T, V) over its verify window."""
+class _GumbelChoices:
+    """The target's Gumbel-max token at the rows of a tree's verify window, drawn where the walk first reads it: row r
+    at absolute position `position` + its depth (a node at depth j verifies the token at committed + j)."""
+
+    def __init__(self, p: Tensor, parents: list[int], sampler: Sampler, position: int) -> None:
+        self.p, self.sampler, self.depth = p, sampler, [0]  # (T, V); depth per row
+        for q in parents:
+            self.depth.append(self.depth[q + 1] + 1)
+        self.position = position
+
+    def __getitem__(self, row: int) -> int:
+        return int(self.sampler.choose(self.p[row : row + 1], [self.position + self.depth[row]])[0])
+
+
+def verify_tree(draft: Draft, p_logits: Tensor, sampler: Sampler, position: int | None = None) -> Verdict:
+    """A tree draft against the target's logits (T, V) over its verify window. position: the absolute position of the
+    root row's token (the committed context's length), which Gumbel sampling keys its noise by; the walk is then the
+    greedy one with the target's Gumbel-max token at each row (verify.py)."""
     paths = row_paths(draft.tokens.tolist(), draft.parents.tolist()) if sampler.reads_context else None
     if sampler.params.greedy:
         return verify_tree_greedy(draft, sampler.logits(p_logits, paths).argmax(-1).tolist())
+    if sampler.gumbel:
+        if position is None:
+            raise ValueError("Gumbel sampling verifies at absolute positions: pass the context's length as position")
+        return verify_tree_greedy(draft, _GumbelChoices(sampler.probs(p_logits, paths), draft.parents.tolist(), sampler, position))
     return verify_tree_sampling(draft, sampler.probs(p_logits, paths), sampler)
 
 

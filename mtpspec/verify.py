@@ -9,6 +9,12 @@ probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the recovered to
 norm(max(p_i - q_i, 0)); if all survive the bonus is drawn from p_D. The emitted stream then has
 exactly the target's distribution. A drafter without q is a point mass at its token (q(x) = 1).
 
+Gumbel (`SamplingParams.sampler == "gumbel"`): the target's token at absolute position t is the Gumbel-max choice
+argmax_v(log p_t(v) + g_t(v)), the noise a function of (seed, t) alone (sampling.py); draft token i is accepted iff it
+equals that choice at its position, the first mismatch emits the choice there, full acceptance the choice at D+1. Every
+emitted token is then the one a plain step with the same seed emits: the text depends on the seed alone, not on the
+drafter, the depth or the batch, and each token is an exact sample from p. q is not read.
+
 Row i of the window is transformed (sampling.py's context controls) with the committed context plus d1..di as its
 context: the distribution, or the argmax, a plain step would have there.
 """
@@ -24,8 +30,12 @@ from .types import Draft, Verdict
 
 def verify_greedy(draft_tokens: Tensor, p_logits: Tensor) -> Verdict:
     """draft_tokens (D,), p_logits (D+1, V) -> Verdict."""
+    return verify_choices(draft_tokens, p_logits.argmax(-1))  # (D+1,) the target's own greedy choice at every position
+
+
+def verify_choices(draft_tokens: Tensor, target: Tensor) -> Verdict:
+    """draft_tokens (D,), target (D+1,) the target's own choice at every position -> the agreeing prefix + one choice."""
     d = draft_tokens.shape[0]
-    target = p_logits.argmax(-1)  # (D+1,) the target's own greedy choice at every position
     agree = (draft_tokens == target[:d]).to(torch.int8)  # (D,)
     n = int(agree.cumprod(0).sum()) if d else 0  # length of the agreeing prefix
     tokens = torch.cat([draft_tokens[:n], target[n : n + 1]])  # accepted + recovered/bonus
@@ -69,8 +79,25 @@ def verify_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
     return Verdict(num_accepted=n, tokens=tokens, num_drafted=d)
 
 
-def verify(draft: Draft, p_logits: Tensor, sampler: Sampler) -> Verdict:
-    """draft (D tokens, q (D, V) or None), p_logits (D+1, V) -> Verdict (n accepted + 1 token)."""
+def verify_gumbel(draft_tokens: Tensor, p: Tensor, sampler: Sampler, position: int) -> Verdict:
+    """Gumbel-max verification. p (D+1, V) after the sampling transform, row i the distribution at absolute position
+    position + i (position: the context's length, the first new token's place)."""
+    d, n = draft_tokens.shape[0], 0
+    while True:  # row by row: the rows after the first mismatch are never drawn
+        choice = sampler.choose(p[n : n + 1], [position + n])  # (1,) the target's token at position + n
+        if n == d or int(choice) != int(draft_tokens[n]):
+            break
+        n += 1
+    return Verdict(num_accepted=n, tokens=torch.cat([draft_tokens[:n], choice]), num_drafted=d)
+
+
+def verify(draft: Draft, p_logits: Tensor, sampler: Sampler, position: int | None = None) -> Verdict:
+    """draft (D tokens, q (D, V) or None), p_logits (D+1, V) -> Verdict (n accepted + 1 token). position: the absolute
+    position of row 0's token (the committed context's length), which Gumbel sampling keys its noise by."""
     if sampler.params.greedy:
         return verify_greedy(draft.tokens, sampler.logits(p_logits, draft.tokens))  # row i after d1..di
+    if sampler.gumbel:
+        if position is None:
+            raise ValueError("Gumbel sampling verifies at absolute positions: pass the context's length as position")
+        return verify_gumbel(draft.tokens, sampler.probs(p_logits, draft.tokens), sampler, position)
     return verify_sampling(draft, sampler.probs(p_logits, draft.tokens), sampler)

@@ -72,7 +72,7 @@ class DraftModelDrafter:
                 x = sampler.logits(logits, [tokens]).argmax(-1)
             else:
                 q = sampler.probs(logits, [tokens])  # (V,) same transform as the target's p, at the same context
-                x = sampler.sample(q)
+                x = sampler.draw(q, len(context) + i)  # (Gumbel: the noise of the target's token there)
                 qs.append(q)
             tokens.append(x)
             if i + 1 < k:

@@ -53,21 +53,22 @@ class MedusaDrafter:
         if budget is not None:
             return self._tree(logits, budget)
         if self.sampler.reads_context:  # head j's row after the drafts before it, as the target's row j
-            return self._in_context(logits)
+            return self._in_context(logits, len(context))
         if self.sampler.params.greedy:
             return Draft(tokens=logits.argmax(-1))
         q = self.sampler.probs(logits)  # (k, V) the same transform as p
-        return Draft(tokens=self.sampler.sample(q), q=q)
+        return Draft(tokens=self.sampler.draw(q, len(context)), q=q)  # row j at position len(context) + j
 
-    def _in_context(self, logits: Tensor) -> Draft:
-        """logits (k, V) -> the chain drawn head by head, row j transformed after drafts 0..j-1 (the context controls)."""
+    def _in_context(self, logits: Tensor, at: int) -> Draft:
+        """logits (k, V) -> the chain drawn head by head, row j transformed after drafts 0..j-1 (the context controls),
+        at absolute position at + j."""
         tokens, qs = [], []
         for row in logits:
             if self.sampler.params.greedy:
                 tokens.append(self.sampler.logits(row, [tokens]).argmax(-1))
                 continue
             qs.append(self.sampler.probs(row, [tokens]))  # (V,)
-            tokens.append(self.sampler.sample(qs[-1]))
+            tokens.append(self.sampler.draw(qs[-1], at + len(tokens)))
         return Draft(tokens=torch.stack(tokens), q=torch.stack(qs) if qs else None)  # (k,), q (k, V)
 
     def _tree(self, logits: Tensor, budget: int) -> Draft:

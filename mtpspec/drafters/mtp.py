@@ -18,7 +18,8 @@ commit crops each depth to the entries whose inputs were real. That path runs ea
 time: no token trees (refused), no batched or compiled draft step.
 
 Greedy drafts are argmaxes (q None); sampled drafts come from q = sampler.probs (the target's transform),
-returned so rejection sampling stays exact. Draft step j is transformed with the round's drafts 0..j-1 as its context
+returned so rejection sampling stays exact (Gumbel sampling: argmax(log q + g_t) with the target's noise at the draft's
+position, sampling.Sampler.draw). Draft step j is transformed with the round's drafts 0..j-1 as its context
 beyond the committed tokens (a tree node: its path), as the target's row j is (sampling.py's context controls). A draft vocabulary (models/draft_vocab.py) restricts both to its N
 most frequent tokens (q zero outside them).
 
@@ -94,6 +95,7 @@ class MTPDrafter:
             fused_for_decoding(target.mtp)  # the module's q / k / v and gate / up, each one product
         self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
+        self.at = 0  # the absolute position of this round's first draft (the context's length): Gumbel noise's key
         self.cache = None
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
         self.pending_t: Tensor | None = None  # (P,) the tokens that follow them
@@ -156,6 +158,7 @@ class MTPDrafter:
 
     def _propose_module(self, context: Tensor, k: int) -> Draft:
         """The round's drafts from the module (its catch-up over the pending pairs, then the chain or tree)."""
+        self.at = context.shape[0]
         if self.depths is not None:
             return self._propose_depths(context, k)
         if self.pending_h is None or self.pending_h.shape[0] == 0:
@@ -221,6 +224,8 @@ class MTPDrafter:
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
+        for d, c in zip(drafters, contexts):
+            d.at = c.shape[0]
         folded = all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters)
         run = partial(_many, drafters[0].fused if folded else module, drafters[0].target)
         h = run([d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
@@ -333,7 +338,7 @@ class MTPDrafter:
         if greedy:  # the argmax after the controls (-inf outside a draft vocabulary stays -inf)
             return self.sampler.logits(logits, [drafted]).argmax(-1), None
         q = self.sampler.probs(logits, [drafted])  # (V,) the same transform as p; zero outside a draft vocabulary
-        return self.sampler.sample(q), q
+        return self.sampler.draw(q, self.at + len(drafted)), q  # (Gumbel: the noise of the target's token there)
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         if self.depths is not None:

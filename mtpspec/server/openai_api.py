@@ -27,7 +27,7 @@ from ..api import Model
 from ..engine import TokenLogprob
 from ..errors import ConfigError
 from ..metrics import Acceptance
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, pick_sampler
 from .chat import ChatTemplate
 from .options import ServeOptions
 from .scheduler import Chunk, Failed, Finished, GenRequest, Handle, QueueFull, RequestSpec, Scheduler
@@ -98,6 +98,8 @@ class Sampling(Body):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
                                       description="extension (vLLM): logits of prompt and generated tokens divided (> 0) or multiplied (< 0) by it")
     min_tokens: int = Field(0, ge=0, description="extension (vLLM): no end-of-text or stop_token_ids token before this many")
+    sampler: Literal["auto", "gumbel", "rejection"] = Field(
+        "auto", description="extension: gumbel, one text per seed whatever speculates; auto: gumbel when seeded and sampling")
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
     @model_validator(mode="before")
@@ -381,7 +383,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             raise FieldError("min_tokens", f"{req.min_tokens} is more than the max_tokens asked for ({max_tokens})")
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
-                                presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens)
+                                presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens,
+                                sampler=pick_sampler(req.sampler, float(req.temperature), seeded=req.seed is not None))
         if req.n > options.max_batch:
             raise FieldError("n", f"{req.n} choices; the server runs at most {options.max_batch} sequences together (its --max-batch)")
         asked = req.mtpspec.speculation if req.mtpspec is not None else None
