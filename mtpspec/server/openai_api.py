@@ -5,6 +5,8 @@ length, stops, seed and logprobs are the request's; the speculation (drafter, k 
 server's, and each response reports what it did in the extension field `mtpspec`. Every request joins
 its model's running batch (scheduler.Scheduler); `stream: true` answers with server-sent events.
 A client that disconnects cancels its sequence. Errors are OpenAI's shape (app.error_body).
+Structured output: `response_format` json_object / json_schema, or the extension field `mtpspec` with a `regex` or a
+Lark `grammar` (grammar.py); speculation stays lossless under it, as under every sampling control.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from ..api import Model
 from ..engine import TokenLogprob
 from ..errors import ConfigError
+from ..grammar import Grammar
 from ..metrics import Acceptance
 from ..sampling import SamplingParams
 from .chat import ChatTemplate
@@ -35,6 +38,7 @@ MAX_STOP_CHARS = 200
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024
+MAX_GRAMMAR_CHARS = 100_000  # of a regular expression or a Lark grammar
 DISCONNECT_POLL_S = 0.25  # how often a request in flight checks that its client is still connected
 
 
@@ -62,6 +66,53 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    """response_format's json_schema (OpenAI): the output is JSON valid under `schema` (strict or not, it is enforced)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    description: Annotated[str, StringConstraints(max_length=4000)] | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Extension(Body):
+    """The request's extension field `mtpspec`: a regular expression or a Lark grammar the output must match."""
+
+    regex: Annotated[str, StringConstraints(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    grammar: Annotated[str, StringConstraints(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+
+
+def grammar_of(req: "Sampling") -> Grammar | None:
+    """The constraint a request asks for (response_format, or the extension's regex / Lark grammar), or None."""
+    asked: list[tuple[str, Grammar]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.json_schema is not None and fmt.type != "json_schema":
+            raise FieldError("response_format", f'json_schema goes with type "json_schema", not {fmt.type!r}')
+        if fmt.type == "json_object":
+            asked.append(("response_format", Grammar.json_object()))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise FieldError("response_format", 'type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+            schema = fmt.json_schema.schema_
+            asked.append(("response_format", Grammar.json_object() if schema is None else Grammar.json_schema(schema)))
+    ext = req.mtpspec
+    if ext is not None:
+        if ext.regex is not None:
+            asked.append(("mtpspec", Grammar.regex(ext.regex)))
+        if ext.grammar is not None:
+            asked.append(("mtpspec", Grammar.lark(ext.grammar)))
+    if len(asked) > 1:
+        raise FieldError(asked[-1][0], "one constraint per request: response_format json_object / json_schema, "
+                         "mtpspec.regex or mtpspec.grammar")
+    return asked[0][1] if asked else None
+
+
 NOT_NULLABLE = ("model", "prompt", "messages")  # required by OpenAI (model too), so a null there is a client's bug
 
 
@@ -87,6 +138,8 @@ class Sampling(Body):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
                                       description="extension (vLLM): logits of prompt and generated tokens divided (> 0) or multiplied (< 0) by it")
     min_tokens: int = Field(0, ge=0, description="extension (vLLM): no end-of-text or stop_token_ids token before this many")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: the output matches it")
+    mtpspec: Extension | None = Field(None, description="extension: {regex} or {grammar} (Lark) the output matches")
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
     @model_validator(mode="before")
@@ -142,6 +195,16 @@ _SHARED_RULES = {
     "min_p": "must be a number in [0, 1]",
     "repetition_penalty": "must be a finite number > 0 (1: off)",
     "min_tokens": "must be an integer >= 0",
+    "response_format": 'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                       '{"name": ..., "schema": {...}, "strict": true}}',
+    "type": "must be text, json_object or json_schema",
+    "json_schema": 'must be an object {"name": ..., "schema": {...}, "strict": true or false}',
+    "schema": "must be a JSON schema (an object)",
+    "strict": "must be true or false",
+    "description": "must be a string",
+    "mtpspec": 'must be an object {"regex": ...} or {"grammar": ...}',
+    "regex": f"must be a regular expression, a string of 1 to {MAX_GRAMMAR_CHARS} characters",
+    "grammar": f"must be a Lark grammar, a string of 1 to {MAX_GRAMMAR_CHARS} characters",
 }
 RULES = {  # route -> field -> "must be ..." (said after the field's name) or a whole message (it starts with the name)
     "/v1/completions": {
@@ -306,9 +369,16 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             bias[int(key)] = b
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise FieldError("min_tokens", f"{req.min_tokens} is more than the max_tokens asked for ({max_tokens})")
+        grammar = grammar_of(req)
+        if grammar is not None:
+            try:
+                grammar = grammar.compile(model.tokenizer, vocab)
+            except ConfigError as e:
+                raise FieldError("response_format" if req.response_format is not None else "mtpspec", str(e)) from None
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
-                                presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens)
+                                presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens,
+                                grammar=grammar)
         want = max_tokens if max_tokens is not None else options.max_tokens_default
         return GenRequest(prompt, params, min(want, ctx + 1 - len(prompt)), req.seed, tuple(req.stop_token_ids or ()), logprobs)
 
