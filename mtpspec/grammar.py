@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -134,7 +135,6 @@ class GrammarState:
         self.stop_ids = tuple(int(t) for t in stop_ids)
         self.stops = frozenset(self.stop_ids) | {self.eos}  # a path ends at any of them
         self.words = (self.vocab_size + 31) // 32  # int32 words of one row's bitmask
-        self.shifts = torch.arange(32, dtype=torch.int32)
         self.ended = False  # a stop token was committed: the sequence is over
 
     def advance(self, tokens: Sequence[int]) -> None:
@@ -177,7 +177,8 @@ class GrammarState:
             last = list(cur)
         if cur:
             m.rollback(len(cur))
-        allowed = ((bits.unsqueeze(-1) >> self.shifts) & 1).bool().reshape(len(rows), -1)[:, : self.vocab_size]  # (R, V)
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")  # (R, 32 W) token t = bit t
+        allowed = torch.from_numpy(unpacked).view(torch.bool)[:, : self.vocab_size]  # (R, V)
         accepting = allowed[:, self.eos].clone()  # (R,) the grammar may end here
         allowed[:, self.eos] = False
         allowed[:, list(self.stop_ids)] = accepting.unsqueeze(-1)  # the sequence's own stop ids, exactly where it may end
@@ -191,8 +192,9 @@ class GrammarState:
         (it sees the whole vocabulary); where the other controls leave it none, the caller names the conflict."""
         allowed, complete = self.allowed(rows)
         out = x.masked_fill(~allowed, float("-inf"))
-        empty = (out == float("-inf")).all(-1) & (raw == float("-inf")).any(-1)  # (R,)
+        empty = ~(allowed & (x > float("-inf"))).any(-1)  # (R,)
         if bool(empty.any()):
+            empty &= (raw == float("-inf")).any(-1)
             out[empty] = x[empty]
         return out, complete
 
