@@ -16,6 +16,7 @@ grammar accepts, and once it is complete (no further token possible) only they a
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -200,15 +201,21 @@ class GrammarState:
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary[object, dict[int, object]]" = weakref.WeakKeyDictionary()
+_BUILDING = threading.Lock()  # one build at a time (the server compiles on worker threads)
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's tokenizer for one of ours (built once per tokenizer and vocabulary): a Hugging Face `tokenizers`
     one (HF folders, GGUF files, the demo model) from its JSON, a llama2.c one from its token bytes. Its EOS is our
-    first stop id."""
-    cached = _TOKENIZERS.setdefault(tokenizer, {})
-    if vocab_size in cached:
+    first stop id. Building one for a large vocabulary takes seconds (Gemma's 262k tokens: ~8 s), once per process."""
+    with _BUILDING:
+        cached = _TOKENIZERS.setdefault(tokenizer, {})
+        if vocab_size not in cached:
+            cached[vocab_size] = _build_tokenizer(tokenizer, vocab_size)
         return cached[vocab_size]
+
+
+def _build_tokenizer(tokenizer, vocab_size: int):
     from llguidance import LLTokenizer
 
     stop = tuple(getattr(tokenizer, "stop_ids", ()))
@@ -225,7 +232,6 @@ def ll_tokenizer(tokenizer, vocab_size: int):
         ll = LLTokenizer(TokenizerWrapper(_Llama2cBytes(tokenizer)), n_vocab=vocab_size, eos_token=eos)
     else:
         raise ConfigError(f"grammars need a Hugging Face or llama2.c tokenizer, this model has a {type(tokenizer).__name__}")
-    cached[vocab_size] = ll
     return ll
 
 
@@ -240,4 +246,11 @@ class _Llama2cBytes:
         self.special_token_ids = sorted(tok.HF_SPECIALS)
 
     def __call__(self, text: str) -> list[int]:
-        return self.tok.encode(text, bos=False)
+        """`text` as a continuation: encode's pieces without its BOS and dummy-prefix space (llguidance tokenizes forced
+        text with it)."""
+        ids: list[int] = []
+        for ch in text:
+            b = ch.encode("utf-8")
+            tid = self.tok.lookup.get(b)
+            ids.extend([tid] if tid is not None else [byte + 3 for byte in b])  # byte fallback, as encode
+        return self.tok._merge(ids)

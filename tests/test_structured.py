@@ -4,7 +4,7 @@
   mtp (chain, tree), oracle chains and random trees (full of tokens the grammar rejects), alone and 3 to a batch, give
   exactly plain constrained greedy's tokens; the first two sampled tokens follow plain constrained sampling's exact
   joint distribution (chi-square and total variation).
-- The demo model: a JSON schema's greedy and sampled output parses and validates, speculation (mtp, ngram, a tree,
+- A llama2.c tokenizer (stories260K) under a regex. The demo model: a JSON schema's greedy and sampled output parses and validates, speculation (mtp, ngram, a tree,
   a batch) token-identical to plain constrained greedy; a date regex matches fully; json_object gives an object.
 - Errors name the problem; the CLI's --json-schema / --regex / --grammar; the server's response_format and mtpspec
   extension (whole and streamed), its 400s in OpenAI's shape.
@@ -162,6 +162,14 @@ def test_regex_and_json_object_on_the_demo_model(demo):
         assert r.finish_reason == "stop" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.text), r.text
     r = demo.generate(OBJECT, grammar=Grammar.json_object(), drafter="mtp", k=3, max_new_tokens=64)
     assert r.finish_reason == "stop" and isinstance(json.loads(r.text), dict) and r.text != "{}", r.text
+
+
+def test_a_llama2c_tokenizer(stories):
+    """Its token bytes (byte pieces as bytes) and its encoding of forced text (no dummy-prefix space) as llguidance's."""
+    g = Grammar.regex(r"(yes|no), (Lily|Tom) said\.")
+    want = stories.generate("Once upon a time", grammar=g, drafter="none", max_new_tokens=30)
+    assert want.finish_reason == "stop" and re.fullmatch(r"(yes|no), (Lily|Tom) said\.", want.text), want.text
+    assert stories.generate("Once upon a time", grammar=g, drafter="ngram", k=3, max_new_tokens=30).tokens == want.tokens
 
 
 @pytest.mark.parametrize("make, message", [

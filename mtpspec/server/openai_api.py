@@ -350,7 +350,19 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         name, model = served.model(name)
         return name, model, schedulers[name]
 
-    def request_of(req: Sampling, model: Model, prompt: list[int], logprobs: int | None, max_tokens: int | None) -> GenRequest:
+    async def compiled_grammar(req: Sampling, model: Model):
+        """The request's constraint compiled against the model's tokenizer, off the event loop (a large vocabulary's
+        first grammar builds llguidance's tokenizer: seconds), or None."""
+        grammar = grammar_of(req)
+        if grammar is None:
+            return None
+        try:
+            return await asyncio.to_thread(grammar.compile, model.tokenizer, model.module.vocab_size)
+        except ConfigError as e:
+            raise FieldError("response_format" if req.response_format is not None else "mtpspec", str(e)) from None
+
+    def request_of(req: Sampling, model: Model, prompt: list[int], logprobs: int | None, max_tokens: int | None,
+                   grammar=None) -> GenRequest:
         ctx = model.max_seq_len
         if len(prompt) >= ctx:
             raise FieldError("prompt" if isinstance(req, CompletionRequest) else "messages",
@@ -369,12 +381,6 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             bias[int(key)] = b
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise FieldError("min_tokens", f"{req.min_tokens} is more than the max_tokens asked for ({max_tokens})")
-        grammar = grammar_of(req)
-        if grammar is not None:
-            try:
-                grammar = grammar.compile(model.tokenizer, vocab)
-            except ConfigError as e:
-                raise FieldError("response_format" if req.response_format is not None else "mtpspec", str(e)) from None
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
                                 presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens,
@@ -413,7 +419,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             ids = list(prompt)
         if not ids:
             raise FieldError("prompt", "holds no token")
-        return await run(request, req, name, model, sched, request_of(req, model, ids, req.logprobs, req.max_tokens), chat=False)
+        grammar = await compiled_grammar(req, model)
+        return await run(request, req, name, model, sched, request_of(req, model, ids, req.logprobs, req.max_tokens, grammar), chat=False)
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest):
@@ -430,7 +437,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         if req.top_logprobs and not req.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, name, model, sched, request_of(req, model, ids, top, max_tokens), chat=True)
+        grammar = await compiled_grammar(req, model)
+        return await run(request, req, name, model, sched, request_of(req, model, ids, top, max_tokens, grammar), chat=True)
 
     @router.get("/v1/models")
     async def models() -> dict:
