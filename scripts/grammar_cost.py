@@ -91,7 +91,8 @@ def main() -> None:
           "grammar µs / token | µs / masked row |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, c, t, m, a, n, sh, pt, pr in rows:
-        print(f"| {name} | {c} | {t:.1f} | {m:.2f} | {a:.2f} | {n} | {sh * 100:.1f} % | {pt:.0f} | {pr:.0f} |")
+        acc = "-" if a != a else f"{a:.2f}"  # (no drafts: NaN)
+        print(f"| {name} | {c} | {t:.1f} | {m:.2f} | {acc} | {n} | {sh * 100:.1f} % | {pt:.0f} | {pr:.0f} |")
 
 
 if __name__ == "__main__":
