@@ -79,7 +79,10 @@ class Grammar:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            try:
+                return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            except ValueError as e:  # source that is not a JSON object (Grammar built by hand)
+                raise ConfigError(f"invalid JSON schema: {_one_line(str(e))}") from None
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         return LLMatcher.grammar_from_lark(self.source)
