@@ -11,6 +11,8 @@ mask goes into p and q, so greedy output is the constrained target's greedy outp
 from the constrained target's distribution. A path with a token the grammar rejects, or a stop token, is never accepted
 past it: its later rows get the mask after its last valid prefix. The sequence's stop ids are allowed exactly where the
 grammar accepts, and once it is complete (no further token possible) only they are, so generation ends there ("stop").
+Text the grammar forces (a JSON key, an enum's rest) is allowed only in the tokenizer's canonical tokens (llguidance's
+rule); the mask stays a function of the path alone, so plain and speculative decoding see the same one.
 """
 
 from __future__ import annotations

@@ -121,6 +121,24 @@ def test_min_tokens_gives_way_to_the_grammars_end(model, tok):
     assert r.finish_reason == "stop" and re.fullmatch("[a-f]{2}", text(r.tokens))
 
 
+def test_rows_masked_after_their_paths(tok):
+    """A row after a rejected token gets the mask at its last valid prefix; a drafter's row over a draft vocabulary
+    holding no allowed token keeps its logits (its guess is rejected); a target row left empty is a clear error."""
+    inf = float("-inf")
+    s = Sampler(SamplingParams(grammar=Grammar.regex("x[yz]z").compile(tok, V))).bind([1], (STOP,), V)
+    x = s.logits(torch.zeros(4, V), [[], [11], [11, 0], [14]])  # "", "x", "x" + rejected "a", "xy"
+    allowed = [set((row > inf).nonzero().flatten().tolist()) for row in x]
+    assert allowed == [{11, 14}, {12, 13}, {12, 13}, {13}]
+    draft_vocab = torch.full((1, V), inf)
+    draft_vocab[0, :4] = 0.0  # a, b, c, d only
+    assert torch.equal(s.logits(draft_vocab), draft_vocab)
+    s.advance([14, 13])  # "xyz": complete, only the stop token
+    assert ((s.logits(torch.zeros(1, V)) > inf).nonzero()[:, 1].tolist()) == [STOP]
+    banned = Sampler(SamplingParams(banned_ids=(11, 14), grammar=Grammar.regex("x[yz]z").compile(tok, V))).bind([1], (STOP,), V)
+    with pytest.raises(ConfigError, match="leave no token to sample"):
+        banned.logits(torch.zeros(1, V))
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                            "kind": {"enum": ["cat", "dog", "bird"]}},
