@@ -18,10 +18,11 @@ from .drafters import make_drafter
 from .config import GenerationConfig, draft_model_arg
 from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
+from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import check_compilable, compile_model
 from .quant import check_quant, quantize
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
 from .types import GenerationResult
 
@@ -78,11 +79,12 @@ class Model:
                 raise ConfigError(f"{name} must be a function, got {type(f).__name__}")
         ids = self._prompt_ids(prompt)
         engine, k, depth = self._engine(cfg, 1, depth_policy)
+        params = self.sampling(cfg)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
         if on_tokens is not None:
             callback = on_tokens if callback is None else (lambda toks, text=callback: (on_tokens(toks), text(toks)))
-        sid = self._add(engine, ids, cfg, k, 0, callback)
+        sid = self._add(engine, ids, cfg, params, k, 0, callback)
         res = engine.run()[sid]
         if on_text is not None:
             tail = stream.flush()
@@ -101,7 +103,8 @@ class Model:
             raise ConfigError("prompts must be a non-empty list of prompts")
         ids = [self._prompt_ids(p) for p in prompts]
         engine, k, _ = self._engine(cfg, len(ids) if max_batch is None else max_batch, depth_policy)
-        sids = [self._add(engine, x, cfg, k, i, None) for i, x in enumerate(ids)]
+        params = self.sampling(cfg)
+        sids = [self._add(engine, x, cfg, params, k, i, None) for i, x in enumerate(ids)]
         results = engine.run()
         return [replace(results[s], text=self.tokenizer.decode(results[s].tokens, prev=x[-1])) for s, x in zip(sids, ids)]
 
@@ -122,11 +125,22 @@ class Model:
         apply_threads(n_threads)
         return Engine(self.module, max_batch, cfg.exact, depth_policy), k, depth_policy
 
-    def _add(self, engine: Engine, ids: list[int], cfg: GenerationConfig, k: int, index: int, callback) -> int:
+    def sampling(self, cfg: GenerationConfig) -> SamplingParams:
+        """cfg's sampling params, its grammar (a mtpspec.Grammar) compiled against this model's tokenizer."""
+        params = cfg.sampling()
+        if cfg.grammar is None:
+            return params
+        if not isinstance(cfg.grammar, Grammar):
+            raise ConfigError("grammar must be a mtpspec.Grammar (Grammar.json_schema(schema), .json_object(), .regex(pattern) "
+                              f"or .lark(text)), got {type(cfg.grammar).__name__}")
+        return replace(params, grammar=cfg.grammar.compile(self.tokenizer, self.module.vocab_size))
+
+    def _add(self, engine: Engine, ids: list[int], cfg: GenerationConfig, params: SamplingParams, k: int, index: int,
+             callback) -> int:
         check_prompt(ids, self.module.max_seq_len, self.module.vocab_size)
         ids = [int(t) for t in ids]  # (numpy integers too)
         d = make_drafter(cfg.drafter, self.module, draft_model=draft_model_arg(cfg.draft_model, cfg.drafter), **cfg.options)
-        sampler = Sampler(cfg.sampling(), cfg.seed + index)
+        sampler = Sampler(params, cfg.seed + index)
         return engine.add(ids, d, sampler, k, cfg.max_new_tokens, self.tokenizer.stop_ids, callback, cfg.trace)
 
 

@@ -216,7 +216,39 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_generation_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_grammar_args(p)
     add_threads_arg(p)
+
+
+def add_grammar_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (mtpspec.grammar): at most one constraint the generated text must match."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON schema in FILE")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", metavar="R", help="the output matches the regular expression R as a whole (Rust regex syntax)")
+    g.add_argument("--grammar", metavar="FILE", help="the output matches the Lark grammar in FILE (llguidance's dialect, rule start)")
+
+
+def grammar_arg(args: argparse.Namespace):
+    """The mtpspec.Grammar that --json-schema / --json-object / --regex / --grammar ask for, or None."""
+    from .grammar import Grammar
+
+    def read(flag: str, path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+    if args.json_schema is not None:
+        return Grammar.json_schema(read("--json-schema", args.json_schema))
+    if args.json_object:
+        return Grammar.json_object()
+    if args.regex is not None:
+        return Grammar.regex(args.regex)
+    if args.grammar is not None:
+        return Grammar.lark(read("--grammar", args.grammar))
+    return None
 
 
 class _Echo:
@@ -240,8 +272,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.drafter == "auto" and args.draft_model is not None:
         raise ConfigError("--draft-model needs --drafter draft, mtp, eagle or medusa (the default, auto, drafts with the "
                           "model's own MTP head or prompt lookup)")
+    grammar = grammar_arg(args)  # a bad file or schema is named before the model loads
     model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
-    kwargs = generation_kwargs(args)
+    kwargs = {**generation_kwargs(args), "grammar": grammar}
     if args.drafter == "auto":
         kwargs["drafter"] = auto_drafter(model.module)
         if kwargs["drafter"] == "ngram":

@@ -29,6 +29,7 @@ class GenerationConfig:
     logit_bias: dict = field(default_factory=dict)  # {token id: bias in [-100, 100]}
     banned_ids: tuple = ()  # token ids never generated
     min_tokens: int = 0  # no stop token before this many new tokens
+    grammar: object = None  # a mtpspec.Grammar (json_schema / json_object / regex / lark): the output matches it
     seed: int = 0  # the sampler's RNG (each sequence of a batch: seed + its index)
     sampler: str = "auto"  # auto (= gumbel when sampling: the text a function of the seed alone) | gumbel | rejection
     max_new_tokens: int = 256

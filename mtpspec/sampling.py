@@ -15,6 +15,9 @@ Two ways to draw a sampled token (`SamplingParams.sampler`): "rejection" takes t
 the depth and the batch); "gumbel" takes the token at absolute position t as argmax_v(log p_t(v) + g_t(v)), the Gumbel
 noise g_t a fixed function of (seed, t) alone (`gumbel_noise`): every drafter, depth, batch, and plain decoding then
 give the same text for one seed, each token still an exact sample from p_t (Gumbel-max).
+
+A grammar (structured output, grammar.py) is one more such control: row r is masked to the tokens the grammar allows
+after the committed tokens plus row r's path; this module only holds the sequence's grammar state and applies its mask.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class SamplingParams:
     The logits of a row go through, in this order (vLLM's): logit_bias added; repetition_penalty over the tokens present
     in the prompt and the generated tokens (HF / vLLM / llama.cpp: a logit > 0 divided by it, one < 0 multiplied);
     frequency_penalty * count and presence_penalty * [count > 0] subtracted, counting generated tokens only (OpenAI);
-    banned_ids, and the sequence's stop ids while fewer than min_tokens tokens were generated, set to -inf. Then
+    banned_ids, tokens outside the grammar (grammar.py; where it is complete, its end comes before min_tokens), and the
+    sequence's stop ids while fewer than min_tokens tokens were generated, set to -inf. Then
     temperature, top-k, top-p, and min_p (tokens of probability < min_p * the largest dropped; the largest survives,
     so greedy decoding is the argmax of the controlled logits). "Generated" includes the drafts before the row."""
 
@@ -78,6 +82,7 @@ class SamplingParams:
     banned_ids: tuple[int, ...] = ()  # token ids never sampled
     min_tokens: int = 0  # no stop token before this many new tokens
     sampler: str = "rejection"  # "rejection" or "gumbel" (position-keyed noise: the text a function of the seed alone)
+    grammar: object = None  # a grammar.CompiledGrammar (Grammar.compile): the output matches it; None = off
 
     def __post_init__(self) -> None:
         _real("temperature", self.temperature)
@@ -120,6 +125,9 @@ class SamplingParams:
             raise ConfigError(f"min-tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.grammar is not None and not callable(getattr(self.grammar, "start", None)):
+            raise ConfigError("grammar must be compiled against the model's tokenizer (mtpspec.Grammar(...).compile(tokenizer, "
+                              f"vocab_size), or give the Grammar to Model.generate), got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -129,7 +137,7 @@ class SamplingParams:
     def controls(self) -> bool:
         """Whether any logit control is on: then each row is transformed with its own context (`Sampler.bind`)."""
         return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.banned_ids or self.min_tokens)
+                    or self.banned_ids or self.min_tokens or self.grammar is not None)
 
 
 # What each row of a window saw beyond the committed context: None, nothing (every row right after it); a 1-D tensor
@@ -146,12 +154,15 @@ class History:
         self.seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size)  # (V,) float32
         self.generated = 0
+        self.grammar = None  # a grammar.GrammarState at the committed tokens (Sampler.bind), when the params have a grammar
 
     def add(self, tokens: Sequence[int]) -> None:
         t = torch.as_tensor(list(tokens), dtype=torch.long)  # (n,)
         self.seen[t] = True
         self.counts.index_put_((t,), torch.ones(t.shape[0]), accumulate=True)
         self.generated += t.shape[0]
+        if self.grammar is not None:
+            self.grammar.advance(t.tolist())
 
 
 def _row_paths(paths: Paths, rows: int) -> list[list[int]]:
@@ -188,13 +199,16 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
             x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     if params.banned_ids:
         x[:, list(params.banned_ids)] = float("-inf")
+    complete = torch.zeros(x.shape[0], dtype=torch.bool)  # (R,) rows where the grammar is complete: it ends before min_tokens
+    if history.grammar is not None:
+        x, complete = history.grammar.mask(x, rows, logits.reshape(x.shape))
     if params.min_tokens and stop_ids:
-        early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows])  # (R,)
+        early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows]) & ~complete  # (R,)
         if bool(early.any()):
             x[early.nonzero()[:, :1], torch.tensor(stop_ids)] = float("-inf")
     if bool((x == float("-inf")).all(-1).any()):
-        raise ConfigError("the sampling controls leave no token to sample (banned ids and min-tokens' stop ids cover the "
-                          "whole vocabulary)")
+        raise ConfigError("the sampling controls leave no token to sample (banned ids, min-tokens' stop ids and the grammar "
+                          "cover the whole vocabulary)")
     return x.reshape(shape)
 
 
@@ -338,6 +352,8 @@ class Sampler:
         bound = copy.copy(self)
         bound.history = History(prompt, vocab_size)
         bound.stop_ids = tuple(int(t) for t in stop_ids if 0 <= t < vocab_size)
+        if self.params.grammar is not None:
+            bound.history.grammar = self.params.grammar.start(bound.stop_ids, vocab_size)
         return bound
 
     @property

@@ -7,6 +7,8 @@ in the extension field `mtpspec` ({"speculation": "off" | "auto" | D}; omitted: 
 Each response reports what speculation did in its own `mtpspec` field. Every request joins its model's
 running batch (scheduler.Scheduler); `stream: true` answers with server-sent events. A client that
 disconnects cancels its sequences. Errors are OpenAI's shape (app.error_body).
+Structured output: `response_format` json_object / json_schema, or `regex` / a Lark `grammar` in the extension
+field `mtpspec` (grammar.py); speculation stays lossless under it, as under every sampling control.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from ..api import Model
 from ..engine import TokenLogprob
 from ..errors import ConfigError
+from ..grammar import Grammar
 from ..metrics import Acceptance
 from ..sampling import SamplingParams, pick_sampler
 from .chat import ChatTemplate
@@ -38,6 +41,7 @@ MAX_STOP_CHARS = 200
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 1024
+MAX_GRAMMAR_CHARS = 100_000  # of a regular expression or a Lark grammar
 DISCONNECT_POLL_S = 0.25  # how often a request in flight checks that its client is still connected
 
 
@@ -65,14 +69,57 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-NOT_NULLABLE = ("model", "prompt", "messages")  # required by OpenAI (model too), so a null there is a client's bug
+class JsonSchemaFormat(Body):
+    """response_format's json_schema (OpenAI): the output is JSON valid under `schema` (strict or not, it is enforced)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    description: Annotated[str, StringConstraints(max_length=4000)] | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
-class RequestOptions(Body):
-    """The request's extension field `mtpspec`: how it speculates (the server's drafter, at a depth it chooses)."""
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Extension(Body):
+    """The request's extension field `mtpspec`: how it speculates (the server's drafter, at a depth it chooses), and a
+    regular expression or a Lark grammar the output must match."""
 
     speculation: Literal["off", "auto"] | Annotated[int, Field(ge=1)] | None = Field(
         None, description='"off": plain decoding; "auto": the cost model\'s depth per step; D: always D drafts; omitted: the server\'s --k')
+    regex: Annotated[str, StringConstraints(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    grammar: Annotated[str, StringConstraints(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+
+
+def grammar_of(req: "Sampling") -> Grammar | None:
+    """The constraint a request asks for (response_format, or the extension's regex / Lark grammar), or None."""
+    asked: list[tuple[str, Grammar]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.json_schema is not None and fmt.type != "json_schema":
+            raise FieldError("response_format", f'json_schema goes with type "json_schema", not {fmt.type!r}')
+        if fmt.type == "json_object":
+            asked.append(("response_format", Grammar.json_object()))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise FieldError("response_format", 'type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+            schema = fmt.json_schema.schema_
+            asked.append(("response_format", Grammar.json_object() if schema is None else Grammar.json_schema(schema)))
+    ext = req.mtpspec
+    if ext is not None:
+        if ext.regex is not None:
+            asked.append(("mtpspec", Grammar.regex(ext.regex)))
+        if ext.grammar is not None:
+            asked.append(("mtpspec", Grammar.lark(ext.grammar)))
+    if len(asked) > 1:
+        raise FieldError(asked[-1][0], "one constraint per request: response_format json_object / json_schema, "
+                         "mtpspec.regex or mtpspec.grammar")
+    return asked[0][1] if asked else None
+
+
+NOT_NULLABLE = ("model", "prompt", "messages")  # required by OpenAI (model too), so a null there is a client's bug
 
 
 class Sampling(Body):
@@ -84,7 +131,7 @@ class Sampling(Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension: keep the k most likely tokens (0 or -1 = off)")
     n: int = Field(1, ge=1, description="choices, at most the server's --max-batch: one prefill, choice i seeded seed + i")
-    mtpspec: RequestOptions | None = Field(None, description='extension: {"speculation": "off" | "auto" | D}')
+    mtpspec: Extension | None = Field(None, description='extension: {"speculation": "off" | "auto" | D, "regex" or "grammar"}')
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
@@ -100,6 +147,7 @@ class Sampling(Body):
     min_tokens: int = Field(0, ge=0, description="extension (vLLM): no end-of-text or stop_token_ids token before this many")
     sampler: Literal["auto", "gumbel", "rejection"] = Field(
         "auto", description="extension: gumbel, one text per seed whatever speculates; auto: gumbel when seeded and sampling")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: the output matches it")
     user: Annotated[str, StringConstraints(max_length=256)] | None = None
 
     @model_validator(mode="before")
@@ -149,7 +197,6 @@ _SHARED_RULES = {
     "seed": "must be an integer in [0, 2**63)",
     "user": "must be a string of at most 256 characters",
     "n": "must be an integer >= 1 (and at most the server's --max-batch)",
-    "mtpspec": 'must be an object {"speculation": "off" | "auto" | D}',
     "speculation": 'must be "off", "auto" or a draft depth D (an integer >= 1)',
     "presence_penalty": "must be a number in [-2, 2]",
     "frequency_penalty": "must be a number in [-2, 2]",
@@ -157,6 +204,17 @@ _SHARED_RULES = {
     "min_p": "must be a number in [0, 1]",
     "repetition_penalty": "must be a finite number > 0 (1: off)",
     "min_tokens": "must be an integer >= 0",
+    "sampler": 'must be "auto", "gumbel" or "rejection"',
+    "response_format": 'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                       '{"name": ..., "schema": {...}, "strict": true}}',
+    "type": "must be text, json_object or json_schema",
+    "json_schema": 'must be an object {"name": ..., "schema": {...}, "strict": true or false}',
+    "schema": "must be a JSON schema (an object)",
+    "strict": "must be true or false",
+    "description": "must be a string",
+    "mtpspec": 'must be an object with "speculation" ("off" | "auto" | D) and at most one of "regex" and "grammar"',
+    "regex": f"must be a regular expression, a string of 1 to {MAX_GRAMMAR_CHARS} characters",
+    "grammar": f"must be a Lark grammar, a string of 1 to {MAX_GRAMMAR_CHARS} characters",
 }
 RULES = {  # route -> field -> "must be ..." (said after the field's name) or a whole message (it starts with the name)
     "/v1/completions": {
@@ -361,8 +419,19 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         name, model = served.model(name)
         return name, model, schedulers[name]
 
+    async def compiled_grammar(req: Sampling, model: Model):
+        """The request's constraint compiled against the model's tokenizer, off the event loop (a large vocabulary's
+        first grammar builds llguidance's tokenizer: seconds), or None."""
+        grammar = grammar_of(req)
+        if grammar is None:
+            return None
+        try:
+            return await asyncio.to_thread(grammar.compile, model.tokenizer, model.module.vocab_size)
+        except ConfigError as e:
+            raise FieldError("response_format" if req.response_format is not None else "mtpspec", str(e)) from None
+
     def request_of(req: Sampling, model: Model, sched: Scheduler, prompt: list[int], logprobs: int | None, max_tokens: int | None,
-                   prompt_logprobs: int | None = None) -> GenRequest:
+                   prompt_logprobs: int | None = None, grammar=None) -> GenRequest:
         ctx = model.max_seq_len
         if len(prompt) >= ctx:
             raise FieldError("prompt" if isinstance(req, CompletionRequest) else "messages",
@@ -384,7 +453,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
                                 presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens,
-                                sampler=pick_sampler(req.sampler, float(req.temperature), seeded=req.seed is not None))
+                                sampler=pick_sampler(req.sampler, float(req.temperature), seeded=req.seed is not None),
+                                grammar=grammar)
         if req.n > options.max_batch:
             raise FieldError("n", f"{req.n} choices; the server runs at most {options.max_batch} sequences together (its --max-batch)")
         asked = req.mtpspec.speculation if req.mtpspec is not None else None
@@ -435,7 +505,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             raise FieldError("best_of", f"{req.best_of} is not n ({req.n}): choices are not ranked, every one is returned; "
                              "send best_of equal to n, or omit it")
         echo = Echo.of(model, prompt, ids) if req.echo else None
-        gen = request_of(req, model, sched, ids, req.logprobs, req.max_tokens, req.logprobs if req.echo else None)
+        grammar = await compiled_grammar(req, model)
+        gen = request_of(req, model, sched, ids, req.logprobs, req.max_tokens, req.logprobs if req.echo else None, grammar)
         return await run(request, req, name, model, sched, gen, chat=False, echo=echo)
 
     @router.post("/v1/chat/completions")
@@ -453,7 +524,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         if req.top_logprobs and not req.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run(request, req, name, model, sched, request_of(req, model, sched, ids, top, max_tokens), chat=True)
+        grammar = await compiled_grammar(req, model)
+        return await run(request, req, name, model, sched, request_of(req, model, sched, ids, top, max_tokens, grammar=grammar), chat=True)
 
     @router.get("/v1/models")
     async def models() -> dict:
