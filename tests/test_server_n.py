@@ -205,7 +205,7 @@ BAD = [
     ({"mtpspec": {"speculation": True}}, "mtpspec", 'mtpspec: speculation must be "off", "auto" or a draft depth D'),
     ({"mtpspec": {"speculation": "2"}}, "mtpspec", 'mtpspec: speculation must be "off", "auto" or a draft depth D'),
     ({"mtpspec": {"speculation": 2, "drafter": "ngram"}}, "mtpspec", "mtpspec: drafter is an unknown field"),
-    ({"mtpspec": "off"}, "mtpspec", 'mtpspec: must be an object {"speculation"'),
+    ({"mtpspec": "off"}, "mtpspec", 'mtpspec: must be an object with "speculation"'),
 ]
 
 
