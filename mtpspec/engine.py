@@ -280,6 +280,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     drafts, draft_s, batched = propose(seqs, depths)  # 1. draft
     # a tree's nodes may outnumber its depth: its window is cut to the context left, as a chain's depth is
     drafts = [d.first(s.max_seq_len - s.cache.length - 1) if d.is_tree else d for d, s in zip(drafts, seqs)]
+    # under a grammar a chain is cut at its first token outside it (its later rows could never be accepted)
+    drafts = [d if d.is_tree else d.first(s.sampler.within_grammar(d.tokens)) for d, s in zip(drafts, seqs)]
     t1 = perf_counter()
     starts = [s.cache.length for s in seqs]
     tokens = [torch.cat([s.context[-1:], d.tokens]) for s, d in zip(seqs, drafts)]  # [last, d1..dD] per sequence

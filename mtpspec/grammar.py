@@ -152,6 +152,19 @@ class GrammarState:
             if not self.matcher.consume_token(int(t)):
                 raise RuntimeError(f"the grammar rejects committed token {t}: a step bypassed its mask ({self.matcher.get_error()[:200]})")
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, after the committed ones, the grammar allows in a row (a stop token counts, and ends
+        them: where the grammar may end, verification decides). A draft is cut there before verification: the rows
+        after its first disallowed token could never be accepted."""
+        if self.ended:
+            return 0
+        toks = [int(t) for t in tokens]
+        end = next((i for i, t in enumerate(toks) if t in self.stops), len(toks))
+        n = self.matcher.try_consume_tokens(toks[:end]) if end and not self.matcher.is_stopped() else 0
+        if n:
+            self.matcher.rollback(n)
+        return n + 1 if n == end < len(toks) else n
+
     def allowed(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         """Per row (after the committed tokens plus its path): the allowed tokens (R, V) bool, and whether the grammar is
         complete there (R,) bool (only a stop token may follow)."""

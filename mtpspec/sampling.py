@@ -366,6 +366,11 @@ class Sampler:
         if self.history is not None:
             self.history.add(tokens)
 
+    def within_grammar(self, tokens: Tensor) -> int:
+        """How many of a chain's draft `tokens` (D,) the sequence's grammar allows in a row (all of them without one)."""
+        g = self.history.grammar if self.history is not None else None
+        return tokens.shape[0] if g is None else g.valid_prefix(tokens.tolist())
+
     def logits(self, logits: Tensor, paths: Paths = None) -> Tensor:
         """(..., V) -> the logits after the context controls (row r after paths' row r); themselves when none are on."""
         if self.history is None:

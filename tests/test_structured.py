@@ -138,6 +138,24 @@ def test_rows_masked_after_their_paths(tok):
     with pytest.raises(ConfigError, match="leave no token to sample"):
         banned.logits(torch.zeros(1, V))
 
+    fresh = Sampler(SamplingParams(grammar=Grammar.regex("x[yz]z").compile(tok, V))).bind([1], (STOP,), V)
+    assert [fresh.within_grammar(torch.tensor(t, dtype=torch.long)) for t in ([11, 12, 13], [11, 0, 13], [14, 13, STOP, 5], [0], [])] == [3, 1, 3, 0, 0]
+
+
+def test_drafts_are_cut_at_the_grammar(model, tok):
+    """A chain is cut at its first token outside the grammar before verification: every verified draft token is one the
+    grammar allows after the tokens before it, and the output is still plain constrained greedy's."""
+    g = TINY["regex"].compile(tok, V)
+    for prompt in PROMPTS:
+        want = run(model, prompt, "none", 1, SamplingParams(grammar=g))
+        got = generate_tokens(model, prompt, make_drafter("ngram", model), 4, Sampler(SamplingParams(grammar=g)), N, (STOP,),
+                              trace=True)
+        assert got.tokens == want.tokens and any(step.draft for step in got.steps)
+        check = Sampler(SamplingParams(grammar=g)).bind(prompt, (STOP,), V)
+        for step in got.steps:
+            assert check.within_grammar(torch.tensor(step.draft, dtype=torch.long)) == len(step.draft)
+            check.advance(step.emitted)
+
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
