@@ -136,8 +136,8 @@ def test_bench_sampling_run(tmp_path, assets):
                         limit=2, max_new_tokens=8, temperature=0.8, seed=1, threads=1, cost_model=False, progress=False)
     assert res["summary"]["overall"]["ours:ngram@2"]["lossless"] == "-"
     assert res["cost_model"] is None and (tmp_path / "report.md").exists()
-    with pytest.raises(ConfigError, match="--keep mean or best"):  # refused before anything loads
-        run_benchmark("nowhere", "tinystories", ["none"], [2], tmp_path, keep="median")
+    with pytest.raises(ConfigError, match="--keep mean, median or best"):  # refused before anything loads
+        run_benchmark("nowhere", "tinystories", ["none"], [2], tmp_path, keep="middle")
 
 
 def test_bench_head_folder_as_draft_model(tmp_path, assets):
@@ -326,13 +326,13 @@ def test_lockstep_takes_turns_and_does_not_count_time_away(monkeypatch):
 def test_rounds_are_averaged_or_the_fastest_kept():
     from mtpspec.bench.harness import PLAIN, Run, run_bench
 
-    class Fake:  # plain takes 1, 3, 2 seconds in rounds 0, 1, 2
-        def __init__(self):
-            self.n = 0
+    class Fake:  # plain takes 1, 3, 2 seconds in rounds 0, 1, 2 (mean 2, median 2: 1, 6, 2 below tells them apart)
+        def __init__(self, times=(1.0, 3.0, 2.0)):
+            self.n, self.times = 0, times
 
         def run(self, m, p, ids, max_new_tokens, temperature, seed, turn=None):
             self.n += 1
-            return Run(m.label, p.id, p.category, len(ids), [5, 6], wall_seconds=[1.0, 3.0, 2.0][(self.n - 1) % 3],
+            return Run(m.label, p.id, p.category, len(ids), [5, 6], wall_seconds=self.times[(self.n - 1) % 3],
                        prefill_seconds=0.1, cpu_seconds=None)
 
     from mtpspec.prompts import Prompt
@@ -343,6 +343,8 @@ def test_rounds_are_averaged_or_the_fastest_kept():
     assert mean[0].cpu_seconds is None and mean[0].lossless
     best = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake()}, 2, repeat=3, interleave="run", keep="best")
     assert best[0].wall_seconds == pytest.approx(1.0)
+    median = run_bench([PLAIN], p, [[1, 2]], {"mtpspec": Fake((1.0, 6.0, 2.0))}, 2, repeat=3, interleave="run", keep="median")
+    assert median[0].wall_seconds == pytest.approx(2.0) and median[0].prefill_seconds == pytest.approx(0.1)
 
 
 def test_alternate_runs_every_config_on_every_prompt_in_shuffled_orders():

@@ -40,8 +40,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="run each prompt x method N times (alternating rounds)")
-    p.add_argument("--keep", choices=["mean", "best"], default="mean",
-                   help="with --repeat: the rounds' mean time (keeps the pairing of interleaved runs) or each one's fastest")
+    p.add_argument("--keep", choices=["mean", "median", "best"], default="mean",
+                   help="with --repeat: the rounds' mean time (keeps the pairing of interleaved runs), their median, or each one's fastest")
     p.add_argument("--interleave", choices=["auto", "step", "run"], default="auto",
                    help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
                    "run: whole generations in turn, as a peer runs; auto: step with one torch thread and no peers, else run")
@@ -160,8 +160,8 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     out = Path(out)
     if repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {repeat}")
-    if interleave not in ("auto", "step", "run") or keep not in ("mean", "best"):
-        raise ConfigError(f"--interleave takes auto, step or run and --keep mean or best, got {interleave!r} and {keep!r}")
+    if interleave not in ("auto", "step", "run") or keep not in ("mean", "median", "best"):
+        raise ConfigError(f"--interleave takes auto, step or run and --keep mean, median or best, got {interleave!r} and {keep!r}")
     peers = ["hf"] if peers is True else _list(peers) if isinstance(peers, str) else list(peers or [])
     if set(peers) - {"hf", "llamacpp"}:
         raise ConfigError(f"--peers takes hf and/or llamacpp, got {','.join(peers)}")

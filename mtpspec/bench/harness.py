@@ -7,6 +7,8 @@ milliseconds at a time (common.Lockstep), so speedups are ratios from the same s
 
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import asdict, dataclass, field, replace
 from itertools import count
 from time import process_time
@@ -112,12 +114,13 @@ class OursRunner:
         return run
 
 
-def _mean_run(rs: list[Run]) -> Run:
-    """One run with the rounds' mean times (the rounds are the same generation: same seed, same tokens)."""
+def _mean_run(rs: list[Run], median: bool = False) -> Run:
+    """One run with the rounds' mean (or median) times, field by field (the rounds are the same generation: same seed,
+    same tokens)."""
     out = replace(rs[0])
     for f in ("wall_seconds", "prefill_seconds", "draft_seconds", "verify_seconds", "overhead_seconds", "cpu_seconds"):
         vals = [getattr(r, f) for r in rs]
-        setattr(out, f, None if None in vals else sum(vals) / len(vals))
+        setattr(out, f, None if None in vals else statistics.median(vals) if median else sum(vals) / len(vals))
     return out
 
 
@@ -143,7 +146,7 @@ def run_bench(methods: list[Method], prompts: list[Prompt], ids: list[list[int]]
     """Every prompt through every method (after `warm_up`), `repeat` alternating rounds; lossless flags filled in.
 
     Ours run as one block, interleaved step by step (interleave="step", one torch thread) or run by run, then the peers
-    after a short untimed plain run. keep="mean" averages the rounds' times (keeping the pairing), "best" the fastest."""
+    after a short untimed plain run. keep="mean" averages the rounds' times (keeping the pairing), "median" takes their medians, "best" the fastest."""
     if PLAIN not in methods:
         methods = [PLAIN, *methods]
     turns = count()
@@ -174,7 +177,7 @@ def run_bench(methods: list[Method], prompts: list[Prompt], ids: list[list[int]]
     for i in range(len(prompts)):
         ref = results[methods.index(PLAIN)][i][0].tokens
         for j in range(len(methods)):
-            r = min(results[j][i], key=lambda x: x.wall_seconds) if keep == "best" else _mean_run(results[j][i])
+            r = min(results[j][i], key=lambda x: x.wall_seconds) if keep == "best" else _mean_run(results[j][i], keep == "median")
             r.lossless = (r.tokens == ref) if temperature == 0 else None
             runs.append(r)
     return runs
