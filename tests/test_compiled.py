@@ -123,7 +123,7 @@ def test_compiled_generation_equals_plain_greedy(kind):
     assert gen("none", 1, exact=True) == ref["none", 1] and step.stats.graphs == n  # exact mode: eager
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("draft_vocab", [None, pytest.param(40, marks=pytest.mark.slow)])  # a draft vocabulary's graphs: 12 s
 def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
     """The compiled greedy chain (a round's k drafts from one graph, CompiledDraftStep.chain) proposes, round after
     round, exactly what the step-by-step compiled drafter proposes (eager backend: the same static functions, so the

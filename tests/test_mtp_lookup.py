@@ -127,6 +127,7 @@ def test_bench_drafter_specs():
         drafter_specs(["ngram+mtp_lookup=4"])
 
 
+@pytest.mark.slow  # 25 s of graph compiles; test_compiled.py keeps the compiled paths in the default suite
 def test_compiled_catch_ups_stay_within_the_compiled_widths():
     """With the compiled step (traced by dynamo's eager backend here), a round drafts with the module whenever one more
     lookup round would make its catch-up wider than the graphs: every module call stays compiled, output unchanged."""
