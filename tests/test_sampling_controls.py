@@ -48,28 +48,34 @@ def run(model, prompt, drafter, k, params, seed=0, n=N, stop=(STOP,), **opts):
 
 @pytest.mark.parametrize("control", list(CONTROLS))
 def test_greedy_equals_plain_greedy_under_the_control(model, control):
-    """ngram, mtp (chain, tree), and oracle chains and trees (the true continuation, corrupted at random: every accept
-    count occurs, so every row's context is read), alone and 3 to a batch."""
+    """ngram, mtp (chain, tree), and oracle chains and trees, alone and 3 to a batch (speculation_equals)."""
     params = SamplingParams(**CONTROLS[control])
     wants = [run(model, p, "none", 1, params).tokens for p in PROMPTS]
     if control != "min_p":  # (min_p never changes an argmax)
         assert wants[0] != run(model, PROMPTS[0], "none", 1, SamplingParams()).tokens, control
+    speculation_equals(model, params, wants, control, (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6}), ("mtp", 1, {})))
+
+
+def speculation_equals(model, params: SamplingParams, wants: list[list[int]], label, chains) -> None:
+    """Under `params`, each of PROMPTS gives `wants` with every drafter in `chains` ((name, k, options)), with oracle
+    chains and random trees (the true continuation corrupted at random: every accept count occurs, so every row's context
+    is read), and 3 to a batch."""
     oracles = lambda p, want, seed: [OracleDrafter(len(p), want + [0] * 8, seed), RandomTree(want + [0] * 8, len(p), V, seed)]  # noqa: E731
     accepted = 0
     for prompt, want in zip(PROMPTS, wants):
-        for drafter, k, opts in (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6}), ("mtp", 1, {})):
-            assert run(model, prompt, drafter, k, params, **opts).tokens == want, (control, drafter, opts, prompt)
+        for drafter, k, opts in chains:
+            assert run(model, prompt, drafter, k, params, **opts).tokens == want, (label, drafter, opts, prompt)
         for seed in range(2):
             for d in oracles(prompt, want, seed):
                 got = generate_tokens(model, prompt, d, 4, Sampler(params), N, (STOP,))
-                assert got.tokens == want, (control, d.name, seed, prompt)
+                assert got.tokens == want, (label, d.name, seed, prompt)
                 accepted += got.stats.accepted_tokens
     assert accepted > sum(map(len, wants)) // 2  # the oracles' drafts were accepted: rows past the first were read
     eng = Engine(model, max_batch=3, prefill_chunk=4)
     drafters = [make_drafter("mtp", model), *oracles(PROMPTS[1], wants[1], 0)[:1], oracles(PROMPTS[2], wants[2], 1)[1]]
     ids = [eng.add(p, d, Sampler(params), 3, N, (STOP,)) for p, d in zip(PROMPTS, drafters)]
     res = eng.run()
-    assert [res[i].tokens for i in ids] == wants, control
+    assert [res[i].tokens for i in ids] == wants, label
 
 
 def test_min_tokens_holds_back_the_stop_token(model):

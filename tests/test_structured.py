@@ -25,17 +25,14 @@ import mtpspec
 from mtpspec import Grammar
 from mtpspec.cli import main
 from mtpspec.drafters import make_drafter
-from mtpspec.engine import Engine, generate_tokens
+from mtpspec.engine import generate_tokens
 from mtpspec.errors import ConfigError
 from mtpspec.loading.tokenizer_hf import HFTokenizer
 from mtpspec.sampling import Sampler, SamplingParams
-from test_mtp_lossless import V, OracleDrafter, _chi_square_ok, _exact_two_token_distribution, tiny_hybrid
-from test_trees import RandomTree
+from test_mtp_lossless import V, _chi_square_ok, _exact_two_token_distribution, tiny_hybrid
+from test_sampling_controls import N, PROMPTS, STOP, speculation_equals
 
 PIECES = ["a", "b", "c", "d", "</s>", "e", "f", "ab", "cd", "ef", "abc", "x", "y", "z", "xy", "-"]
-STOP = 4
-PROMPTS = [[2, 9, 4, 2, 9, 4, 2, 9], [1, 4, 1, 5, 9, 2, 6], [7, 7, 7, 7]]
-N = 24
 TINY = {  # each ends within N tokens, so its completion (only the stop token left) is reached
     "regex": Grammar.regex(r"[a-f]{1,3}(-[a-f]{1,3}){0,3}"),
     "lark": Grammar.lark('start: item ("-" item)* "xy"\nitem: "ab" | "c" | "d" "e" | "f"'),
@@ -77,22 +74,7 @@ def test_greedy_equals_plain_constrained_greedy(model, tok, kind):
         assert w.finish_reason == "stop" and re.fullmatch(PATTERNS[kind], text(w.tokens)), (kind, text(w.tokens))
     wants = [w.tokens for w in wants]
     assert wants[0] != run(model, PROMPTS[0], "none", 1, SamplingParams()).tokens
-    oracles = lambda p, want, seed: [OracleDrafter(len(p), want + [0] * 8, seed), RandomTree(want + [0] * 8, len(p), V, seed)]  # noqa: E731
-    accepted = 0
-    for prompt, want in zip(PROMPTS, wants):
-        for drafter, k, opts in (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6})):
-            assert run(model, prompt, drafter, k, params, **opts).tokens == want, (kind, drafter, opts, prompt)
-        for seed in range(2):
-            for d in oracles(prompt, want, seed):
-                got = generate_tokens(model, prompt, d, 4, Sampler(params), N, (STOP,))
-                assert got.tokens == want, (kind, d.name, seed, prompt)
-                accepted += got.stats.accepted_tokens
-    assert accepted > sum(map(len, wants)) // 2  # rows past the first (and past rejected tokens) were read
-    eng = Engine(model, max_batch=3, prefill_chunk=4)
-    drafters = [make_drafter("mtp", model), *oracles(PROMPTS[1], wants[1], 0)[:1], oracles(PROMPTS[2], wants[2], 1)[1]]
-    ids = [eng.add(p, d, Sampler(params), 3, N, (STOP,)) for p, d in zip(PROMPTS, drafters)]
-    res = eng.run()
-    assert [res[i].tokens for i in ids] == wants, kind
+    speculation_equals(model, params, wants, kind, (("ngram", 3, {}), ("mtp", 3, {}), ("mtp", 4, {"tree": 6})))
 
 
 def test_sampling_distribution_is_the_constrained_targets(model, tok):
