@@ -88,7 +88,7 @@ def test_static_forward_is_the_model_forward_fp64(kind):
             assert _rel(ns, ne) < 1e-10, (width, keep)
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "hybrid-window", "dense"])
+@pytest.mark.parametrize("kind", ["hybrid", pytest.param("hybrid-window", marks=pytest.mark.slow), "dense"])
 def test_compiled_generation_equals_plain_greedy(kind):
     """Through dynamo (eager backend): every drafter gives plain greedy's tokens without compiling, one full
     graph per width is built, and prefill / exact mode stay eager. hybrid-window: verify windows take the Gated
@@ -172,6 +172,7 @@ def test_spans_cover_the_context_in_powers_of_two():
     assert spans(1, 1000, 1000) == [(64, 0), (128, 64), (256, 128), (512, 256), (1000, 512)]
 
 
+@pytest.mark.slow  # 14 s of graph builds
 def test_prepare_builds_every_graph_a_run_needs_before_it():
     """After prepare(widths, lo, hi), generation over those positions builds no graph (the bench times no
     compilation), and gives plain greedy's tokens."""

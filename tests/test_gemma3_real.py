@@ -143,6 +143,7 @@ def test_verify_rows_equal_plain_steps_bitwise(gemma, prompts):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.slow  # 14 s beside the fp64 parity below (the same function to 1e-10), which stays in the default suite
 def test_dequantized_greedy_equals_transformers(hf_gguf, prompts):
     """The file dequantized (fp32): the same greedy text as transformers' own load of the file."""
     ours = load_gguf_model(gemma_path(), dequantize=True)

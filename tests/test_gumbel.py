@@ -104,7 +104,8 @@ def test_a_draft_drawn_with_the_same_noise_from_p_is_always_accepted():
         assert v.num_accepted == 4 and v.tokens.tolist() == d.tolist() + [int(s.choose(p[4:], [at + 4])[0])]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft", "mtp", "eagle", "medusa", "lookup"])
+# the default suite keeps a point mass (ngram, lookup) and a q drafter (mtp); the other q drafters in make test-slow
+@pytest.mark.parametrize("drafter", ["ngram", "mtp", "lookup", *(pytest.param(d, marks=pytest.mark.slow) for d in ("draft", "eagle", "medusa"))])
 def test_every_drafter_and_depth_gives_plain_sampling_text(stories, stories_q80, plain, drafter):
     kw = {"drafter": drafter, **drafter_kw(drafter, stories_q80)}
     accepted = 0

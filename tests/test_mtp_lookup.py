@@ -71,6 +71,7 @@ def test_a_batch_mixing_lookup_and_module_rounds_equals_plain(models):
     assert [out[i].tokens for i in ids] == refs
 
 
+@pytest.mark.slow  # 16 s; the MTP drafter's distribution stays in the default suite (test_mtp_lossless.py)
 def test_sampling_distribution_is_the_targets(models):
     model = models[1]
     params = SamplingParams(temperature=0.9, top_p=0.9)
