@@ -121,6 +121,18 @@ def test_n_seeded_choices_are_seed_plus_i(url):
     assert three == alone and len(set(three)) > 1  # independent samples
 
 
+def test_a_seeded_request_is_one_text_whatever_speculates(url, demo):
+    """Seeded sampling defaults to Gumbel-max: the same text with speculation off, at D = 1 and 3, and auto, equal to
+    the library's plain sampling with that seed; `sampler: "rejection"` is the opt-out and is named in a bad request."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.9, "seed": 11}
+    texts = {str(c): ok(url, {**body, "mtpspec": {"speculation": c}})["choices"][0]["text"] for c in ("off", 1, 3, "auto")}
+    plain = demo.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=11, drafter="none").text
+    assert set(texts.values()) == {plain}, texts
+    assert ok(url, {**body, "sampler": "rejection", "mtpspec": {"speculation": "off"}})["choices"][0]["text"]
+    r = post(url, {**body, "sampler": "fast"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampler" and "gumbel" in r.json()["error"]["message"]
+
+
 def test_streaming_n2_chunks_carry_their_index(url, demo):
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "n": 2}
     chunks = stream(url, body)
