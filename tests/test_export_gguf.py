@@ -16,7 +16,7 @@ import torch
 
 import mtpspec
 from mtpspec.bench.harness import Method
-from mtpspec.bench.llamacpp import LlamaServer, find_binary, request_body, server_args
+from mtpspec.bench.llamacpp import LlamaServer, find_binary, parse_completion, request_body, server_args
 from mtpspec.cli import main
 from mtpspec.errors import ConfigError
 from mtpspec.export_gguf import export_gguf, write_gguf
@@ -452,13 +452,13 @@ def _run_llamacpp(model, path: Path, prompts: list[str], n: int = 64, method: Me
         for prompt in prompts:  # the same function: greedy tokens equal, token for token
             ids = model.encode(prompt)
             ours = model.generate(ids, max_new_tokens=n).tokens
-            answer = server.complete(request_body(ids, n))
-            theirs = [int(t) for t in answer["tokens"]]
+            answer = parse_completion(server.post("/completion", request_body(ids, n)))
+            theirs = answer.tokens
             if len(theirs) == len(ours) + 1 and theirs[-1] in model.tokenizer.stop_ids:
                 theirs = theirs[:-1]  # llama.cpp keeps the end-of-generation token; we stop before it
             assert theirs == ours, prompt
-            drafted += int(answer["timings"].get("draft_n") or 0)
-            accepted += int(answer["timings"].get("draft_n_accepted") or 0)
+            drafted += int(answer.draft_n or 0)
+            accepted += int(answer.draft_n_accepted or 0)
     return drafted, accepted
 
 
