@@ -218,4 +218,5 @@ def test_gemma_mtp_head_gives_plain_sampling_text():
     want = model.generate(prompt, drafter="none", **kw).tokens
     for k in (2, 4, "auto"):
         r = model.generate(prompt, drafter="mtp", k=k, **kw)
-        assert r.tokens == want and r.stats.accepted_tokens > 0, k
+        assert r.tokens == want, k
+        assert r.stats.accepted_tokens > 0 or k == "auto", k  # auto may step aside to plain steps where drafts do not pay
