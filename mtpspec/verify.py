@@ -30,12 +30,8 @@ from .types import Draft, Verdict
 
 def verify_greedy(draft_tokens: Tensor, p_logits: Tensor) -> Verdict:
     """draft_tokens (D,), p_logits (D+1, V) -> Verdict."""
-    return verify_choices(draft_tokens, p_logits.argmax(-1))  # (D+1,) the target's own greedy choice at every position
-
-
-def verify_choices(draft_tokens: Tensor, target: Tensor) -> Verdict:
-    """draft_tokens (D,), target (D+1,) the target's own choice at every position -> the agreeing prefix + one choice."""
     d = draft_tokens.shape[0]
+    target = p_logits.argmax(-1)  # (D+1,) the target's own greedy choice at every position
     agree = (draft_tokens == target[:d]).to(torch.int8)  # (D,)
     n = int(agree.cumprod(0).sum()) if d else 0  # length of the agreeing prefix
     tokens = torch.cat([draft_tokens[:n], target[n : n + 1]])  # accepted + recovered/bonus
