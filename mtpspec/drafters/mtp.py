@@ -95,7 +95,6 @@ class MTPDrafter:
             fused_for_decoding(target.mtp)  # the module's q / k / v and gate / up, each one product
         self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
         self.sampler: Sampler | None = None
-        self.at = 0  # the absolute position of this round's first draft (the context's length): Gumbel noise's key
         self.cache = None
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
         self.pending_t: Tensor | None = None  # (P,) the tokens that follow them
@@ -158,7 +157,6 @@ class MTPDrafter:
 
     def _propose_module(self, context: Tensor, k: int) -> Draft:
         """The round's drafts from the module (its catch-up over the pending pairs, then the chain or tree)."""
-        self.at = context.shape[0]
         if self.depths is not None:
             return self._propose_depths(context, k)
         if self.pending_h is None or self.pending_h.shape[0] == 0:
@@ -183,7 +181,7 @@ class MTPDrafter:
             return Draft(tokens=tokens, q=None)
         tokens, qs = [], []
         for j in range(k):
-            x, q = self._next(h, tokens)
+            x, q = self._next(h, tokens, context.shape[0])
             if q is not None:
                 qs.append(q)
             tokens.append(x)
@@ -224,8 +222,6 @@ class MTPDrafter:
         ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
         if min(ks) < 1:
             return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        for d, c in zip(drafters, contexts):
-            d.at = c.shape[0]
         folded = all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters)
         run = partial(_many, drafters[0].fused if folded else module, drafters[0].target)
         h = run([d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
@@ -233,7 +229,8 @@ class MTPDrafter:
         qs: list[list[Tensor]] = [[] for _ in drafters]
         going = list(range(len(drafters)))  # sequences drafting this step
         for j in range(max(ks)):
-            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h, [tokens[i] for i in going])):
+            for i, (x, q) in zip(going, cls._next_many([drafters[i] for i in going], h, [tokens[i] for i in going],
+                                                        [contexts[i].shape[0] for i in going])):
                 tokens[i].append(x)
                 if q is not None:
                     qs[i].append(q)
@@ -256,7 +253,7 @@ class MTPDrafter:
             return Draft.empty()  # (known == 0: the prompt was BOS alone, no hidden state yet)
         tokens, qs = [], []
         for depth in range(1, k + 1):
-            x, q = self._next(self.depths.run(context, tokens, depth), tokens)
+            x, q = self._next(self.depths.run(context, tokens, depth), tokens, context.shape[0])
             tokens.append(x)
             if q is not None:
                 qs.append(q)
@@ -320,16 +317,19 @@ class MTPDrafter:
         return out
 
     @staticmethod
-    def _next_many(drafters: list["MTPDrafter"], h: Tensor, drafted: list[list[Tensor]]) -> list[tuple[Tensor, Tensor | None]]:
-        """_next for each drafter's row of h (n, H) after its drafts so far: one head product for all of them when they
-        are greedy without context controls and share a head (the target's, or the same draft-vocabulary head)."""
+    def _next_many(drafters: list["MTPDrafter"], h: Tensor, drafted: list[list[Tensor]],
+                   ats: list[int]) -> list[tuple[Tensor, Tensor | None]]:
+        """_next for each drafter's row of h (n, H) after its drafts so far (its round starting at position ats[i]): one
+        head product for all of them when they are greedy without context controls and share a head (the target's, or
+        the same draft-vocabulary head)."""
         head = drafters[0].head
         if all(d.sampler.params.greedy and not d.sampler.reads_context and d.head is head for d in drafters):
             return [(x, None) for x in greedy_draft(drafters[0].target, head, h)]  # (n,) tokens
-        return [d._next(h[i : i + 1], t) for i, (d, t) in enumerate(zip(drafters, drafted))]
+        return [d._next(h[i : i + 1], t, at) for i, (d, t, at) in enumerate(zip(drafters, drafted, ats))]
 
-    def _next(self, h: Tensor, drafted: list[Tensor]) -> tuple[Tensor, Tensor | None]:
-        """h (1, H) MTP output, the round's drafts before it -> the drafted token and q (V,) (None when greedy)."""
+    def _next(self, h: Tensor, drafted: list[Tensor], at: int) -> tuple[Tensor, Tensor | None]:
+        """h (1, H) MTP output, the round's drafts before it, the round's first position `at` (the context's length) ->
+        the drafted token and q (V,) (None when greedy)."""
         head = self.head
         greedy = self.sampler.params.greedy
         if greedy and not self.sampler.reads_context:
@@ -338,7 +338,7 @@ class MTPDrafter:
         if greedy:  # the argmax after the controls (-inf outside a draft vocabulary stays -inf)
             return self.sampler.logits(logits, [drafted]).argmax(-1), None
         q = self.sampler.probs(logits, [drafted])  # (V,) the same transform as p; zero outside a draft vocabulary
-        return self.sampler.draw(q, self.at + len(drafted)), q  # (Gumbel: the noise of the target's token there)
+        return self.sampler.draw(q, at + len(drafted)), q  # (Gumbel: the noise of the target's token there)
 
     def commit(self, verdict: Verdict, out: TargetOutput) -> None:
         if self.depths is not None:
