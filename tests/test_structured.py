@@ -292,3 +292,17 @@ def test_server_bad_constraints_are_openai_errors(server, body, param, message):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
         assert re.search(message, err["message"]) and "Traceback" not in r.text, err
+
+
+def test_server_checks_cheap_fields_before_compiling(server, monkeypatch):
+    """A request that fails a cheap check is answered without compiling its grammar (seconds on a large vocabulary)."""
+    def refuse(*_):
+        raise AssertionError("compiled a grammar for a request that fails a cheap check")
+
+    monkeypatch.setattr(Grammar, "compile", refuse)
+    schema_fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = post(server, path, {**base, "max_tokens": 4, "min_tokens": 8, "response_format": schema_fmt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        r = post(server, path, {**base, "max_tokens": 4, "stream_options": {"include_usage": True}, "mtpspec": {"regex": "a+"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text

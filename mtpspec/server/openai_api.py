@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Annotated, Literal
 
@@ -419,19 +419,21 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         name, model = served.model(name)
         return name, model, schedulers[name]
 
-    async def compiled_grammar(req: Sampling, model: Model):
-        """The request's constraint compiled against the model's tokenizer, off the event loop (a large vocabulary's
-        first grammar builds llguidance's tokenizer: seconds), or None."""
+    async def constrained(gen: GenRequest, req: Sampling, model: Model) -> GenRequest:
+        """gen with the request's constraint compiled against the model's tokenizer, off the event loop (a large
+        vocabulary's first grammar builds llguidance's tokenizer: seconds). Called after every cheap check, so a
+        request that fails one is answered without waiting for a compile."""
         grammar = grammar_of(req)
         if grammar is None:
-            return None
+            return gen
         try:
-            return await asyncio.to_thread(grammar.compile, model.tokenizer, model.module.vocab_size)
+            compiled = await asyncio.to_thread(grammar.compile, model.tokenizer, model.module.vocab_size)
         except ConfigError as e:
             raise FieldError("response_format" if req.response_format is not None else "mtpspec", str(e)) from None
+        return replace(gen, params=replace(gen.params, grammar=compiled))
 
     def request_of(req: Sampling, model: Model, sched: Scheduler, prompt: list[int], logprobs: int | None, max_tokens: int | None,
-                   prompt_logprobs: int | None = None, grammar=None) -> GenRequest:
+                   prompt_logprobs: int | None = None) -> GenRequest:
         ctx = model.max_seq_len
         if len(prompt) >= ctx:
             raise FieldError("prompt" if isinstance(req, CompletionRequest) else "messages",
@@ -453,8 +455,7 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         params = SamplingParams(temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p), min_p=float(req.min_p),
                                 repetition_penalty=float(req.repetition_penalty), frequency_penalty=float(req.frequency_penalty),
                                 presence_penalty=float(req.presence_penalty), logit_bias=bias, min_tokens=req.min_tokens,
-                                sampler=pick_sampler(req.sampler, float(req.temperature), seeded=req.seed is not None),
-                                grammar=grammar)
+                                sampler=pick_sampler(req.sampler, float(req.temperature), seeded=req.seed is not None))
         if req.n > options.max_batch:
             raise FieldError("n", f"{req.n} choices; the server runs at most {options.max_batch} sequences together (its --max-batch)")
         asked = req.mtpspec.speculation if req.mtpspec is not None else None
@@ -473,6 +474,7 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
                   echo: Echo | None = None):
         if req.stream_options is not None and not req.stream:
             raise FieldError("stream_options", "only with stream: true (send stream: true, or omit stream_options)")
+        gen = await constrained(gen, req, model)
         try:
             handle = sched.submit(gen)
         except QueueFull as e:
@@ -505,8 +507,7 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
             raise FieldError("best_of", f"{req.best_of} is not n ({req.n}): choices are not ranked, every one is returned; "
                              "send best_of equal to n, or omit it")
         echo = Echo.of(model, prompt, ids) if req.echo else None
-        grammar = await compiled_grammar(req, model)
-        gen = request_of(req, model, sched, ids, req.logprobs, req.max_tokens, req.logprobs if req.echo else None, grammar)
+        gen = request_of(req, model, sched, ids, req.logprobs, req.max_tokens, req.logprobs if req.echo else None)
         return await run(request, req, name, model, sched, gen, chat=False, echo=echo)
 
     @router.post("/v1/chat/completions")
@@ -524,8 +525,8 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
         if req.top_logprobs and not req.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        grammar = await compiled_grammar(req, model)
-        return await run(request, req, name, model, sched, request_of(req, model, sched, ids, top, max_tokens, grammar=grammar), chat=True)
+        gen = request_of(req, model, sched, ids, top, max_tokens)
+        return await run(request, req, name, model, sched, gen, chat=True)
 
     @router.get("/v1/models")
     async def models() -> dict:
