@@ -157,7 +157,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     if not isinstance(compile, bool):
         raise ConfigError(f"compile must be True or False, got {compile!r}")
     if compile:
-        check_compilable(None, parse_dtype(dtype), quant)
+        check_compilable(None, parse_dtype(dtype))
     qcfg = check_quant(quant, parse_dtype(dtype))  # bad settings are named before a slow load
     path = resolve_name(path)
     module, tok = load_checkpoint(path, tokenizer, dtype)

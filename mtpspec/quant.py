@@ -264,7 +264,6 @@ def block_linear(linear: nn.Linear, kind: str):
         raise ConfigError(f"a {k}-wide input does not fit GGUF block type {kind!r} (K a multiple of 32, 256 for the K-quants)")
     qw = quantized.from_gguf(quantize_gguf(w, kind), gguf_type(kind), (n, k))
     layer = Linear.of_blocks(qw, None if linear.bias is None else linear.bias.detach(), w.dtype)
-    layer.weight_only_quantized = True  # what models.compiled.check_compilable refuses (--compile with --quant)
     return layer
 
 

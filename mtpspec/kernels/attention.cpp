@@ -196,6 +196,9 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(mtpspec_attention, m) {
-  m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor seq, Tensor lo, Tensor hi, Tensor? mask, float scale) -> Tensor",
-        &attend_rows);
+  m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor seq, Tensor lo, Tensor hi, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpspec_attention, CPU, m) {
+  m.impl("attend_rows", &attend_rows);
 }

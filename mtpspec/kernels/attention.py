@@ -15,7 +15,11 @@ from torch import Tensor
 
 from . import Extension
 
-_EXT = Extension("mtpspec_attention", "attention.cpp", "attention", "attention runs one row at a time through torch")
+def _ready() -> None:  # shapes for torch.compile's tracing
+    torch.library.register_fake("mtpspec_attention::attend_rows")(lambda q, k, v, seq, lo, hi, mask, scale: torch.empty_like(q))
+
+
+_EXT = Extension("mtpspec_attention", "attention.cpp", "attention", "attention runs one row at a time through torch", _ready)
 
 
 def available() -> bool:

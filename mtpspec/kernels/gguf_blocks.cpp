@@ -611,7 +611,7 @@ std::string isa() { return ISA; }
 
 TORCH_LIBRARY(mtpspec_gguf, m) {
   m.def("pack(Tensor raw, int qtype, int n, int k) -> Tensor", &pack);
-  m.def("dequantize(Tensor data, int qtype, int n, int k, Tensor? ids) -> Tensor", &dequantize);
+  m.def("dequantize(Tensor data, int qtype, int n, int k, Tensor? ids) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)", &quantize_activations);
   m.def("linear(Tensor x, Tensor data, int qtype, int n) -> Tensor");
   m.def("isa() -> str", &isa);
@@ -619,4 +619,5 @@ TORCH_LIBRARY(mtpspec_gguf, m) {
 
 TORCH_LIBRARY_IMPL(mtpspec_gguf, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("dequantize", &dequantize);
 }

@@ -36,6 +36,8 @@ _ops: dict[str, object] = {}  # the kernel's ops, looked up once
 
 def _ready() -> None:
     torch.library.register_fake("mtpspec_gguf::linear")(lambda x, data, qtype, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("mtpspec_gguf::dequantize")(
+        lambda data, qtype, n, k, ids: data.new_empty(n if ids is None else ids.shape[0], k, dtype=torch.float32))
     _ops["linear"] = torch.ops.mtpspec_gguf.linear.default
 
 
@@ -135,7 +137,7 @@ def embedding(w: QuantizedWeight, ids: Tensor) -> Tensor:
     """The rows `ids` (any shape, int) of the weight dequantized exactly: (ids.numel(), K), an embedding lookup."""
     n, k = w.shape
     flat = ids.reshape(-1).to(torch.long)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+    if not torch.compiler.is_compiling() and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
         raise IndexError(f"embedding: ids must lie in 0..{n - 1}, got {int(flat.min())}..{int(flat.max())}")
     if w.layout == "panels16":
         return torch.ops.mtpspec_gguf.dequantize(w.data, int(w.qtype), n, k, flat)

@@ -53,5 +53,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool z
 }  // namespace
 
 TORCH_LIBRARY(mtpspec_rownorm, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps, bool zero_centred) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool zero_centred) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpspec_rownorm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
 }

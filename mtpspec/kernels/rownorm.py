@@ -9,7 +9,11 @@ from torch import Tensor
 
 from . import Extension
 
-_EXT = Extension("mtpspec_rownorm", "rownorm.cpp", "rownorm", "norms run on torch ops")
+def _ready() -> None:  # shapes for torch.compile's tracing
+    torch.library.register_fake("mtpspec_rownorm::rms_norm")(lambda x, w, eps, zero_centred: torch.empty_like(x))
+
+
+_EXT = Extension("mtpspec_rownorm", "rownorm.cpp", "rownorm", "norms run on torch ops", _ready)
 
 
 def available() -> bool:

@@ -326,17 +326,12 @@ class CompiledDraftStep(_Compiled):
         return out[0]
 
 
-def check_compilable(model=None, dtype: torch.dtype | None = None, quant: str | None = None) -> None:
-    """A ConfigError naming why `model` (or, before loading, a model of `dtype` quantized as `quant`) cannot
-    take the compiled path."""
+def check_compilable(model=None, dtype: torch.dtype | None = None) -> None:
+    """A ConfigError naming why `model` (or, before loading, a model of `dtype`) cannot take the compiled path. GGUF
+    block weights (a GGUF file's, or --quant's) compile: their kernels are opaque ops in the graph."""
     dtype = dtype or model.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"--compile needs fp32 or bf16 weights, not {str(dtype).removeprefix('torch.')} (fp64 is the eager reference)")
-    if quant is not None or (model is not None and any(getattr(m, "weight_only_quantized", False) for m in model.modules())):
-        raise ConfigError("--compile with --quant is not supported yet: the compiled graph reads full-precision weights")
-    if model is not None and any(hasattr(m, "qweight") for m in model.modules()):
-        raise ConfigError("--compile does not take a model with GGUF block weights yet (its kernels and row-invariant "
-                          "attention run eagerly); drop --compile")
     if model is not None and getattr(model.config, "num_experts", 0) > 0:
         raise ConfigError("--compile does not cover mixture-of-experts layers (Qwen3-Next) yet: run without --compile")
     if model is not None and (getattr(model.config, "sparse_attention", None) or getattr(model.config, "mtp_sparse_attention", None)):

@@ -78,7 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     qcfg = check_quant(args.quant, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads
     if args.compile:
-        check_compilable(None, parse_dtype(args.dtype), args.quant)
+        check_compilable(None, parse_dtype(args.dtype))
     served = load_served(args.model, args.tokenizer, args.draft_model, args.dtype)
     for model in served.models.values():  # each generate() sets its model's threads: --threads, else the rule at load
         if qcfg is not None:
