@@ -8,13 +8,16 @@ accumulate in fp32, multiplied in pairs by vdpbf16ps where the CPU has AVX512_BF
 split between torch's threads; each output is one thread's chain.
 
 Built on first use with torch's extension builder (g++ with OpenMP, once per machine, under $MTPSPEC_KERNEL_CACHE,
-default ~/.cache/mtpspec/kernels, in a folder per instruction set). Without a compiler, or with MTPSPEC_KERNELS=0,
-products run on F.linear: same results up to rounding, slower. models.common.Linear takes the kernel when usable()
-(fp32 / bf16, up to MAX_ROWS rows, outside autograd) and F.linear otherwise.
+default ~/.cache/mtpspec/kernels, in a folder per instruction set). Without a compiler, with MTPSPEC_KERNELS=0, or
+inside `torch_path()`, products run on F.linear: same results up to rounding, slower. models.common.Linear takes the
+kernel when usable() (fp32 / bf16 CPU tensors, up to MAX_ROWS rows, outside autograd) and F.linear otherwise; a model
+on another device (mtpspec.device) never reaches a kernel. Every kernel of this package (panels, GGUF blocks, row
+norms, row attention) answers available() through Extension, so one switch turns them all off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -30,7 +33,20 @@ P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
 MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
 
-_state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs
+_state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs; "torch": torch_path() on
+
+
+@contextlib.contextmanager
+def torch_path(on: bool = True):
+    """Inside: every kernel of this package reports itself unavailable, so models built and run here take torch's ops
+    (F.linear, dequantized GGUF blocks, torch norms and attention) on the CPU, as on a CUDA device: the path a GPU
+    runs, testable on a CPU. A model whose layouts were packed for the kernels outside keeps reading them."""
+    before = _state.get("torch", False)
+    _state["torch"] = on
+    try:
+        yield
+    finally:
+        _state["torch"] = before
 
 
 def cache_dir() -> Path:
@@ -87,6 +103,8 @@ class Extension:
         self.error = ""
 
     def available(self) -> bool:
+        if _state.get("torch"):
+            return False
         if self.ok is not None:
             return self.ok
         self.ok = False
@@ -130,8 +148,10 @@ BF16_UNDO = sorted(range(P), key=BF16_ORDER.__getitem__)  # panel position of ou
 
 def bf16_pairs() -> bool:
     """Whether this build multiplies bf16 weights in pairs (vdpbf16ps): bf16 panels (ceil(N/32), ceil(K/2), 64)."""
+    if not available():
+        return False
     if "pairs" not in _state:
-        _state["pairs"] = available() and bool(torch.ops.mtpspec.bf16_pairs())
+        _state["pairs"] = bool(torch.ops.mtpspec.bf16_pairs())
     return bool(_state["pairs"])
 
 

@@ -55,7 +55,7 @@ def _fuse(*linears) -> bool:
         biases = [lin.bias for lin in linears]
         b = None if all(x is None for x in biases) else torch.cat([
             bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
-        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and kernels.available() else None
+        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and w.device.type == "cpu" and kernels.available() else None
     linears[0].__dict__["fused_with_next"] = (w, b, panels)
     return True
 
@@ -72,7 +72,7 @@ def fuse_projections(module) -> None:
             fused.update(id(lin) for lin in group)
     for m in module.modules():
         if (isinstance(m, Linear) and id(m) not in fused and "qweight" not in m.__dict__ and m.weight.dtype in kernels.DTYPES
-                and kernels.available()):
+                and m.weight.device.type == "cpu" and kernels.available()):
             kernels.panels_of(m.__dict__, m.weight)
 
 
