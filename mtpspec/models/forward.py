@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..cache import check_room
+from ..device import on
 from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
@@ -331,7 +332,13 @@ def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, 
 
     exact (outside a prefill): T one-position forwards (by_position). A window the model's compiled step handles
     (compiled.compile_model: chains of a batch-1 fp32 / bf16 model) runs its graph. logits=False: the LM head is left
-    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows."""
+    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows.
+    On a model off the CPU (mtpspec.device: its cache is there too) the tokens are moved there and what the forward
+    makes is made there."""
+    dev = cache.kv.k.device
+    if dev.type != "cpu" and (tokens.device != dev or torch.get_default_device() != dev):
+        with on(dev):
+            return run(model, tokens.to(dev), cache, exact, logits, tree, prefill)
     if tree is None and not prefill:
         if exact and tokens.shape[0] > 1:
             return by_position(model, tokens, cache)
