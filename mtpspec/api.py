@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import check_compilable, compile_model
+from .models.placement import place
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
@@ -178,7 +179,7 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     if qcfg is not None:
         quantize(module, qcfg.kind)
     if dev.type != "cpu":
-        devices.place(module, dev)  # block weights dequantized, everything moved; no CPU threads chosen or kernels built
+        place(module, dev)  # block weights dequantized, everything moved; no CPU threads chosen or kernels built
         return Model(module=module, tokenizer=tok, path=str(path), threads=threads)
     n = apply_threads(resolve_threads(threads, module, compiled=compile))
     if module.dtype in kernels.DTYPES:

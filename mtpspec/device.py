@@ -8,7 +8,7 @@ tensor a step makes lands there. Host syncs are the accept decisions (a step's a
 of accepted drafts), one `.tolist()` per step where it can be.
 
 `resolve()` turns what a user wrote (`cpu`, `cuda`, `cuda:1`; None: $MTPSPEC_DEVICE, else `cpu`) into a torch.device
-or one ConfigError line; `place()` moves a loaded model there.
+or one ConfigError line; models.placement.place() moves a loaded model there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import os
 
 import torch
-from torch import nn
 
 from .errors import ConfigError
 
@@ -65,52 +64,6 @@ def on(device: torch.device):
     """A context in which tensors made without a device are made on `device` (nothing on the CPU: its path stays as
     it is, with no mode in the way of its dispatch)."""
     return contextlib.nullcontext() if device.type == "cpu" else torch.device(device)
-
-
-def densify(module: nn.Module) -> int:
-    """Replace every GGUF block layer of `module` (block Linear, BlockEmbedding) by its dense equivalent in the model's
-    dtype, exactly dequantized, sharing ties (an LM head on the embedding's blocks reads the same dense table).
-    Returns how many layers changed. For devices without the block kernel."""
-    from .models.blocks import BlockEmbedding
-    from .models.common import Linear
-
-    done: dict[int, nn.Parameter] = {}  # id(QuantizedWeight) -> its dense Parameter (tied weights stay tied)
-    changed = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            q = child.__dict__.get("qweight")
-            if q is None:
-                continue
-            if id(q) not in done:
-                dense = child.weight if isinstance(child, Linear) else child.weight.to(child.dtype)
-                done[id(q)] = nn.Parameter(dense.detach().contiguous(), requires_grad=False)
-            w = done[id(q)]
-            if isinstance(child, BlockEmbedding):
-                new = nn.Embedding(child.num_embeddings, child.embedding_dim, _weight=w, _freeze=True)
-            else:
-                new = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                new.weight = w
-                if child.bias is not None:
-                    new.bias = nn.Parameter(child.bias.detach().to(w.dtype), requires_grad=False)
-            setattr(parent, name, new)
-            changed += 1
-    return changed
-
-
-def place(module: nn.Module, device: torch.device) -> nn.Module:
-    """Move a loaded model to `device`: nothing on the CPU; elsewhere its block layers dequantized (densify), then
-    every parameter and buffer moved, and the derived copies that were packed for the CPU kernels dropped."""
-    if device.type == "cpu":
-        return module
-    densify(module)
-    module.to(device)
-    for m in module.modules():
-        for key in ("panels", "fused_with_next", "_fused_mtp"):  # copies made on the CPU, rebuilt there by their readers
-            m.__dict__.pop(key, None)
-        fp64 = m.__dict__.get("_fp64")  # a Rotary's fp64 tables, made on the CPU on first use
-        if fp64 is not None:
-            m.__dict__["_fp64"] = tuple(t.to(device) for t in fp64)
-    return module
 
 
 def synchronize(device: torch.device) -> None:

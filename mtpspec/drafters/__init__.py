@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..device import of as device_of, on, place
+from ..device import of as device_of, on
 from ..errors import ConfigError
 from ..models.mtp_source import MTPSource
+from ..models.placement import place
 from .base import BatchDrafter, Drafter, DrafterOptions, NoDrafter, option
 from .draft_model import DraftModelDrafter
 from .lookahead import LookaheadDrafter, LookaheadOptions

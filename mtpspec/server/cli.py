@@ -76,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..models.compiled import check_compilable, compile_model
     from ..quant import check_quant, quantize
-    from ..device import place
+    from ..models.placement import place
     from ..threads import resolve_threads
 
     qcfg = check_quant(args.quant, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..device import of as device_of, on, place, resolve
+from ..device import of as device_of, on, resolve
 from ..errors import ConfigError
 from ..models.batch import ForwardBatch
 from ..models.draft_vocab import TokenRanking, ranking_from_counts
 from ..models.forward import module_forward
 from ..models.heads import DraftHead, DraftHeadConfig, load_head, save_head
+from ..models.placement import place
 from .distributed import World, launch, train_device
 
 

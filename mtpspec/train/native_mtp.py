@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ..device import on, place, resolve
+from ..device import on, resolve
 from ..errors import ConfigError
+from ..models.placement import place
 from .distributed import World, launch, train_device
 from .heads import _batch, cached_distill_data, measure, training_prompts
 from .mtp_distill import mtp_distill_loss
