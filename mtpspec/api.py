@@ -175,9 +175,10 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
         check_compilable(None, parse_dtype(dtype), quant)
     qcfg = check_quant(quant, parse_dtype(dtype))  # bad settings are named before a slow load
     path = resolve_name(path)
-    module, tok = load_checkpoint(path, tokenizer, dtype)
-    if qcfg is not None:
-        quantize(module, qcfg.kind)
+    with kernels.torch_path(dev.type != "cpu"):  # for a device: block weights in the layout torch dequantizes, no C++ build
+        module, tok = load_checkpoint(path, tokenizer, dtype)
+        if qcfg is not None:
+            quantize(module, qcfg.kind)
     if dev.type != "cpu":
         place(module, dev)  # block weights dequantized, everything moved; no CPU threads chosen or kernels built
         return Model(module=module, tokenizer=tok, path=str(path), threads=threads)

@@ -38,11 +38,11 @@ _state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 wei
 
 @contextlib.contextmanager
 def torch_path(on: bool = True):
-    """Inside: every kernel of this package reports itself unavailable, so models built and run here take torch's ops
+    """Inside (with on=True): every kernel of this package reports itself unavailable, so models built and run here take torch's ops
     (F.linear, dequantized GGUF blocks, torch norms and attention) on the CPU, as on a CUDA device: the path a GPU
     runs, testable on a CPU. A model whose layouts were packed for the kernels outside keeps reading them."""
     before = _state.get("torch", False)
-    _state["torch"] = on
+    _state["torch"] = before or on  # (on=False: as it was; an outer torch_path stays on)
     try:
         yield
     finally:
