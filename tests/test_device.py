@@ -92,6 +92,27 @@ def test_a_cpu_model_and_its_engine_allocate_on_the_cpu(demo_cpu, monkeypatch):
     assert bool(calls) == kernels.available()  # the kernel path on the CPU, F.linear only without a compiler
 
 
+def test_off_the_cpu_no_kernel_is_chosen(monkeypatch):
+    """Dispatch only (meta tensors stand in for a device's: shapes, no data): a product, a norm and a derived product
+    on a non-CPU tensor take torch's ops, and a cache buffer there is a plain allocation, never a CPU mapping."""
+    from mtpspec.cache import KVCache, lazy_zeros
+    from mtpspec.models.common import Linear, RMSNorm
+
+    monkeypatch.setattr(kernels, "packed_linear", lambda *a, **k: pytest.fail("a kernel product on a non-CPU tensor"))
+    x = torch.empty(3, 64, device="meta")
+    assert not kernels.takes(x, torch.float32)
+    with torch.inference_mode():
+        lin = Linear(64, 32, device="meta")
+        assert lin(x).shape == (3, 32) and lin.wide(x).device.type == "meta"
+        norm = RMSNorm(64, row_kernel=True).to("meta")
+        assert norm(x).device.type == "meta"
+        prod = kernels.Product(torch.empty(32, 64, device="meta"))
+        assert prod.panels is None and prod(x).shape == (3, 32)
+    big = lazy_zeros((1 << 20,), torch.float32, "meta")  # 4 MiB: a mapping on the CPU
+    assert big.device.type == "meta"
+    assert KVCache(2, 1, 8, 16, device="meta").k.device.type == "meta"
+
+
 def test_place_on_the_cpu_changes_nothing(demo_cpu):
     before = {n: p.data_ptr() for n, p in demo_cpu.module.named_parameters()}
     assert place(demo_cpu.module, CPU) is demo_cpu.module
