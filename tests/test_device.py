@@ -152,6 +152,22 @@ def test_torch_path_is_lossless_for_plain_mtp_and_ngram_at_batch_1_and_4(monkeyp
         assert sum(r.stats.accepted_tokens for r in alone) > 0
 
 
+def test_serve_exact_reaches_the_engine_and_answers_plain_greedy(demo_cpu):
+    """`serve --exact` (ServeOptions.exact): the server's engines verify in exact mode; a completion is plain's text."""
+    from fastapi.testclient import TestClient
+
+    from mtpspec.server import create_app
+    from mtpspec.server.options import ServeOptions
+    from mtpspec.server.registry import Served
+
+    app = create_app(Served({"demo": demo_cpu}), ServeOptions(drafter="mtp", k=2, max_batch=2, exact=True))
+    with TestClient(app) as client:
+        assert all(s.engine.exact for s in app.state.schedulers.values())
+        r = client.post("/v1/completions", json={"model": "demo", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == demo_cpu.generate(PROMPTS[0], max_new_tokens=12).text
+
+
 def test_sampler_draws_on_the_host_generator_whatever_the_default_device():
     s = Sampler(SamplingParams(temperature=1.0), seed=5)
     u = s.uniform(4)

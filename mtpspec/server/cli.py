@@ -51,6 +51,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_threads_arg(p)
     add_device_arg(p)
+    p.add_argument("--exact", action="store_true", help="exact mode: verify with width-one calls, so every sequence's tokens are "
+                   "bitwise plain decoding's whatever shares its forward (on a GPU too; slower: each sequence its own forward)")
 
 
 @command("serve", help="serve models over HTTP: an OpenAI-compatible API with speculative decoding, the live verify "
@@ -68,7 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
     k = args.k if args.k == "auto" else _int_k(args.k)
     options = ServeOptions(drafter=args.drafter, k=k, max_batch=args.max_batch, max_queue=args.max_queue,
                            prefill_chunk=args.prefill_chunk, max_prompt_chars=args.max_prompt_chars,
-                           max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup,
+                           max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup, exact=args.exact,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("MTPSPEC_API_KEY") or None)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
