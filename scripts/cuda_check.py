@@ -3,9 +3,9 @@
     python scripts/cuda_check.py                    # on cuda: the lossless tests there, then plain vs MTP / EAGLE tok/s
     python scripts/cuda_check.py --device cpu --tests device --tokens 16    # the CPU smoke test of this script
 
-1. Tests: `MTPSPEC_DEVICE=<device> pytest -k lossless` over tests/test_device.py (its CUDA tests), test_lossless.py and
-   test_mtp_lossless.py: the default suite's losslessness with every model loaded on the device (--tests device: only
-   test_device.py; none: no tests). Each pytest run is cut at --test-seconds.
+1. Tests: `MTPSPEC_DEVICE=<device> pytest -k "lossless or device"` over tests/test_device.py (all of it: its CUDA tests
+   run there), test_lossless.py and test_mtp_lossless.py: the default suite's losslessness with every model loaded on
+   the device (--tests device: only test_device.py; none: no tests). The pytest run is cut at --test-seconds.
 2. Throughput: per model (the demo, Gemma 3 270M when installed, stories260K with its shipped EAGLE / MTP heads),
    plain decoding and each drafter at batch 1 (the prompts one after another) and batch 8 (all together), greedy:
    tokens per second, the speedup over plain at that batch size, whether every sequence's tokens equal plain's there,
@@ -61,7 +61,7 @@ def run_tests(device: str, which: str, seconds: int) -> bool:
     files = TESTS[which]
     if not files:
         return True
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "lossless", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "lossless or device", *files]
     print(f"$ MTPSPEC_DEVICE={device} {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
     try:

@@ -2,8 +2,9 @@
 
 On the CPU: device names are checked (no CUDA: one error line, exit 2), everything a CPU model and its engine allocate
 is on the CPU, the C++ kernels serve its products, and the torch path a GPU runs (kernels.torch_path()) is lossless on
-its own for plain / MTP / n-gram at batch 1 and 4. On a CUDA machine the same losslessness runs there (skipped here);
-`MTPSPEC_DEVICE=cuda pytest -k lossless` also runs the default suite's lossless tests on CUDA (scripts/cuda_check.sh).
+its own for plain / MTP / n-gram at batch 1 and 4. On a CUDA machine the same losslessness runs there (skipped
+here); `MTPSPEC_DEVICE=cuda pytest -k "lossless or device"` also runs the default suite's lossless tests on CUDA
+(scripts/cuda_check.sh).
 """
 
 from __future__ import annotations
