@@ -198,13 +198,13 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
         r_idx = torch.tensor([r for r, p in enumerate(rows) for _ in p], dtype=torch.long, device=dev)
         t_idx = torch.tensor([t for p in rows for t in p], dtype=torch.long, device=dev)
-        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0]), accumulate=True)  # (R, V)
+        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0], device=dev), accumulate=True)  # (R, V)
         if params.repetition_penalty != 1.0:
             r = params.repetition_penalty
-            seen = history.seen | (extra > 0)  # (R, V) prompt + generated + the row's path
+            seen = history.seen.to(dev) | (extra > 0)  # (R, V) prompt + generated + the row's path
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
         if params.frequency_penalty or params.presence_penalty:
-            counts = history.counts + extra  # (R, V) generated only
+            counts = history.counts.to(dev) + extra  # (R, V) generated only
             x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     if params.banned_ids:
         x[:, list(params.banned_ids)] = float("-inf")
