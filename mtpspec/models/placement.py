@@ -44,7 +44,7 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
     densify(module)
     module.to(device)
     for m in module.modules():
-        for key in ("panels", "fused_with_next", "_fused_mtp"):  # copies made on the CPU, rebuilt there by their readers
+        for key in ("panels", "fused_with_next", "fused_version", "_fused_mtp"):  # CPU copies: rebuilt by their readers
             m.__dict__.pop(key, None)
         fp64 = m.__dict__.get("_fp64")  # a Rotary's fp64 tables, made on the CPU on first use
         if fp64 is not None:
