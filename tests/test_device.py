@@ -169,6 +169,29 @@ def test_serve_exact_reaches_the_engine_and_answers_plain_greedy(demo_cpu):
         assert r.json()["choices"][0]["text"] == demo_cpu.generate(PROMPTS[0], max_new_tokens=12).text
 
 
+@pytest.mark.slow
+def test_torch_path_gguf_model_as_a_device_runs_it_is_lossless():
+    """Gemma 3 270M as place() makes it for a device (dense dequantized weights, batched attention and norms), on the
+    CPU's torch path: greedy MTP and n-gram equal plain at batch 1 and 3, and in exact mode."""
+    from mtpspec.loading.realmodels import gemma3_270m_available
+    from mtpspec.models.placement import plain_rows
+
+    if not gemma3_270m_available():
+        pytest.skip("Gemma 3 270M is not installed (the `real` extra)")
+    prompts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n"]
+    with kernels.torch_path():
+        m = mtpspec.load("gemma3-270m", device="cpu")
+        assert densify(m.module) > 0
+        plain_rows(m.module)
+        assert not m.module.config.row_kernels
+        plain = [m.generate(p, max_new_tokens=16).tokens for p in prompts]
+        for drafter in ("mtp", "ngram"):
+            assert [m.generate(p, drafter=drafter, k=3, max_new_tokens=16).tokens for p in prompts] == plain, drafter
+            for exact in (False, True):
+                got = m.generate_batch(prompts, drafter=drafter, k=3, max_new_tokens=16, exact=exact)
+                assert [r.tokens for r in got] == plain, (drafter, exact)
+
+
 def test_sampler_draws_on_the_host_generator_whatever_the_default_device():
     s = Sampler(SamplingParams(temperature=1.0), seed=5)
     u = s.uniform(4)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from .blocks import BlockEmbedding
-from .common import Linear
+from .common import Linear, RMSNorm
 
 
 def densify(module: nn.Module) -> int:
@@ -36,12 +38,28 @@ def densify(module: nn.Module) -> int:
     return changed
 
 
+def plain_rows(module: nn.Module) -> None:
+    """Attention and norms in torch's batched form: the one-row-at-a-time forms (kernels/attention.cpp, rownorm.cpp)
+    keep a GGUF model's rows bitwise alike for the block kernel's 8-bit activations, which a dense model on a device
+    does not have (there, exact mode's width-one calls are what make rows alike). A Python loop per row on a GPU."""
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.row_kernel = False
+        elif isinstance(getattr(m, "rows", None), bool) and hasattr(m, "q_proj"):  # an attention layer's by-row flag
+            m.rows = False
+    cfg = getattr(module, "config", None)
+    if getattr(cfg, "row_kernels", False):
+        module.config = dataclasses.replace(cfg, row_kernels=False)  # (what a head built from the config copies)
+
+
 def place(module: nn.Module, device: torch.device) -> nn.Module:
-    """Move a loaded model to `device`: nothing on the CPU; elsewhere its block layers dequantized (densify), then
-    every parameter and buffer moved, and the derived copies that were packed for the CPU kernels dropped."""
+    """Move a loaded model to `device`: nothing on the CPU; elsewhere its block layers dequantized (densify), its rows
+    computed in torch's batched form (plain_rows), then every parameter and buffer moved, and the derived copies that
+    were packed for the CPU kernels dropped."""
     if device.type == "cpu":
         return module
     densify(module)
+    plain_rows(module)
     module.to(device)
     for m in module.modules():
         for key in ("panels", "fused_with_next", "fused_version", "_fused_mtp"):  # CPU copies: rebuilt by their readers
