@@ -155,8 +155,8 @@ def use_device(args: argparse.Namespace):
 
 def load_kwargs(args: argparse.Namespace) -> dict:
     """api.load keyword arguments from --threads / --quant / --compile / --device."""
-    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), compile=getattr(args, "compile", False),
-                device=getattr(args, "device", None))
+    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None),
+                compile=getattr(args, "compile", False), device=getattr(args, "device", None))
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

@@ -192,7 +192,8 @@ def _on_device(head, device):
 
 def _same_device(module, target, what: str) -> None:
     if device_of(module) != device_of(target):
-        raise ConfigError(f"the {what} is on {device_of(module)} and the target on {device_of(target)}: load both with the same device")
+        raise ConfigError(f"the {what} is on {device_of(module)} and the target on {device_of(target)}: "
+                          "load both on the same device")
 
 
 _BLOCK_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> its copy on Q8_0 blocks

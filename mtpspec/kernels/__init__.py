@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import threading
 import warnings
 from pathlib import Path
 
@@ -33,20 +34,22 @@ P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
 MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
 
-_state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs; "torch": torch_path() on
+_state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs
+_thread = threading.local()  # .torch: inside torch_path() (per thread: a server's other threads keep their kernels)
 
 
 @contextlib.contextmanager
 def torch_path(on: bool = True):
-    """Inside (with on=True): every kernel of this package reports itself unavailable, so models built and run here take torch's ops
-    (F.linear, dequantized GGUF blocks, torch norms and attention) on the CPU, as on a CUDA device: the path a GPU
-    runs, testable on a CPU. A model whose layouts were packed for the kernels outside keeps reading them."""
-    before = _state.get("torch", False)
-    _state["torch"] = before or on  # (on=False: as it was; an outer torch_path stays on)
+    """Inside (with on=True): every kernel of this package reports itself unavailable, so models built and run here
+    take torch's ops (F.linear, dequantized GGUF blocks, torch norms and attention) on the CPU, as on a CUDA device:
+    the path a GPU runs, testable on a CPU. on=False leaves things as they are (an outer torch_path stays on). A model
+    whose layouts were packed for the kernels outside keeps reading them. Per thread."""
+    before = getattr(_thread, "torch", False)
+    _thread.torch = before or on
     try:
         yield
     finally:
-        _state["torch"] = before
+        _thread.torch = before
 
 
 def cache_dir() -> Path:
@@ -103,7 +106,7 @@ class Extension:
         self.error = ""
 
     def available(self) -> bool:
-        if _state.get("torch"):
+        if getattr(_thread, "torch", False):
             return False
         if self.ok is not None:
             return self.ok

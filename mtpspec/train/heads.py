@@ -351,7 +351,8 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     if target is None:
         place(module, dev)
     elif device_of(module) != dev:
-        raise ConfigError(f"the given target is on {device_of(module)}, the head would train on {dev}: give --device {device_of(module)}")
+        raise ConfigError(f"the given target is on {device_of(module)}, the head would train on {dev}: "
+                          f"give --device {device_of(module)}")
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
