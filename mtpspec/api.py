@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from . import device as devices
 from . import kernels
 from .drafters import make_drafter
 from .config import GenerationConfig, draft_model_arg
@@ -21,6 +22,7 @@ from .errors import ConfigError
 from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import check_compilable, compile_model
+from .models.placement import place
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
@@ -39,6 +41,11 @@ class Model:
     @property
     def max_seq_len(self) -> int:
         return self.module.max_seq_len
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (its weights, caches and steps): load(..., device=)."""
+        return devices.of(self.module)
 
     def encode(self, prompt: str) -> list[int]:
         """Text -> token ids (with BOS where the tokenizer adds one); text that is not valid Unicode is a ConfigError."""
@@ -122,7 +129,8 @@ class Model:
             raise ConfigError(f"exact must be True or False, got {cfg.exact!r}")
         max_batch = check_count("max batch", max_batch, 1)
         cfg.sampling()  # checked before any work
-        apply_threads(n_threads)
+        if self.device.type == "cpu":  # (on a device the host threads only feed it: torch's count is left alone)
+            apply_threads(n_threads)
         return Engine(self.module, max_batch, cfg.exact, depth_policy), k, depth_policy
 
     def sampling(self, cfg: GenerationConfig) -> SamplingParams:
@@ -145,8 +153,12 @@ class Model:
 
 
 def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "fp32", *,
-         threads: int | None = None, quant: str | None = None, compile: bool = False) -> Model:
+         threads: int | None = None, quant: str | None = None, compile: bool = False,
+         device: str | torch.device | None = None) -> Model:
     """Load a llama2.c .bin, a Hugging Face directory, a project checkpoint, or 'demo'.
+
+    device: "cpu" (mtpspec's C++ kernels), "cuda" or "cuda:N" (torch's kernels; GGUF block weights and `quant`
+    dequantized at load into `dtype` there); None: $MTPSPEC_DEVICE, else "cpu". mtpspec.device says what differs.
 
     threads: torch threads for generate() (None: mtpspec.threads.default_threads), applied now too (process-wide).
     quant: None or a GGUF block type ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k"; "int8" / "int4" name q8_0 / q4_k):
@@ -154,15 +166,22 @@ def load(path: str | Path, tokenizer: str | Path | None = None, dtype: str | tor
     compile: decode and verify windows through torch.compile'd graphs (mtpspec.models.compiled), cached on disk.
     """
     check_threads(threads)
+    dev = devices.resolve(device)
     if not isinstance(compile, bool):
         raise ConfigError(f"compile must be True or False, got {compile!r}")
+    if compile and dev.type != "cpu":
+        raise ConfigError(f"compile builds CPU graphs on mtpspec's kernels; it is not available on {dev}")
     if compile:
         check_compilable(None, parse_dtype(dtype))
     qcfg = check_quant(quant, parse_dtype(dtype))  # bad settings are named before a slow load
     path = resolve_name(path)
-    module, tok = load_checkpoint(path, tokenizer, dtype)
-    if qcfg is not None:
-        quantize(module, qcfg.kind)
+    with kernels.torch_path(dev.type != "cpu"):  # for a device: block weights in the layout torch dequantizes, no C++ build
+        module, tok = load_checkpoint(path, tokenizer, dtype)
+        if qcfg is not None:
+            quantize(module, qcfg.kind)
+    if dev.type != "cpu":
+        place(module, dev)  # block weights dequantized, everything moved; no CPU threads chosen or kernels built
+        return Model(module=module, tokenizer=tok, path=str(path), threads=threads)
     n = apply_threads(resolve_threads(threads, module, compiled=compile))
     if module.dtype in kernels.DTYPES:
         kernels.available()  # the small-row kernel built (once per machine) or loaded now, not inside the first step

@@ -17,6 +17,7 @@ not fit).
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import torch
@@ -36,8 +37,8 @@ class SlotKV:
         n_layers, _, n_kv, _, hd = like.k.shape  # (L, 1, n_kv, max_len, hd)
         self.max_len = like.max_len
         shape = (n_layers, slots, n_kv, like.max_len + 1, hd)  # + 1: the scratch position of padded rows
-        self.k = lazy_zeros(shape, like.k.dtype)  # (L, slots, n_kv, max_len + 1, hd)
-        self.v = lazy_zeros(shape, like.v.dtype)
+        self.k = lazy_zeros(shape, like.k.dtype, like.k.device)  # (L, slots, n_kv, max_len + 1, hd)
+        self.v = lazy_zeros(shape, like.v.dtype, like.v.device)
 
     @property
     def slots(self) -> int:
@@ -128,7 +129,7 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], t
     for b, c in enumerate(caches):
         c.advance(lens[b])
     lazy = lazy or [False] * len(lens)
-    ends = torch.tensor(lens).cumsum(0).tolist()
+    ends = list(itertools.accumulate(lens))  # (host ints: no device round trip)
     if any(lazy):  # the head over the rows of the sequences that read logits now
         need = [torch.arange(e - t, e) for t, e, z in zip(lens, ends, lazy) if not z]
         head = target.head(hid[torch.cat(need)]) if need else None  # (N', V)

@@ -26,13 +26,18 @@ def check_room(end: int, max_len: int, what: str = "model") -> None:
 LAZY_BYTES = 1 << 20  # buffers from this size on are mapped, not filled
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
     """A zero tensor whose memory is committed page by page as it is written: a large buffer is an anonymous mapping
     (zero pages by definition), so a cache sized for the model's whole context costs what a sequence writes (Gemma 3's
-    8192 positions are 302 MB of fp32 K / V, a short request touches a few MB) and nothing to allocate."""
-    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    8192 positions are 302 MB of fp32 K / V, a short request touches a few MB) and nothing to allocate.
+    device: where (None: torch's default device, which the engine sets to the model's); off the CPU a plain
+    torch.zeros there, allocated whole."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty(0, dtype=dtype, device="cpu").element_size()
     if size < LAZY_BYTES:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device="cpu")
     return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
@@ -66,10 +71,11 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         batch: int = 1,
+        device: torch.device | str | None = None,  # None: torch's default device (the engine's: the model's)
     ) -> None:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = lazy_zeros(shape, dtype)  # (L, B, n_kv, max_len, hd)
-        self.v = lazy_zeros(shape, dtype)  # (L, B, n_kv, max_len, hd)
+        self.k = lazy_zeros(shape, dtype, device)  # (L, B, n_kv, max_len, hd)
+        self.v = lazy_zeros(shape, dtype, device)  # (L, B, n_kv, max_len, hd)
         self.max_len = max_len
         self.length = 0  # committed positions
 
@@ -93,7 +99,7 @@ class KVCache:
         start, start + 1, ... (so crop(start + len(rows)) keeps exactly them)."""
         if rows == list(range(len(rows))):  # already in place
             return
-        idx = torch.tensor(rows, dtype=torch.long) + start
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device) + start
         n = len(rows)
         self.k[:, :, :, start : start + n] = self.k[:, :, :, idx]  # advanced indexing reads a copy first
         self.v[:, :, :, start : start + n] = self.v[:, :, :, idx]

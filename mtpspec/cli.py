@@ -138,9 +138,25 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    "int4: another name of q4_k.")
 
 
+DEVICE_HELP = ("where the model computes: cpu (mtpspec's C++ kernels), cuda or cuda:N (torch's kernels; GGUF blocks and --quant "
+               "dequantized at load into --dtype); default: $MTPSPEC_DEVICE, else cpu (docs/scale.md#devices)")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+
+
+def use_device(args: argparse.Namespace):
+    """Check --device before anything loads (an unknown or absent device: one error line, exit 2); the torch.device."""
+    from .device import resolve
+
+    return resolve(getattr(args, "device", None))
+
+
 def load_kwargs(args: argparse.Namespace) -> dict:
-    """api.load keyword arguments from --threads / --quant / --compile."""
-    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))
+    """api.load keyword arguments from --threads / --quant / --compile / --device."""
+    return dict(threads=getattr(args, "threads", None), quant=getattr(args, "quant", None),
+                compile=getattr(args, "compile", False), device=getattr(args, "device", None))
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -218,6 +234,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_grammar_args(p)
     add_threads_arg(p)
+    add_device_arg(p)
 
 
 def add_grammar_args(p: argparse.ArgumentParser) -> None:
@@ -268,6 +285,7 @@ class _Echo:
 def run_generate(args: argparse.Namespace) -> int:
     from .api import load
 
+    use_device(args)
     use_threads(args.threads)
     if args.drafter == "auto" and args.draft_model is not None:
         raise ConfigError("--draft-model needs --drafter draft, mtp, eagle or medusa (the default, auto, drafts with the "

@@ -12,10 +12,17 @@ Exact mode (`exact=True`): every position is computed as a one-token step comput
 one-row attention, the recurrent Gated DeltaNet), so a sequence's tokens and logits are bitwise the same whatever
 shares its forward; each sequence then runs its own forward, as GEMM kernels cannot make a row's result independent
 of the other rows (models/common.row_invariant).
+
+Devices (mtpspec/device.py): the engine runs where its target's weights are. Off the CPU every Engine / Session call
+runs under `device.on(...)`, so what a step makes (token buffers, caches, drafts, verdicts, sampling tensors) is made
+there; the host reads back the accept decisions only (greedy: one transfer per step for the whole batch). There a
+batched verify pass is not bitwise a one-token step (cuBLAS picks its kernels by shape): greedy tokens equal plain
+decoding's except where the top two logits tie within rounding; exact mode's width-one calls make them bitwise.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from numbers import Integral
 from time import perf_counter
@@ -26,6 +33,7 @@ from torch import Tensor
 
 from .batching import SlotKV, clone_cache, verify_pass
 from .cache import Cache
+from .device import of as device_of, on
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
@@ -294,7 +302,7 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     outs = verify_pass(target, storage, [s.cache for s in seqs], tokens, layouts, heads_later, exact)  # 2. ONE pass
     lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
     if all(s.sampler.params.greedy and not s.sampler.reads_context for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
-        verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]).tolist())
+        verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]))  # (one host sync)
     else:
         verdicts = []
         for i, (d, o, s) in enumerate(zip(drafts, outs, seqs)):
@@ -328,6 +336,15 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
     return record
 
 
+def _on_device(method):
+    """Run an Engine / Session method with torch's default device set to the engine's (nothing on the CPU)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with on(self.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     """Continuous batching over `step`: sequences join (add) and leave (finish, cancel) between steps.
 
@@ -339,6 +356,7 @@ class Engine:
     def __init__(self, target: Target, max_batch: int = 1, exact: bool = False, depth: DepthPolicy | None = None,
                  prefill_chunk: int = 512) -> None:
         self.target, self.exact, self.depth = target, exact, depth
+        self.device = device_of(target)  # where its weights are: every tensor of a step is made there
         self.max_batch = check_count("max batch", max_batch, 1)
         self.prefill_chunk = check_count("prefill chunk", prefill_chunk, 1)
         self.running: list[Sequence] = []  # prefilled, decoding; running[i] holds KV slot i
@@ -347,6 +365,7 @@ class Engine:
         self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
         self.next_id = 0
 
+    @_on_device
     @torch.inference_mode()  # the caches are inference tensors: in-place writes then skip autograd's version counting
     def add(self, prompt: list[int], drafter: Drafter, sampler: Sampler, k: int = 4, max_new_tokens: int = 256,
             stop_ids: tuple[int, ...] = (), on_tokens: Callable[[list[int]], None] | None = None, trace: bool = False,
@@ -386,6 +405,7 @@ class Engine:
         """A waiting prompt has a free slot: the next step prefills (some of) it."""
         return bool(self.waiting) and len(self.running) < self.max_batch
 
+    @_on_device
     @torch.inference_mode()
     def step(self) -> BatchStep | None:
         """Up to `prefill_chunk` prompt positions of the waiting sequences, in arrival order, while slots are free
@@ -467,6 +487,10 @@ class Session:
         self.seq = self.engine.waiting[0]
 
     @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
     def cache(self) -> Cache:
         return self.seq.cache
 
@@ -478,6 +502,7 @@ class Session:
     def done(self) -> bool:
         return self.seq.done
 
+    @_on_device
     @torch.inference_mode()
     def prefill(self) -> None:
         """The prompt into the target's cache and the drafter (all but its last token: that one is `last`)."""
@@ -486,6 +511,7 @@ class Session:
             self.engine.waiting.pop(0)
             self.engine._join(self.seq)
 
+    @_on_device
     @torch.inference_mode()
     def step(self, depth: int | None = None) -> StepRecord:
         """One draft -> verify -> accept -> roll back -> commit round with `depth` drafts (None: k), within the room left."""

@@ -22,6 +22,7 @@ after the committed tokens plus row r's path; this module only holds the sequenc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -145,24 +146,32 @@ class SamplingParams:
 Paths = Tensor | Sequence[Sequence[int]] | None
 
 
+def host():
+    """Tensors made inside on the CPU, whatever the default device: for host code (the grammar's numpy automaton)."""
+    return contextlib.nullcontext() if torch.get_default_device().type == "cpu" else torch.device("cpu")
+
+
 class History:
     """What the context controls read of one sequence's committed tokens: the tokens present (prompt + generated),
     the generated tokens' counts, and how many were generated."""
 
     def __init__(self, prompt: Sequence[int], vocab_size: int) -> None:
+        # (on torch's default device: the engine's, the model's)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
-        self.seen[torch.as_tensor(list(prompt), dtype=torch.long)] = True
+        self.seen[torch.as_tensor(list(prompt), dtype=torch.long, device=self.seen.device)] = True
         self.counts = torch.zeros(vocab_size)  # (V,) float32
         self.generated = 0
         self.grammar = None  # a grammar.GrammarState at the committed tokens (Sampler.bind), when the params have a grammar
 
     def add(self, tokens: Sequence[int]) -> None:
-        t = torch.as_tensor(list(tokens), dtype=torch.long)  # (n,)
+        tokens = [int(x) for x in tokens]
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.seen.device)  # (n,)
         self.seen[t] = True
-        self.counts.index_put_((t,), torch.ones(t.shape[0]), accumulate=True)
+        self.counts.index_put_((t,), torch.ones(t.shape[0], device=t.device), accumulate=True)
         self.generated += t.shape[0]
         if self.grammar is not None:
-            self.grammar.advance(t.tolist())
+            with host():
+                self.grammar.advance(tokens)
 
 
 def _row_paths(paths: Paths, rows: int) -> list[list[int]]:
@@ -180,32 +189,34 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
                       paths: Paths = None) -> Tensor:
     """(..., V) logits -> (..., V) float32 logits after the context controls (SamplingParams' order), row r seeing the
     committed context (`history`) plus paths' row r."""
-    shape = logits.shape
+    shape, dev = logits.shape, logits.device
     x = logits.float().reshape(-1, shape[-1]).clone()  # (R, V)
     rows = _row_paths(paths, x.shape[0])
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
-        x[:, list(ids)] += torch.tensor(bias)
+        x[:, list(ids)] += torch.tensor(bias, device=dev)
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-        r_idx = torch.tensor([r for r, p in enumerate(rows) for _ in p], dtype=torch.long)
-        t_idx = torch.tensor([t for p in rows for t in p], dtype=torch.long)
-        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0]), accumulate=True)  # (R, V)
+        r_idx = torch.tensor([r for r, p in enumerate(rows) for _ in p], dtype=torch.long, device=dev)
+        t_idx = torch.tensor([t for p in rows for t in p], dtype=torch.long, device=dev)
+        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0], device=dev), accumulate=True)  # (R, V)
         if params.repetition_penalty != 1.0:
             r = params.repetition_penalty
-            seen = history.seen | (extra > 0)  # (R, V) prompt + generated + the row's path
+            seen = history.seen.to(dev) | (extra > 0)  # (R, V) prompt + generated + the row's path
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
         if params.frequency_penalty or params.presence_penalty:
-            counts = history.counts + extra  # (R, V) generated only
+            counts = history.counts.to(dev) + extra  # (R, V) generated only
             x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     if params.banned_ids:
         x[:, list(params.banned_ids)] = float("-inf")
-    complete = torch.zeros(x.shape[0], dtype=torch.bool)  # (R,) rows where the grammar is complete: it ends before min_tokens
-    if history.grammar is not None:
-        x, complete = history.grammar.mask(x, rows, logits.reshape(x.shape))
+    complete = torch.zeros(x.shape[0], dtype=torch.bool, device=dev)  # (R,) rows where the grammar is complete: it ends before min_tokens
+    if history.grammar is not None:  # the grammar's automaton is host code (numpy): its rows go there and back
+        with host():
+            x, complete = history.grammar.mask(x.cpu(), rows, logits.reshape(x.shape).cpu())
+        x, complete = x.to(dev), complete.to(dev)
     if params.min_tokens and stop_ids:
-        early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows]) & ~complete  # (R,)
+        early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows], device=dev) & ~complete  # (R,)
         if bool(early.any()):
-            x[early.nonzero()[:, :1], torch.tensor(stop_ids)] = float("-inf")
+            x[early.nonzero()[:, :1], torch.tensor(stop_ids, device=dev)] = float("-inf")
     if bool((x == float("-inf")).all(-1).any()):
         raise ConfigError("the sampling controls leave no token to sample (banned ids, min-tokens' stop ids and the grammar "
                           "cover the whole vocabulary)")
@@ -322,7 +333,7 @@ def gumbel_max(probs: Tensor, seed: int, position: int) -> Tensor:
     if 4 * int(support.sum()) < probs.shape[0]:  # a small support (top-k, top-p, min-p): its tokens' noise only
         ids = torch.nonzero(support).flatten()  # (n,)
         return ids[torch.argmax(probs[ids].double() / -torch.log(gumbel_uniforms(key, ids)))]
-    e = -torch.log(gumbel_uniforms(key, torch.arange(probs.shape[0])))  # (V,) > 0
+    e = -torch.log(gumbel_uniforms(key, torch.arange(probs.shape[0], device=probs.device)))  # (V,) > 0
     return torch.argmax(probs.double() / e)  # p = 0 scores 0, below every token of the support
 
 
@@ -353,7 +364,8 @@ class Sampler:
         bound.history = History(prompt, vocab_size)
         bound.stop_ids = tuple(int(t) for t in stop_ids if 0 <= t < vocab_size)
         if self.params.grammar is not None:
-            bound.history.grammar = self.params.grammar.start(bound.stop_ids, vocab_size)
+            with host():
+                bound.history.grammar = self.params.grammar.start(bound.stop_ids, vocab_size)
         return bound
 
     @property
@@ -369,7 +381,10 @@ class Sampler:
     def within_grammar(self, tokens: Tensor) -> int:
         """How many of a chain's draft `tokens` (D,) the sequence's grammar allows in a row (all of them without one)."""
         g = self.history.grammar if self.history is not None else None
-        return tokens.shape[0] if g is None else g.valid_prefix(tokens.tolist())
+        if g is None:
+            return tokens.shape[0]
+        with host():
+            return g.valid_prefix(tokens.tolist())
 
     def logits(self, logits: Tensor, paths: Paths = None) -> Tensor:
         """(..., V) -> the logits after the context controls (row r after paths' row r); themselves when none are on."""
@@ -388,10 +403,13 @@ class Sampler:
         if self.params.greedy:
             return probs.argmax(-1)
         flat = probs.reshape(-1, probs.shape[-1])
+        if flat.device.type != "cpu":  # the generator is the host's, so a seed draws alike on every device
+            return torch.multinomial(flat.cpu(), 1, generator=self.generator).reshape(probs.shape[:-1]).to(flat.device)
         return torch.multinomial(flat, 1, generator=self.generator).reshape(probs.shape[:-1])
 
     def uniform(self, n: int) -> Tensor:
-        return torch.rand(n, generator=self.generator)
+        """(n,) uniforms in [0, 1) of the generator, on the host (the generator's device), whatever the default device."""
+        return torch.rand(n, generator=self.generator, device="cpu")
 
     @property
     def gumbel(self) -> bool:
@@ -404,7 +422,7 @@ class Sampler:
         if probs.shape[0] != len(positions):
             raise ValueError(f"{len(positions)} positions for {probs.shape[0]} rows")
         return torch.stack([gumbel_max(row, self.seed, int(t)) for row, t in zip(probs, positions)]) if len(positions) \
-            else torch.empty(0, dtype=torch.long)
+            else torch.empty(0, dtype=torch.long, device=probs.device)
 
     def draw(self, probs: Tensor, position: int) -> Tensor:
         """A drafter's token(s) from q: (V,) at absolute position `position`, or (n, V) at position..position+n-1.

@@ -71,7 +71,7 @@ class TargetOutput:
 
     def rows(self, rows: list[int]) -> "TargetOutput":
         """The output at these rows only (a tree's accepted path)."""
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.hidden.device)
         return TargetOutput(None if self.logits is None else self.logits[idx], self.hidden[idx],
                             None if self.prenorm_hidden is None else self.prenorm_hidden[idx])
 

@@ -29,21 +29,34 @@ from .types import Draft, Verdict
 
 
 def verify_greedy(draft_tokens: Tensor, p_logits: Tensor) -> Verdict:
-    """draft_tokens (D,), p_logits (D+1, V) -> Verdict."""
+    """draft_tokens (D,), p_logits (D+1, V) -> Verdict (its tokens on the logits' device; one host sync: n)."""
     d = draft_tokens.shape[0]
     target = p_logits.argmax(-1)  # (D+1,) the target's own greedy choice at every position
+    draft_tokens = draft_tokens.to(target.device)  # (D,) (a no-op on the CPU)
     agree = (draft_tokens == target[:d]).to(torch.int8)  # (D,)
     n = int(agree.cumprod(0).sum()) if d else 0  # length of the agreeing prefix
     tokens = torch.cat([draft_tokens[:n], target[n : n + 1]])  # accepted + recovered/bonus
     return Verdict(num_accepted=n, tokens=tokens, num_drafted=d)
 
 
-def verify_greedy_many(drafts: list[Draft], choices: list[int]) -> list[Verdict]:
+def verify_greedy_many(drafts: list[Draft], choices: list[int] | Tensor) -> list[Verdict]:
     """verify_greedy for several sequences at once: choices = the target's argmax at every verified row, the
-    sequences' D_i + 1 rows one after another (one host sync for the whole batch instead of one per sequence)."""
+    sequences' D_i + 1 rows one after another (one host sync for the whole batch instead of one per sequence). Choices
+    as a tensor on a device are read back together with the drafts: one transfer to the host. The verdicts' tokens are
+    made on torch's default device (the engine's: the model's)."""
+    if isinstance(choices, Tensor) and choices.device.type != "cpu":
+        sizes = [d.tokens.shape[0] for d in drafts]
+        host = torch.cat([*(d.tokens.to(choices.device) for d in drafts), choices]).tolist()
+        drafted, at = [], 0
+        for n in sizes:
+            drafted.append(host[at : at + n])
+            at += n
+        choices = host[at:]
+    else:
+        drafted = [d.tokens.tolist() for d in drafts]
+        choices = choices.tolist() if isinstance(choices, Tensor) else choices
     verdicts, i = [], 0
-    for draft in drafts:
-        d = draft.tokens.tolist()
+    for d in drafted:
         target = choices[i : i + len(d) + 1]  # (D+1,) the target's own choice at every position
         n = 0
         while n < len(d) and d[n] == target[n]:
@@ -55,12 +68,12 @@ def verify_greedy_many(drafts: list[Draft], choices: list[int]) -> list[Verdict]
 
 def verify_sampling(draft: Draft, p: Tensor, sampler: Sampler) -> Verdict:
     """Rejection sampling. p (D+1, V): the target's probabilities after the sampling transform."""
-    x = draft.tokens  # (D,)
+    x = draft.tokens.to(p.device)  # (D,)
     d = x.shape[0]
-    idx = torch.arange(d)
+    idx = torch.arange(d, device=p.device)
     p_x = p[idx, x]  # (D,) target probability of each draft token
-    q_x = draft.q[idx, x] if draft.q is not None else torch.ones(d)  # (D,) point mass when no q
-    u = sampler.uniform(d)  # (D,)
+    q_x = draft.q[idx, x] if draft.q is not None else torch.ones(d, device=p.device)  # (D,) point mass when no q
+    u = sampler.uniform(d).to(p.device)  # (D,) the generator's draws (host), compared where p is
     accept = (u * q_x < p_x).to(torch.int8)  # u < p/q  <=>  accept with probability min(1, p/q)
     n = int(accept.cumprod(0).sum()) if d else 0
     if n == d:  # every draft survived: the bonus token comes from p at position D+1
@@ -79,6 +92,7 @@ def verify_gumbel(draft_tokens: Tensor, p: Tensor, sampler: Sampler, position: i
     """Gumbel-max verification. p (D+1, V) after the sampling transform, row i the distribution at absolute position
     position + i (position: the context's length, the first new token's place)."""
     d, n = draft_tokens.shape[0], 0
+    draft_tokens = draft_tokens.to(p.device)  # (D,) (a no-op on the CPU)
     while True:  # row by row: the rows after the first mismatch are never drawn
         choice = sampler.choose(p[n : n + 1], [position + n])  # (1,) the target's token at position + n
         if n == d or int(choice) != int(draft_tokens[n]):

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Files directly under mtpspec/ are `base` (the vocabulary every layer builds on) or else `core` (the engine side).
 BASE_MODULES = {"types", "errors", "cache", "sampling", "tree", "heap", "config", "threads", "metrics", "adaptive", "verify",
-                "weight_cache"}
+                "weight_cache", "device"}
 # Lower layers first: an import goes to its own layer or a lower one, never between two application packages.
 LAYERS: list[set[str]] = [{"base", "kernels"}, {"models"}, {"loading", "drafters"}, {"core"}, {"train", "bench", "viz", "server"}]
 

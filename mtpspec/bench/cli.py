@@ -17,7 +17,7 @@ from time import perf_counter
 
 import torch
 
-from ..cli import add_model_args, add_threads_arg, command, parse_k, use_threads
+from ..cli import add_device_arg, add_model_args, add_threads_arg, command, parse_k, use_device, use_threads
 from ..errors import ConfigError
 from ..loading import parse_dtype
 from .common import parse_counts, progress_bar
@@ -46,6 +46,7 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="step: our methods of a prompt take turns every 5 ms (drift cancels step by step); "
                    "run: whole generations in turn, as a peer runs; auto: step with one torch thread and no peers, else run")
     add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--peers", nargs="?", const="hf", default="",
                    help="peers on the same weights, comma-separated: hf (transformers' generate(); bare --peers), "
                    "llamacpp (llama-server from `make llamacpp`, on a GGUF export)")
@@ -100,7 +101,8 @@ class Setup:
 
 def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int | str], max_new_tokens: int = 128,
                tokenizer: str | None = None, draft_model: str | None = None, limit: int | None = None, dtype: str = "fp32",
-               threads: int | None = None, quant: str | None = None, compile: bool = False, tree: int | None = None) -> Setup:
+               threads: int | None = None, quant: str | None = None, compile: bool = False, tree: int | None = None,
+               device: str | None = None) -> Setup:
     """Check the request and load what it names; a bad combination fails here, before anything is timed."""
     from ..api import load
     from ..drafters import REGISTRY, make_drafter
@@ -118,7 +120,7 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
             raise ConfigError(f"--k values must be integers >= 1 or 'auto', got {k!r}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, compile=compile)
+    model = load(model_path, tokenizer, dtype, threads=threads, quant=quant, compile=compile, device=device)
     dm, draft_models = None, {}  # the full draft model; drafter -> its draft_model argument
     if draft_model and (Path(draft_model) / "head.json").exists():  # a head folder goes to the drafter of its kind
         head = load_head(Path(draft_model), parse_dtype(dtype))
@@ -129,7 +131,7 @@ def load_bench(model_path: str, prompts: str, drafters: list[str], ks: list[int 
             raise ConfigError(f"--draft-model {draft_model} is a {kind} head, but --drafters ({','.join(drafters)}) does not include {kind}")
         draft_models = {kind: head}
     elif draft_model:  # a full model, for the 'draft' drafter and the assisted-generation peer (as `mtpspec generate` takes it)
-        dm = load(draft_model, tokenizer, dtype)
+        dm = load(draft_model, tokenizer, dtype, device=device)
         draft_models = {"draft": dm.module}
     for d in drafters:  # a head for another target, no MTP module, ...
         make_drafter(d, model.module, draft_model=draft_models.get(d), tree=tree)
@@ -150,7 +152,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
                   seed: int = 0, peers: bool | str | list[str] = False, threads: int | None = None, cost_model: bool = True,
                   dtype: str = "fp32", plot_prefix: str = "bench_", progress: bool = True, repeat: int = 1,
                   interleave: str = "auto", keep: str = "mean", gguf: str | None = None, quant: str | None = None,
-                  compile: bool = False) -> dict:
+                  compile: bool = False, device: str | None = None) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from . import costmodel
     from .harness import K_MAX_AUTO, PLAIN, Method, OursRunner, run_bench, warm_up
@@ -172,7 +174,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     specs = drafter_specs(drafters)
     drafters = list(dict.fromkeys(name for name, _ in specs))  # the drafters' names, each once
     s = load_bench(model_path, prompts, drafters, ks, max_new_tokens, tokenizer, draft_model, limit, dtype, threads, quant,
-                   compile)
+                   compile, device=device)
     model, ids, threads = s.model, s.ids, s.model.threads
     if interleave == "auto":  # lockstep needs one torch thread (waiting jobs' OpenMP pools would spin), and a peer runs
         # whole requests alone: in the rotation our compiled methods run slower than alone (scripts/rotation_cost.py)
@@ -268,7 +270,8 @@ def _admit(runner, candidates: list, methods: list, skipped: dict[str, str]) -> 
 
 @command("bench")(_args)
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    use_threads(args.threads)  # a bad --threads is named before anything loads
+    use_device(args)  # a bad --device or --threads is named before anything loads
+    use_threads(args.threads)
     if args.contexts is not None or args.sparse_model is not None:
         res = _run_contexts(args)
     elif args.prompts is None:
@@ -284,7 +287,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             temperature=args.temperature, seed=args.seed, peers=args.peers, threads=args.threads,
             cost_model=not args.no_cost_model, dtype=args.dtype, plot_prefix=args.plot_prefix,
             progress=not args.no_progress, repeat=args.repeat, interleave=args.interleave, keep=args.keep, gguf=args.gguf,
-            quant=args.quant, compile=args.compile,
+            quant=args.quant, compile=args.compile, device=args.device,
         )
     print(Path(res["files"]["markdown"]).read_text())
     print(f"wrote {', '.join(res['files'].values())}", file=sys.stderr)
@@ -308,7 +311,7 @@ def _run_batch(args: argparse.Namespace, ks: list[int | str]) -> dict:
     if any(options for _, options in drafter_specs(drafters)):
         raise ConfigError("drafter options in --drafters (NAME+KEY=VALUE) are measured by the per-prompt bench, not with --batch")
     setup = load_bench(args.model, args.prompts, drafters, ks, args.max_new_tokens, args.tokenizer, args.draft_model, args.limit,
-                       args.dtype, args.threads, args.quant, args.compile, tree=(trees or [None])[0])
+                       args.dtype, args.threads, args.quant, args.compile, tree=(trees or [None])[0], device=args.device)
     return run_batch_bench(setup, drafters, ks, batches, args.out, args.rounds, trees, args.temperature, args.seed,
                            args.plot_prefix, not args.no_progress)
 

@@ -15,6 +15,7 @@ from time import perf_counter
 
 import torch
 
+from ..device import of as device_of, synchronize
 from .common import quantile, rounds
 
 
@@ -93,6 +94,7 @@ def time_forwards(module, ks: list[int], context: int, repeat: int = 40, q: floa
     """Seconds of module.forward_tokens over k new tokens after `context` cached positions, for each k in
     ks (timed round-robin after two warm-up rounds; the q-quantile of each k's timings; `rounds` stops early)."""
     cache = module.new_cache()
+    dev = device_of(module)  # (a device's forward is asynchronous: each timing waits for it)
     ctx = max(1, min(context, module.max_seq_len - max(ks)))
     g = torch.Generator().manual_seed(0)
     module.forward_tokens(torch.randint(3, module.vocab_size, (ctx,), generator=g), cache)
@@ -103,6 +105,7 @@ def time_forwards(module, ks: list[int], context: int, repeat: int = 40, q: floa
         for k in ks:
             t0 = perf_counter()
             module.forward_tokens(toks[k], cache)
+            synchronize(dev)
             dt = perf_counter() - t0
             cache.crop(ctx)
             if rep >= 2:

@@ -16,8 +16,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
+from ..device import of as device_of, on
 from ..errors import ConfigError
 from ..models.mtp_source import MTPSource
+from ..models.placement import place
 from .base import BatchDrafter, Drafter, DrafterOptions, NoDrafter, option
 from .draft_model import DraftModelDrafter
 from .lookahead import LookaheadDrafter, LookaheadOptions
@@ -120,9 +124,11 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
 
         if is_head_dir(draft_model):
             raise ConfigError(f"--drafter draft needs a full model; {draft_model} is a trained head (use it with --drafter mtp, eagle or medusa)")
-        draft_model = load_module(draft_model, dtype=target.dtype)
+        with torch.device("cpu"):  # loaded as on the CPU, then placed beside the target
+            draft_model = place(load_module(draft_model, dtype=target.dtype), device_of(target))
     if not callable(getattr(draft_model, "forward_tokens", None)) or not hasattr(draft_model, "new_cache"):
         raise ConfigError(f"--drafter draft needs a causal LM as its draft model, got {type(draft_model).__name__}")
+    _same_device(draft_model, target, "draft model")
     return DraftModelDrafter(draft_model, target.vocab_size, tree=options.tree, tree_beam=options.tree_beam)
 
 
@@ -154,10 +160,11 @@ def _head(draft_model, kind: str, target):
 
         path = Path(resolve_name(draft_model))
         meta = path / "head.json"
-        if meta.exists():
-            head = _read_head(str(path.resolve()), meta.stat().st_mtime, target.dtype)
-        else:
-            head = load_head(path, target.dtype)  # names what is missing
+        with torch.device("cpu"):  # read as on the CPU; moved beside the target below
+            if meta.exists():
+                head = _read_head(str(path.resolve()), meta.stat().st_mtime, target.dtype)
+            else:
+                head = load_head(path, target.dtype)  # names what is missing
     else:
         raise ConfigError(
             f"--drafter {kind} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
@@ -165,7 +172,28 @@ def _head(draft_model, kind: str, target):
         )
     if head.config.kind != kind:
         raise ConfigError(f"--drafter {kind} was given a {head.config.kind} head")
+    if device_of(head) != device_of(target):
+        head = _on_device(head, device_of(target))
     return _on_blocks(head) if "qweight" in target.lm_head.__dict__ else head
+
+
+_DEVICE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> {device: its copy there}
+
+
+def _on_device(head, device):
+    """A head's copy on the target's device (the caller's head stays where it is), made once per head and device."""
+    import copy
+
+    copies = _DEVICE_HEADS.setdefault(head, {})
+    if device not in copies:
+        copies[device] = place(copy.deepcopy(head), device)
+    return copies[device]
+
+
+def _same_device(module, target, what: str) -> None:
+    if device_of(module) != device_of(target):
+        raise ConfigError(f"the {what} is on {device_of(module)} and the target on {device_of(target)}: "
+                          "load both on the same device")
 
 
 _BLOCK_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> its copy on Q8_0 blocks
@@ -283,7 +311,8 @@ def make_drafter(name: str, target, draft_model=None, options: DrafterOptions | 
         raise ConfigError(f"--drafter {name} takes {OPTION_CLASSES[name].__name__}, got {type(options).__name__}")
     elif any(v is not None for v in opts.values()):
         raise ConfigError(f"drafter options given twice: as options= and as {', '.join(k for k, v in opts.items() if v is not None)}")
-    return factory(target, draft_model, options)
+    with on(device_of(target)):  # what a drafter builds (folded copies, its tables) is made on the target's device
+        return factory(target, draft_model, options)
 
 
 __all__ = ["Drafter", "BatchDrafter", "MTPSource", "NoDrafter", "NgramDrafter", "DraftModelDrafter", "make_drafter",

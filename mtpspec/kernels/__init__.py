@@ -8,16 +8,20 @@ accumulate in fp32, multiplied in pairs by vdpbf16ps where the CPU has AVX512_BF
 split between torch's threads; each output is one thread's chain.
 
 Built on first use with torch's extension builder (g++ with OpenMP, once per machine, under $MTPSPEC_KERNEL_CACHE,
-default ~/.cache/mtpspec/kernels, in a folder per instruction set). Without a compiler, or with MTPSPEC_KERNELS=0,
-products run on F.linear: same results up to rounding, slower. models.common.Linear takes the kernel when usable()
-(fp32 / bf16, up to MAX_ROWS rows, outside autograd) and F.linear otherwise.
+default ~/.cache/mtpspec/kernels, in a folder per instruction set). Without a compiler, with MTPSPEC_KERNELS=0, or
+inside `torch_path()`, products run on F.linear: same results up to rounding, slower. models.common.Linear takes the
+kernel when usable() (fp32 / bf16 CPU tensors, up to MAX_ROWS rows, outside autograd) and F.linear otherwise; a model
+on another device (mtpspec.device) never reaches a kernel. Every kernel of this package (panels, GGUF blocks, row
+norms, row attention) answers available() through Extension, so one switch turns them all off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
+import threading
 import warnings
 from pathlib import Path
 
@@ -31,6 +35,21 @@ DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 a
 MAX_ROWS = 64  # up to here the panel kernel beat MKL on every fp32 shape measured (docs/engine.md); prefill goes to MKL
 
 _state: dict[str, object] = {}  # "pairs": whether the build multiplies bf16 weights in pairs
+_thread = threading.local()  # .torch: inside torch_path() (per thread: a server's other threads keep their kernels)
+
+
+@contextlib.contextmanager
+def torch_path(on: bool = True):
+    """Inside (with on=True): every kernel of this package reports itself unavailable, so models built and run here
+    take torch's ops (F.linear, dequantized GGUF blocks, torch norms and attention) on the CPU, as on a CUDA device:
+    the path a GPU runs, testable on a CPU. on=False leaves things as they are (an outer torch_path stays on). A model
+    whose layouts were packed for the kernels outside keeps reading them. Per thread."""
+    before = getattr(_thread, "torch", False)
+    _thread.torch = before or on
+    try:
+        yield
+    finally:
+        _thread.torch = before
 
 
 def cache_dir() -> Path:
@@ -87,6 +106,8 @@ class Extension:
         self.error = ""
 
     def available(self) -> bool:
+        if getattr(_thread, "torch", False):
+            return False
         if self.ok is not None:
             return self.ok
         self.ok = False
@@ -130,8 +151,10 @@ BF16_UNDO = sorted(range(P), key=BF16_ORDER.__getitem__)  # panel position of ou
 
 def bf16_pairs() -> bool:
     """Whether this build multiplies bf16 weights in pairs (vdpbf16ps): bf16 panels (ceil(N/32), ceil(K/2), 64)."""
+    if not available():
+        return False
     if "pairs" not in _state:
-        _state["pairs"] = available() and bool(torch.ops.mtpspec.bf16_pairs())
+        _state["pairs"] = bool(torch.ops.mtpspec.bf16_pairs())
     return bool(_state["pairs"])
 
 

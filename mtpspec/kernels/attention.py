@@ -32,13 +32,13 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, seq: Tensor, lo: Tensor, hi: Te
     """q (R, nh, hd), k / v (B, nkv, S, hd) fp32 -> (R, nh, hd): row r attends to keys lo[r]..hi[r] of sequence seq[r]
     (where mask (R, S') allows, a token tree's ancestors), query head h reading KV head h // (nh / nkv)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if available() and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if q.device.type == "cpu" and available() and k.stride(-1) == 1 and v.stride(-1) == 1:
         return torch.ops.mtpspec_attention.attend_rows(q, k, v, seq, lo, hi, mask, scale)
     out = q.new_zeros(q.shape)
     g = q.shape[1] // k.shape[1]
     for r in range(q.shape[0]):
         b, a, z = int(seq[r]), int(lo[r]), int(hi[r]) + 1
-        keys = torch.arange(a, z)
+        keys = torch.arange(a, z, device=k.device)
         if mask is not None:
             keys = keys[mask[r, a:z]]
         kr = k[b, :, keys].repeat_interleave(g, 0)  # (nh, n, hd)

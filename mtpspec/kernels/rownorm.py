@@ -23,7 +23,7 @@ def available() -> bool:
 
 def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
     """x (..., D) fp32, w (D,) fp32 -> x / sqrt(mean(x^2) + eps) * w (or * (1 + w)); each row computed alone."""
-    if available():
+    if x.device.type == "cpu" and available():
         return torch.ops.mtpspec_rownorm.rms_norm(x, w, eps, zero_centred)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * (1.0 + w) if zero_centred else w * y

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..device import of as device_of
 from ..types import TargetOutput
 from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU
 from .forward import run
@@ -154,7 +155,7 @@ class DenseLM(CausalLM):
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype)
+        return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype, device=device_of(self))
 
     def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False, logits: bool = True, tree=None,
                        prefill: bool = False) -> TargetOutput:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..device import of as device_of
 from ..errors import ConfigError, ModelLoadError
 from ..weight_cache import weights_version
 
@@ -92,7 +93,7 @@ class DraftHead:
     """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids."""
 
     def __init__(self, lm_head, ids: Tensor) -> None:
-        self.ids = ids  # (N,)
+        self.ids = ids.to(device_of(lm_head))  # (N,) beside the LM head (mtpspec.device)
         self.vocab_size = lm_head.out_features
         self.product = kernels.Product(lm_head.rows(ids))  # (N, H) a copy in the small-row kernel's layout (blocks: dequantized)
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..cache import check_room
+from ..device import on
 from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
@@ -55,7 +56,7 @@ def _fuse(*linears) -> bool:
         biases = [lin.bias for lin in linears]
         b = None if all(x is None for x in biases) else torch.cat([
             bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
-        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and kernels.available() else None
+        panels = kernels.pack(w) if w.dtype in kernels.DTYPES and w.device.type == "cpu" and kernels.available() else None
     linears[0].__dict__["fused_with_next"] = (w, b, panels)
     return True
 
@@ -72,7 +73,7 @@ def fuse_projections(module) -> None:
             fused.update(id(lin) for lin in group)
     for m in module.modules():
         if (isinstance(m, Linear) and id(m) not in fused and "qweight" not in m.__dict__ and m.weight.dtype in kernels.DTYPES
-                and kernels.available()):
+                and m.weight.device.type == "cpu" and kernels.available()):
             kernels.panels_of(m.__dict__, m.weight)
 
 
@@ -331,7 +332,13 @@ def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, 
 
     exact (outside a prefill): T one-position forwards (by_position). A window the model's compiled step handles
     (compiled.compile_model: chains of a batch-1 fp32 / bf16 model) runs its graph. logits=False: the LM head is left
-    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows."""
+    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows.
+    On a model off the CPU (mtpspec.device: its cache is there too) the tokens are moved there and what the forward
+    makes is made there."""
+    dev = cache.kv.k.device
+    if dev.type != "cpu" and (tokens.device != dev or torch.get_default_device() != dev):
+        with on(dev):
+            return run(model, tokens.to(dev), cache, exact, logits, tree, prefill)
     if tree is None and not prefill:
         if exact and tokens.shape[0] > 1:
             return by_position(model, tokens, cache)

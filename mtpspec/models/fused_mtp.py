@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..cache import KVCache, check_room
+from ..device import of as device_of, on
 from ..errors import ConfigError
 from ..weight_cache import weights_version
 from .common import RMSNorm, SwiGLU, wide
@@ -239,7 +240,7 @@ def fused_mtp(module: nn.Module) -> FusedMTP | None:
     key = weights_version(module.parameters())
     cached = module.__dict__.get("_fused_mtp")
     if cached is None or cached[0] != key:
-        with torch.no_grad():
+        with torch.no_grad(), on(device_of(module)):  # its tables beside the module's weights (mtpspec.device)
             cached = (key, FusedMTP(module))
         module.__dict__["_fused_mtp"] = cached
     return cached[1]

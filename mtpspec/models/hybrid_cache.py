@@ -118,7 +118,7 @@ class HybridCache:
         """The K-1 conv inputs before position `self.length`: (B, C, K-1)."""
         hist = self.hist[i]
         if hist is None:
-            return torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=self.dtype)
+            return torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=self.dtype, device=self.kv.k.device)
         j = self.length - self.fwd_start
         if j and self.final[i] is not None:  # a prefill kept only the two ends of its conv window
             j = self.conv_kernel - 1
@@ -128,7 +128,7 @@ class HybridCache:
         """The recurrent state at `self.length`: (B, nv, dk, dv) in at least fp32 (slot j of the last forward)."""
         base = self.base[i]
         if base is None:
-            base = self.base[i] = torch.zeros(batch, *self.state_shape, dtype=wide(self.dtype))
+            base = self.base[i] = torch.zeros(batch, *self.state_shape, dtype=wide(self.dtype), device=self.kv.k.device)
         j = self.length - self.fwd_start
         if j == 0:
             return base
@@ -193,7 +193,7 @@ class HybridCache:
         if rows == list(range(len(rows))):  # rows 0..n in place, each row's records a chain's: the crop that follows suffices
             return
         self.kv.keep(start, rows)
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.kv.k.device)
         k1 = self.conv_kernel - 1
         for i in range(self.n_linear):
             (w,) = self.window[i]  # a tree window is one piece (T <= 64)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
+from ..device import of as device_of, on
 from ..errors import ConfigError
 from ..types import TargetOutput
 from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, wide
@@ -206,6 +207,10 @@ class HybridLM(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def new_cache(self, max_len: int | None = None) -> HybridCache:
+        with on(device_of(self)):  # (the model's device: every buffer of the cache is made there)
+            return self._new_cache(max_len)
+
+    def _new_cache(self, max_len: int | None) -> HybridCache:
         c = self.config
         n_lin = sum(t == "linear_attention" for t in c.layer_types)
         conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
@@ -220,6 +225,10 @@ class HybridLM(CausalLM):
         return cache
 
     def new_mtp_cache(self, max_len: int | None = None) -> KVCache:
+        with on(device_of(self)):
+            return self._new_mtp_cache(max_len)
+
+    def _new_mtp_cache(self, max_len: int | None) -> KVCache:
         c = self.config
         cache = KVCache(max(c.mtp_num_layers, 1), c.num_kv_heads, c.head_dim, max_len or c.max_seq_len, self.dtype)
         if c.mtp_sparse_attention is not None:

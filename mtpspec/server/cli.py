@@ -10,7 +10,7 @@ import argparse
 import os
 import socket
 
-from ..cli import AUTO_DRAFTER, add_compile_arg, add_quant_args, add_threads_arg, command, use_threads
+from ..cli import AUTO_DRAFTER, add_compile_arg, add_device_arg, add_quant_args, add_threads_arg, command, use_device, use_threads
 from ..errors import ConfigError
 from ..heap import frozen_heap
 
@@ -50,6 +50,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_threads_arg(p)
+    add_device_arg(p)
+    p.add_argument("--exact", action="store_true", help="exact mode: verify with width-one calls, so every sequence's tokens are "
+                   "bitwise plain decoding's whatever shares its forward (on a GPU too; slower: each sequence its own forward)")
 
 
 @command("serve", help="serve models over HTTP: an OpenAI-compatible API with speculative decoding, the live verify "
@@ -62,11 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .options import ServeOptions
 
+    device = use_device(args)
     use_threads(args.threads)
     k = args.k if args.k == "auto" else _int_k(args.k)
     options = ServeOptions(drafter=args.drafter, k=k, max_batch=args.max_batch, max_queue=args.max_queue,
                            prefill_chunk=args.prefill_chunk, max_prompt_chars=args.max_prompt_chars,
-                           max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup,
+                           max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup, exact=args.exact,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("MTPSPEC_API_KEY") or None)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
@@ -74,15 +78,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..models.compiled import check_compilable, compile_model
     from ..quant import check_quant, quantize
+    from ..models.placement import place
     from ..threads import resolve_threads
 
     qcfg = check_quant(args.quant, parse_dtype(args.dtype))  # an unknown dtype / quant is named before any model loads
+    if args.compile and device.type != "cpu":
+        raise ConfigError(f"--compile builds CPU graphs on mtpspec's kernels; it is not available on {device}")
     if args.compile:
         check_compilable(None, parse_dtype(args.dtype))
     served = load_served(args.model, args.tokenizer, args.draft_model, args.dtype)
+    for entry in served.drafts.values():  # draft LMs beside their targets (heads are placed by the drafter that reads them)
+        if entry.kind == "model":
+            place(entry.obj, device)
     for model in served.models.values():  # each generate() sets its model's threads: --threads, else the rule at load
         if qcfg is not None:
             quantize(model.module, qcfg.kind)
+        if device.type != "cpu":
+            place(model.module, device)
+            continue
         model.threads = resolve_threads(args.threads, model.module, compiled=args.compile)
         if args.compile:
             compile_model(model.module)

@@ -23,6 +23,7 @@ class ServeOptions:
     max_tokens_default: int = 256  # max_tokens when a request gives none (then clipped by the context)
     api_key: str | None = None  # when set: `Authorization: Bearer KEY` on every endpoint but the static page
     mtp_lookup: int = 0  # mtp: where the last N tokens recur, draft their earlier continuation instead (N >= 2); 0 = off
+    exact: bool = False  # verify with width-one calls: each sequence's tokens bitwise plain decoding's (on a GPU too)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "max_prompt_chars", "max_tokens_default"):

@@ -163,8 +163,9 @@ class Scheduler:
     """A served model's engine on its own thread: continuous batching of every request to this model."""
 
     def __init__(self, name: str, model: Model, spec: Speculation, max_batch: int, max_queue: int,
-                 prefill_chunk: int, metrics: ServerMetrics) -> None:
+                 prefill_chunk: int, metrics: ServerMetrics, exact: bool = False) -> None:
         self.name, self.model, self.spec, self.metrics = name, model, spec, metrics
+        self.exact = exact  # exact mode (engine.py): width-one verify calls
         self.max_queue = max_queue
         self.max_k = self._max_depth()
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
@@ -229,7 +230,7 @@ class Scheduler:
 
     def _new_engine(self) -> Engine:
         self.depth = PerRequest(ByBatchSize(k_max=AUTO_K_MAX) if self.spec.drafter != "none" else None)
-        return Engine(self.model.module, self.max_batch, exact=False, depth=self.depth, prefill_chunk=self.prefill_chunk)
+        return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk)
 
     def _run(self) -> None:
         while True:

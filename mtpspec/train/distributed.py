@@ -133,6 +133,15 @@ class _Objective(nn.Module):
         return self.loss(*batch)
 
 
+def train_device(spec: str, world: World) -> torch.device:
+    """The device a trainer computes on: its --device (mtpspec.device.resolve: cpu, cuda, cuda:N; an absent one is a
+    ConfigError), under torchrun on CUDA this rank's LOCAL_RANK GPU."""
+    from ..device import resolve
+
+    dev = resolve(spec)
+    return torch.device("cuda", world.local_rank) if dev.type == "cuda" and world.distributed else dev
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 

@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..device import of as device_of, on, resolve
 from ..errors import ConfigError
 from ..models.batch import ForwardBatch
 from ..models.draft_vocab import TokenRanking, ranking_from_counts
 from ..models.forward import module_forward
 from ..models.heads import DraftHead, DraftHeadConfig, load_head, save_head
-from .distributed import World, launch
+from ..models.placement import place
+from .distributed import World, launch, train_device
 
 
 @dataclass
@@ -64,6 +66,7 @@ class HeadConfig:
     text_tokens: int = 0  # > 0: teacher-forced windows over the stdlib's training modules, this many tokens in all
     checkpoint_every: int = 0  # > 0: a resumable checkpoint (out/train_state.pt) every N steps; a rerun continues from it
     save_dtype: str = "float32"  # the head's weights as written: float32 | bfloat16 (half the size; measured as written)
+    device: str = "cpu"  # where the target runs and the head trains: cpu, cuda or cuda:N (the data is kept on the host)
 
 
 REAL_SETS = ("humaneval", "mt_bench", "spec_bench")  # `--prompts realsets`: the shared benchmark sets
@@ -114,7 +117,7 @@ def _teacher(target, toks: Tensor) -> tuple[Tensor, Tensor]:
     """One sequence's teacher pass: (tokens (T,), the target's post-norm hidden (T, H), in fp16 when the target is
     fp32: half the memory, within 2^-11 of each value)."""
     h = target.forward_tokens(toks, target.new_cache(toks.shape[0]), prefill=True, logits=False).hidden
-    return toks, h.to(torch.float16 if target.dtype == torch.float32 else target.dtype).clone()
+    return toks, h.to(device="cpu", dtype=torch.float16 if target.dtype == torch.float32 else target.dtype).clone()
 
 
 @torch.inference_mode()
@@ -327,7 +330,7 @@ def train_head(model: str | Path, cfg: HeadConfig, tokenizer=None, progress_bar:
     cfg.checkpoint_every, a run cut short continues from out/train_state.pt (the head, the optimizer, the step), under
     any number of processes. Under torchrun: DDP over cfg.batch_size split among the ranks (distributed.py); rank 0
     returns the report, the others {}."""
-    with launch() as world:
+    with launch(resolve(cfg.device).type) as world:
         return _train_head(model, cfg, tokenizer, progress_bar, target, world)
 
 
@@ -343,7 +346,13 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     progress_bar = progress_bar and world.main
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    dev = train_device(cfg.device, world)
     module, tok = target if target is not None else load_checkpoint(model, tokenizer)
+    if target is None:
+        place(module, dev)
+    elif device_of(module) != dev:
+        raise ConfigError(f"the given target is on {device_of(module)}, the head would train on {dev}: "
+                          f"give --device {device_of(module)}")
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
@@ -355,6 +364,7 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     head = DraftHead(hc)
     if hc.dense is not None:
         init_from_target(head, module)
+    head.to(dev)
     lm, coverage = None, 1.0
     if cfg.draft_vocab:
         head.token_ranking = draft_vocabulary(seqs, module.vocab_size, cfg.draft_vocab)
@@ -367,7 +377,7 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     history, first, train_s = [], 0, 0.0
     state_path = Path(cfg.out) / "train_state.pt"
     if cfg.checkpoint_every and state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location="cpu")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         rng.setstate(state["rng"])
@@ -378,8 +388,9 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     for step in bar:
         lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(step / cfg.steps * math.pi)))
         toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
-        loss, parts = loss_fn(world.shard(toks), world.shard(hid))
-        optimizer_step(opt, head.parameters(), loss, lr)
+        with on(dev):
+            loss, parts = loss_fn(world.shard(toks).to(dev), world.shard(hid).to(dev))
+            optimizer_step(opt, head.parameters(), loss, lr)
         logged = world.mean({"loss": loss.item(), **parts})
         bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:

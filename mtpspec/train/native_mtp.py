@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..device import on, resolve
 from ..errors import ConfigError
-from .distributed import World, launch
+from ..models.placement import place
+from .distributed import World, launch, train_device
 from .heads import _batch, cached_distill_data, measure, training_prompts
 from .mtp_distill import mtp_distill_loss
 from .pretrain import optimizer_step
@@ -63,6 +65,7 @@ class MTPTuneConfig:
     indexer_rows: int = 1024  # random query rows (with candidate blocks) of the window per indexer step; 0 = all
     heldout_windows: int = 2  # held-out windows: indexer recall and KL, distillation loss
     long_prompts: int = 2  # held-out prompts of about window_tokens tokens: acceptance at long context
+    device: str = "cpu"  # where the model runs and the MTP module trains: cpu, cuda or cuda:N (not with --sparse yet)
 
     def __post_init__(self) -> None:
         self.sparse = bool(self.sparse)  # the command line gives --sparse
@@ -71,7 +74,7 @@ class MTPTuneConfig:
 def tune_native_mtp(model: str | Path, cfg: MTPTuneConfig, tokenizer=None, progress_bar: bool = True) -> dict:
     """Tune and write the checkpoint; returns the report. Under torchrun: DDP over cfg.batch_size split among the
     ranks (distributed.py); rank 0 measures, writes and returns the report, the others return {}."""
-    with launch() as world:
+    with launch(resolve(cfg.device).type) as world:
         return _tune(model, cfg, tokenizer, progress_bar, world)
 
 
@@ -85,6 +88,9 @@ def _tune(model, cfg: MTPTuneConfig, tokenizer, progress_bar: bool, world: World
     if cfg.sparse and world.distributed:
         raise ConfigError(f"--sparse tunes in one process; run it without torchrun (got {world.size} processes)")
     world.check_batch(cfg.batch_size)
+    dev = train_device(cfg.device, world)
+    if cfg.sparse and dev.type != "cpu":
+        raise ConfigError(f"--sparse tunes on the CPU for now; drop --device {cfg.device}")
     progress_bar = progress_bar and world.main
     if cfg.sparse:
         check_sparse(cfg, sparse_config(cfg))  # before the model is loaded
@@ -95,6 +101,7 @@ def _tune(model, cfg: MTPTuneConfig, tokenizer, progress_bar: bool, world: World
     if getattr(module, "mtp", None) is None:
         raise ConfigError(f"{model}: the model has no MTP module to tune{' (--sparse makes an MTP module sparse)' if cfg.sparse else ''} "
                           "(train one for it with `mtpspec train head --kind mtp`)")
+    place(module, dev)
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
@@ -118,7 +125,8 @@ def _tune(model, cfg: MTPTuneConfig, tokenizer, progress_bar: bool, world: World
     def distill_loss() -> dict:
         with torch.no_grad():
             toks, hid = _batch(eval_seqs, 4 * cfg.batch_size, cfg.seq_len, random.Random(12345))
-            return mtp_distill_loss(module, toks, hid, cfg.depth, cfg.depth_decay)[1]
+            with on(dev):
+                return mtp_distill_loss(module, toks.to(dev), hid.to(dev), cfg.depth, cfg.depth_decay)[1]
 
     loss_before = distill_loss() if world.main else None
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -130,8 +138,9 @@ def _tune(model, cfg: MTPTuneConfig, tokenizer, progress_bar: bool, world: World
     bar = tqdm(range(cfg.steps), desc="tune the MTP module", disable=not progress_bar)
     for step in bar:
         toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
-        loss, parts = loss_fn(world.shard(toks), world.shard(hid))
-        optimizer_step(opt, params, loss, lr_at(cfg.lr, step, cfg.steps))
+        with on(dev):
+            loss, parts = loss_fn(world.shard(toks).to(dev), world.shard(hid).to(dev))
+            optimizer_step(opt, params, loss, lr_at(cfg.lr, step, cfg.steps))
         logged = world.mean({"loss": loss.item(), **parts})
         bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 25 == 0 or step == cfg.steps - 1:

@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..device import of as device_of, on, resolve
 from ..errors import ConfigError
 from ..models.batch import ForwardBatch
 from ..models.forward import hybrid_forward, module_forward
 from ..models.qwen35 import HybridConfig, HybridLM
 from . import data as D
-from .distributed import World, launch
+from .distributed import World, launch, train_device
 
 
 @dataclass
@@ -63,6 +64,7 @@ class PretrainConfig:
     data_files: list[str] = field(default_factory=list)  # training .py files; empty = the stdlib minus HELDOUT
     heldout_files: list[str] = field(default_factory=list)
     tokenizer_chars: int = 6_000_000  # characters of training text the BPE is fitted on
+    device: str = "cpu"  # where the model trains: cpu, cuda or cuda:N (under torchrun on CUDA: each rank's LOCAL_RANK GPU)
 
     def model_config(self) -> HybridConfig:
         types = tuple("full_attention" if (i + 1) % self.full_attention_every == 0 else "linear_attention" for i in range(self.num_layers))
@@ -125,8 +127,10 @@ def schedule(cfg: PretrainConfig, progress: float, step: int) -> tuple[float, fl
 def evaluate(model: HybridLM, windows: Tensor, depth: int, batch: int = 8) -> dict:
     model.eval()
     main, mtp, n = 0.0, [0.0] * depth, 0
+    dev = device_of(model)
     for i in range(0, windows.shape[0], batch):
-        m, ks = losses(model, windows[i : i + batch], depth)
+        with on(dev):
+            m, ks = losses(model, windows[i : i + batch].to(dev), depth)
         b = windows[i : i + batch].shape[0]
         main += m.item() * b
         mtp = [a + k.item() * b for a, k in zip(mtp, ks)]
@@ -176,7 +180,7 @@ def resume(state_path: Path, model: torch.nn.Module, opt, gen: torch.Generator) 
     """(step, elapsed seconds, history) from a train_state.pt (model, optimizer and data RNG restored), or a fresh start."""
     if not state_path.exists():
         return 0, 0.0, []
-    st = torch.load(state_path, weights_only=False)
+    st = torch.load(state_path, weights_only=False, map_location="cpu")  # (a CUDA run's state resumes anywhere)
     model.load_state_dict(st["model"])
     opt.load_state_dict(st["optimizer"])
     gen.set_state(st["generator"])
@@ -203,7 +207,7 @@ def pretrain(cfg: PretrainConfig, progress_bar: bool = True) -> dict:
     """Train (or resume, under any number of processes) and write the checkpoint + report; returns the report. Under
     torchrun: DDP over cfg.batch_size split among the ranks (distributed.py); rank 0 evaluates, writes and returns
     the report, the others return {}."""
-    with launch() as world:
+    with launch(resolve(cfg.device).type) as world:
         return _pretrain(cfg, progress_bar, world)
 
 
@@ -217,6 +221,7 @@ def _pretrain(cfg: PretrainConfig, progress_bar: bool, world: World) -> dict:
         raise ConfigError(f"--mtp-num-layers must be from 1 to --mtp-depth ({cfg.mtp_depth}): depth k trains MTP layer "
                           f"(k-1) % n, so with {cfg.mtp_num_layers} layers some would never be trained")
     world.check_batch(cfg.batch_size)
+    dev = train_device(cfg.device, world)
     progress_bar = progress_bar and world.main
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -227,7 +232,8 @@ def _pretrain(cfg: PretrainConfig, progress_bar: bool, world: World) -> dict:
     if tok.vocab_size != cfg.vocab_size:
         cfg.vocab_size = tok.vocab_size
     model = HybridLM(cfg.model_config())
-    _init(model)
+    _init(model)  # on the CPU: the same initial weights on every device
+    model.to(dev)
     opt, gen = adamw(model, cfg.lr, cfg.weight_decay), torch.Generator().manual_seed(cfg.seed)
     state_path = out / "train_state.pt"
     step, elapsed, history = resume(state_path, model, opt, gen)
@@ -253,8 +259,9 @@ def _pretrain(cfg: PretrainConfig, progress_bar: bool, world: World) -> dict:
     while progress() < 1.0:
         lr, lam = schedule(cfg, progress(), step)
         batch = D.random_windows(train, cfg.batch_size, cfg.seq_len, gen)  # the global batch: every rank draws it alike
-        main, mtp = loss_fn(world.shard(batch))
-        optimizer_step(opt, model.parameters(), main + lam * torch.stack(mtp).mean(), lr)
+        with on(dev):
+            main, mtp = loss_fn(world.shard(batch).to(dev))
+            optimizer_step(opt, model.parameters(), main + lam * torch.stack(mtp).mean(), lr)
         logged = world.mean({"main": main.item(), "mtp": mtp[0].item()})
         now = time.perf_counter()
         dt, t_last = now - t_last, now
@@ -304,7 +311,9 @@ def final_report(model, tok, cfg: PretrainConfig, held: Tensor, held_files: list
     acc = Acceptance()
     for p in prompts:
         ids = tok.encode(p)[-256:]
-        acc += Acceptance.from_steps(generate_tokens(model, ids, MTPDrafter(model), 4, Sampler(SamplingParams()), new_tokens).steps)
+        with on(device_of(model)):  # (the drafter's folded copy is made beside the model)
+            drafter = MTPDrafter(model)
+        acc += Acceptance.from_steps(generate_tokens(model, ids, drafter, 4, Sampler(SamplingParams()), new_tokens).steps)
     params = sum(p.numel() for p in model.parameters())
     return {
         "steps": step, "train_seconds": round(elapsed, 1), "tokens_seen": step * cfg.batch_size * cfg.seq_len,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, load_kwargs, use_threads
+from ..cli import (add_device_arg, add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, load_kwargs,
+                   use_device, use_threads)
 from ..errors import ConfigError
 
 
@@ -30,6 +31,7 @@ def _trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", help="PNG path (default: --out with .png)")
     p.add_argument("--repeat", type=int, default=1, help="run each config N times and draw the run of median wall time")
     add_threads_arg(p)
+    add_device_arg(p)
 
 
 def _check_used(drafters: list[str], kw: dict) -> None:
@@ -52,6 +54,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from ..api import load
     from .trace import trace_prompts, write_trace
 
+    use_device(args)
     use_threads(args.threads)
 
     kw = generation_kwargs(args)
