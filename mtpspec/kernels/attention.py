@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import Extension
 
+
 def _ready() -> None:  # shapes for torch.compile's tracing
     torch.library.register_fake("mtpspec_attention::attend_rows")(lambda q, k, v, seq, lo, hi, mask, scale: torch.empty_like(q))
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import Extension
 
+
 def _ready() -> None:  # shapes for torch.compile's tracing
     torch.library.register_fake("mtpspec_rownorm::rms_norm")(lambda x, w, eps, zero_centred: torch.empty_like(x))
 
