@@ -17,6 +17,7 @@ Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -80,7 +81,13 @@ def build_tokenizer(f: GGUFFile):
     less memory than one read from its tokenizer.json (Gemma's: 79 MB against 101) and serializes the same."""
     cached = _cache_path(f)
     merges = _read_merges(cached, f) if cached is not None else None
-    tok, built = _checked_build(f, merges)
+    gc_was = gc.isenabled()
+    gc.disable()  # a million new tuples would run the cyclic collector over the whole heap again and again
+    try:
+        tok, built = _checked_build(f, merges)
+    finally:
+        if gc_was:
+            gc.enable()
     if cached is not None and merges is None and built is not None:
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -217,13 +224,14 @@ def _build(f: GGUFFile, merge_ids: np.ndarray | None = None):
         raise f.error(f"tokenizer.ggml.model '{kind}' is not supported (llama, gpt2)")
 
     if types is not None:
-        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
-                   if int(ty) == CONTROL and (letters is None or set(t) <= letters)]  # byte-level: llama.cpp mislabels
+        names = md["tokenizer.ggml.tokens"]
+        control = [AddedToken(names[i], normalized=False, special=True) for i in np.flatnonzero(types == CONTROL).tolist()
+                   if letters is None or set(names[i]) <= letters]  # byte-level: llama.cpp mislabels
         if control:
             tok.add_special_tokens(control)
         have = {c.content for c in control}  # with the model's vocabulary: every token the tokenizer knows
-        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
-                if int(ty) == USER_DEFINED and (t in vocab or t in have)]
+        user = [AddedToken(names[i], normalized=False, special=False) for i in np.flatnonzero(types == USER_DEFINED).tolist()
+                if names[i] in vocab or names[i] in have]
         if user:
             tok.add_tokens(user)
     # the named special tokens (BOS, EOS, UNK, PAD) are special added tokens too, as transformers adds them
@@ -237,8 +245,9 @@ def _build(f: GGUFFile, merge_ids: np.ndarray | None = None):
 
 
 def _named(ids: np.ndarray, tokens: list[str]) -> list[tuple[str, str]]:
-    """Merges as token-id pairs (M, 2) -> (left, right) token strings."""
-    return [(tokens[a], tokens[b]) for a, b in ids.tolist()]
+    """Merges as token-id pairs (M, 2) -> (left, right) token strings (gathered by numpy: no Python int per id)."""
+    names = np.array(tokens, dtype=object)  # (V,)
+    return list(zip(names[ids[:, 0]].tolist(), names[ids[:, 1]].tolist()))
 
 
 def _merge_ids(merges: list[tuple[str, str]], vocab: dict[str, int]) -> np.ndarray | None:
