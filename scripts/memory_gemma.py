@@ -81,9 +81,7 @@ def main() -> None:
     ap.add_argument("--tokenizer-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    import torch  # noqa: F401 - the baseline holds torch and mtpspec imported
-
-    import mtpspec
+    import mtpspec  # the baseline holds torch and mtpspec imported
     from mtpspec.loading.realmodels import gemma3_270m_path
 
     path = str(gemma3_270m_path())
@@ -111,21 +109,22 @@ def main() -> None:
 
         t0, c0 = time.perf_counter(), time.process_time()
         f = read_gguf(path)
-        steps = [("parse (read_gguf)", f)]
         t1 = time.perf_counter()
         model = load_gguf_model(f)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         rss_m, uss_m = memory()
-        tok = load_gguf_tokenizer(f)
         t3, c3 = time.perf_counter(), time.process_time()
+        tok = load_gguf_tokenizer(f)
+        t4, c4 = time.perf_counter(), time.process_time()
         rss_t, uss_t = memory()
-        del f, steps
+        del f
         rss_e, uss_e = memory()
-        print(f"parse {t1 - t0:.2f} s, model {t2 - t1:.2f} s, tokenizer {t3 - t2:.2f} s (CPU time in all: {c3 - c0:.2f} s)")
+        print(f"parse {t1 - t0:.2f} s, model {t2 - t1:.2f} s, tokenizer {t4 - t3:.2f} s "
+              f"(CPU time: {c2 - c0:.2f} s + {c4 - c3:.2f} s)")
         print(f"after the model (file mapped):     RSS +{x(rss_m - rss0)}, USS +{x(uss_m - uss0)}")
         print(f"after the tokenizer (file mapped): RSS +{x(rss_t - rss0)}, USS +{x(uss_t - uss0)}")
-        print(f"file unmapped, metadata freed:     RSS +{x(rss_e - rss0)}, USS +{x(uss_e - uss0)}")
-        del model, tok
+        print(f"file unmapped, metadata freed:     RSS +{x(rss_e - rss0)}, USS +{x(uss_e - uss0)}  "
+              f"({type(model).__name__}, {tok.vocab_size:,} tokens)")
         return
 
     t0, c0 = time.perf_counter(), time.process_time()

@@ -1,7 +1,7 @@
 """Models built on the meta device (shapes only) before a checkpoint fills them, without their random init.
 
 torch runs a meta tensor's normal_ through its Python reference, whose first call imports torch._dynamo and sympy
-(about 80 MB of a process's memory, a second of load time) for values nobody reads: the loaders skip it.
+(about 80 MB of a process's memory, and their import time) for values nobody reads: the loaders skip it.
 """
 
 from __future__ import annotations
