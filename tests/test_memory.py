@@ -47,6 +47,18 @@ def test_rotary_tables_keep_the_dtype_and_reset_empties_them():
     assert r.cos.shape[0] == 0 and r.cos.dtype == torch.float32 and "_fp64" not in r.__dict__
 
 
+def test_rotary_tables_grown_in_inference_mode_serve_training():
+    r = Rotary(8, 512, 1e4)
+    with torch.inference_mode():
+        r.tables(torch.float32, 10)
+        r.tables(torch.float32, 300)  # grown again: the old rows concatenated
+    assert not r.cos.is_inference() and not r.sin.is_inference()
+    x = torch.randn(1, 1, 4, 8, requires_grad=True)
+    cos, sin = rotary_at(r, ForwardBatch.window(1, 4), torch.float32)
+    (x * cos + x * sin).sum().backward()  # autograd may save them
+    assert x.grad is not None
+
+
 def test_rotary_at_grows_the_tables_to_the_rows_positions():
     r = Rotary(8, 4096, 1e4)
     ref_cos, _ = whole_table(r, torch.float32)

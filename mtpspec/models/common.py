@@ -194,9 +194,10 @@ class Rotary(nn.Module):
         """cos, sin extended past n positions (computed in `dtype`, stored in the old tables' dtype and device)."""
         have = sin.shape[0]
         size = min(self.max_len, max(n, 2 * have, self.FIRST))
-        c, s = self.rows(have, size, dtype)
-        c, s = c.to(cos.device, cos.dtype), s.to(sin.device, sin.dtype)
-        return (torch.cat([cos, c]), torch.cat([sin, s])) if have else (c, s)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors even under inference mode: training reads them
+            c, s = self.rows(have, size, dtype)
+            c, s = c.to(cos.device, cos.dtype), s.to(sin.device, sin.dtype)
+            return (torch.cat([cos, c]), torch.cat([sin, s])) if have else (c, s)
 
     def tables(self, dtype: torch.dtype, n: int | None = None) -> tuple[Tensor, Tensor]:
         """cos, sin (at least n positions, rot; all max_len when n is None) for inputs of `dtype`: the buffers, or fp64
