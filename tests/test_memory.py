@@ -1,5 +1,6 @@
 """What a loaded model holds: rotary tables grown with use (bitwise those of a whole-context table), meta-device
-construction that imports nothing heavy, the GGUF tokenizer built from its compact cache."""
+construction that imports nothing heavy. (The GGUF tokenizer's cached merges: test_gguf_loading.py; the whole load's
+memory: scripts/memory_gemma.py.)"""
 
 from __future__ import annotations
 
