@@ -288,6 +288,25 @@ def test_tiny_tokenizers_match_transformers(tmp_path, arch, kind):
     assert ChatTemplate.for_tokenizer(mine).render(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("arch,kind", [("gemma3", "llama"), ("llama", "llama"), ("qwen2", "gpt2")])
+def test_tokenizer_from_cached_merges_equals_the_built_one(tmp_path, monkeypatch, arch, kind):
+    """The merges are cached as token-id pairs; a tokenizer built from them is the one built from the metadata (same
+    serialization, same ids), and a damaged cache entry is rebuilt."""
+    monkeypatch.setenv("MTPSPEC_MODEL_CACHE", str(tmp_path / "cache"))
+    f = read_gguf(write_tiny(tmp_path / "tok.gguf", arch=arch, tokenizer=kind))
+    first = build_tokenizer(f)
+    (entry,) = (tmp_path / "cache" / "tokenizers").glob("*.merges.npy")
+    ids = np.load(entry)
+    assert ids.dtype == np.int32 and ids.shape == (len(json.loads(first.to_str())["model"]["merges"]), 2)
+    second = build_tokenizer(f)  # from the cache
+    assert second.to_str() == first.to_str()
+    assert all(second.encode(t).ids == first.encode(t).ids for t in TEXTS)
+    entry.write_bytes(b"not an array")
+    assert build_tokenizer(f).to_str() == first.to_str() and np.array_equal(np.load(entry), ids)
+    np.save(entry, ids + 10_000)  # ids past the vocabulary
+    assert build_tokenizer(f).to_str() == first.to_str() and np.array_equal(np.load(entry), ids)
+
+
 # -- the real Gemma 3 270M file ------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from ..kernels import quantized
 from ..models.blocks import block_layer, tie_head
 from ..models.qwen35 import HybridConfig, HybridLM
 from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, GGUFTensor, check_names
+from .meta import meta_device
 
 HYBRID_ARCHS = ("qwen35", "qwen3next", "qwen35moe")  # the hybrids a GGUF may hold; qwen35 loads, the others are refused
 FLOAT_QTYPES = ("F32", "F16", "BF16")
@@ -181,7 +182,7 @@ def load_gguf_hybrid(f: GGUFFile, dtype: torch.dtype = torch.float32, max_seq_le
     cfg = hybrid_config(f, c, max_seq_len)
     plan = placements(cfg)
     check_tensors(f, plan, cfg.num_layers + cfg.mtp_num_layers)
-    with torch.device("meta"):
+    with meta_device():
         model = HybridLM(cfg)
     return fill(f, model, plan, dense)
 

@@ -17,6 +17,7 @@ from ..models.dense import DenseConfig, DenseLM
 from ..models.qwen35 import HybridLM
 from .gguf import MAX_CONTEXT, GGUFConfig, GGUFFile, hf_tensor_names, llama_qk_rows, read_gguf
 from .gguf_hybrid import HYBRID_ARCHS, Placement, fill, load_gguf_hybrid
+from .meta import meta_device
 
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -68,6 +69,6 @@ def load_gguf_model(source: str | Path | GGUFFile, dtype: torch.dtype = torch.fl
         qk = c.qk_rows_interleaved and gname.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias", ".attn_k.bias"))
         rows = llama_qk_rows(c.num_heads if ".attn_q." in gname else c.num_kv_heads, c.head_dim) if qk else None
         plan.append(Placement(gname, hf, t.shape, rows=rows))  # rows: back to the half-split rotary layout
-    with torch.device("meta"):
+    with meta_device():
         model = DenseLM(cfg)
     return fill(f, model, plan, dtype if dequantize else None, float_blocks=True)

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..errors import ModelLoadError
 from ..models.dense import DenseConfig, DenseLM
 from ..models.qwen35 import LAYER_TYPES, HybridConfig, HybridLM
+from .meta import meta_device
 
 MAX_CONTEXT = 8192  # KV caches are preallocated: cap the context of big-context checkpoints
 MAX_LAYERS = 10_000  # more is a corrupt config.json (the biggest models have ~200)
@@ -483,14 +484,14 @@ def split_qwen3_next(name: str, t: Tensor, cfg: HybridConfig) -> list[tuple[str,
 def build_meta(cfg):
     """The model for `cfg` on the meta device (shapes only, no memory)."""
     cls = HybridLM if isinstance(cfg, HybridConfig) else DenseLM
-    with torch.device("meta"):
+    with meta_device():
         return cls(cfg)
 
 
 def build_empty(cfg, dtype: torch.dtype):
     """The model for `cfg` with uninitialised weights (no random init: weights come from the checkpoint)."""
     cls = HybridLM if isinstance(cfg, HybridConfig) else DenseLM
-    with torch.device("meta"):
+    with meta_device():
         model = cls(cfg).to(dtype)
     model = model.to_empty(device="cpu")
     model.reset_buffers()  # to_empty left the rotary tables uninitialised

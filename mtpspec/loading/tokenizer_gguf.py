@@ -17,8 +17,11 @@ Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ModelLoadError
 from .gguf import GGUFFile, read_gguf
@@ -72,26 +75,45 @@ GEMMA_CHAT_TEMPLATE = (
 def build_tokenizer(f: GGUFFile):
     """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` metadata (strict: bad metadata names its key).
 
-    Deriving a large vocabulary's merges takes seconds (Gemma's 262k tokens: about 9), so the result is kept as
-    tokenizer.json under the model cache, keyed by the metadata it was built from and the builder's versions."""
-    from tokenizers import Tokenizer
-
+    Deriving a large vocabulary's merges takes seconds (Gemma's 262k tokens: about 9), so they are kept under the model
+    cache, keyed by the metadata they were built from and the builder's versions: as token-id pairs (Gemma's 515k
+    merges: 4 MB), the tokenizer built from them and the file's vocabulary. A tokenizer built from Python objects holds
+    less memory than one read from its tokenizer.json (Gemma's: 79 MB against 101) and serializes the same."""
     cached = _cache_path(f)
-    if cached is not None and cached.exists():
-        try:
-            return Tokenizer.from_file(str(cached))
-        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
-            cached.unlink(missing_ok=True)
-    tok = _checked_build(f)
-    if cached is not None:
+    merges = _read_merges(cached, f) if cached is not None else None
+    gc_was = gc.isenabled()
+    gc.disable()  # a million new tuples would run the cyclic collector over the whole heap again and again
+    try:
+        tok, built = _checked_build(f, merges)
+    finally:
+        if gc_was:
+            gc.enable()
+    if cached is not None and merges is None and built is not None:
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-            tok.save(str(tmp))
+            with open(tmp, "wb") as fh:
+                np.save(fh, built)
             os.replace(tmp, cached)  # readers see no file or a whole one
         except OSError:
-            pass  # a read-only cache: built again next time
+            pass  # a read-only cache: derived again next time
     return tok
+
+
+def _read_merges(path: Path, f: GGUFFile) -> np.ndarray | None:
+    """The cached merges (M, 2) int32 token ids, None when absent or damaged (then rebuilt)."""
+    if not path.exists():
+        return None
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    try:
+        ids = np.load(path, allow_pickle=False)
+        if ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == 2 and (ids.size == 0 or (ids.min() >= 0 and ids.max() < n)):
+            return ids
+    except (OSError, ValueError, EOFError):
+        pass
+    path.unlink(missing_ok=True)
+    return None
 
 
 def _cache_path(f: GGUFFile) -> Path | None:
@@ -107,15 +129,15 @@ def _cache_path(f: GGUFFile) -> Path | None:
         v = md[key]
         h.update(key.encode())
         h.update(v.tobytes() if hasattr(v, "tobytes") else "\x00".join(map(str, v)).encode() if isinstance(v, list) else repr(v).encode())
-    return model_cache_dir() / "tokenizers" / f"{h.hexdigest()[:24]}.json"
+    return model_cache_dir() / "tokenizers" / f"{h.hexdigest()[:24]}.merges.npy"
 
 
-BUILDER_VERSION = 1  # bump when _build changes what it makes: cached tokenizers of older builds are then not read
+BUILDER_VERSION = 2  # bump when _build changes the merges it makes: merges cached by older builds are then not read
 
 
-def _checked_build(f: GGUFFile):
+def _checked_build(f: GGUFFile, merges: np.ndarray | None):
     try:
-        return _build(f)
+        return _build(f, merges)
     except ModelLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - the tokenizers library's errors on inconsistent metadata
@@ -123,7 +145,9 @@ def _checked_build(f: GGUFFile):
         raise f.error(f"the tokenizer metadata does not form a tokenizer ({first})") from None
 
 
-def _build(f: GGUFFile):
+def _build(f: GGUFFile, merge_ids: np.ndarray | None = None):
+    """(the tokenizer, its merges as token-id pairs (M, 2) int32 to cache, or None when not expressible so); merge_ids:
+    the cached pairs, used in place of the file's or derived merges."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -152,14 +176,18 @@ def _build(f: GGUFFile):
         gemma = arch in GEMMA_ARCHS
         if gemma:
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-            rank = {t: -i for i, t in enumerate(tokens)}  # file order, best first
         else:
             scores = md.get("tokenizer.ggml.scores")
             if scores is None or len(scores) != n:
                 raise f.error("tokenizer.ggml.scores is missing or not one per token")
-            rank = dict(zip(tokens, (float(s) for s in scores)))
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = _file_merges(f) if "tokenizer.ggml.merges" in md else derive_merges(vocab, rank)
+        if merge_ids is not None:
+            merges = _named(merge_ids, tokens)
+        elif "tokenizer.ggml.merges" in md:
+            merges = _file_merges(f)
+        else:
+            rank = {t: -i for i, t in enumerate(tokens)} if gemma else dict(zip(tokens, (float(s) for s in scores)))
+            merges = derive_merges(vocab, rank)  # gemma: file order, best first
         unk = "<unk>" if gemma else None  # GemmaTokenizer names one; LlamaTokenizer relies on byte fallback
         tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True, dropout=None))
         if gemma:
@@ -177,10 +205,12 @@ def _build(f: GGUFFile):
 
         alphabet = _byte_alphabet()
         letters = set(alphabet.values())
-        vocab = {t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+        spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
         if "tokenizer.ggml.merges" not in md:
             raise f.error("missing key tokenizer.ggml.merges (a gpt2 tokenizer needs its merges)")
-        tok = Tokenizer(BPE(vocab=vocab, merges=_file_merges(f), dropout=None, continuing_subword_prefix="",
+        merges = _named(merge_ids, spelled) if merge_ids is not None else _file_merges(f)
+        tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                             end_of_word_suffix="", fuse_unk=False))
         split = PRE_SPLITS.get(md.get("tokenizer.ggml.pre"))
         if split is None:
@@ -194,13 +224,14 @@ def _build(f: GGUFFile):
         raise f.error(f"tokenizer.ggml.model '{kind}' is not supported (llama, gpt2)")
 
     if types is not None:
-        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
-                   if int(ty) == CONTROL and (letters is None or set(t) <= letters)]  # byte-level: llama.cpp mislabels
+        names = md["tokenizer.ggml.tokens"]
+        control = [AddedToken(names[i], normalized=False, special=True) for i in np.flatnonzero(types == CONTROL).tolist()
+                   if letters is None or set(names[i]) <= letters]  # byte-level: llama.cpp mislabels
         if control:
             tok.add_special_tokens(control)
-        have = tok.get_vocab(with_added_tokens=True)
-        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(md["tokenizer.ggml.tokens"], types)
-                if int(ty) == USER_DEFINED and t in have]
+        have = {c.content for c in control}  # with the model's vocabulary: every token the tokenizer knows
+        user = [AddedToken(names[i], normalized=False, special=False) for i in np.flatnonzero(types == USER_DEFINED).tolist()
+                if names[i] in vocab or names[i] in have]
         if user:
             tok.add_tokens(user)
     # the named special tokens (BOS, EOS, UNK, PAD) are special added tokens too, as transformers adds them
@@ -210,7 +241,21 @@ def _build(f: GGUFFile):
     if named:
         tok.add_special_tokens(named)
     _set_post_processor(f, tok, special, tokens, add_bos_default)
-    return tok
+    return tok, _merge_ids(merges, vocab) if merge_ids is None else None
+
+
+def _named(ids: np.ndarray, tokens: list[str]) -> list[tuple[str, str]]:
+    """Merges as token-id pairs (M, 2) -> (left, right) token strings (gathered by numpy: no Python int per id)."""
+    names = np.array(tokens, dtype=object)  # (V,)
+    return list(zip(names[ids[:, 0]].tolist(), names[ids[:, 1]].tolist()))
+
+
+def _merge_ids(merges: list[tuple[str, str]], vocab: dict[str, int]) -> np.ndarray | None:
+    """(M, 2) int32 token ids of the merges' parts; None when a part is not a token (nothing to cache)."""
+    try:
+        return np.array([(vocab[a], vocab[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
+    except KeyError:
+        return None
 
 
 def _set_post_processor(f: GGUFFile, tok, special: dict, tokens: list[str], add_bos_default: bool) -> None:

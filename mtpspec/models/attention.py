@@ -34,11 +34,15 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
 
 
 def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin (B, 1, T, rot) of a Rotary's tables at the rows' positions (padding rows past the table read its last)."""
-    cos, sin = rotary.tables(dtype)
+    """cos, sin (B, 1, T, rot) of a Rotary's tables at the rows' positions (padding rows past the table read its last).
+    The tables grow to the positions the rows reach: known from `start` or `runs`; positions as tensors only (a
+    compiled graph) read the whole tables."""
     if fb.start is not None and fb.tree is None:  # one sequence in order: a slice, no gather
         t = fb.pos.shape[1]
+        cos, sin = rotary.tables(dtype, fb.start + t)
         return cos[fb.start : fb.start + t].to(dtype)[None, None], sin[fb.start : fb.start + t].to(dtype)[None, None]
+    reach = fb.start if fb.start is not None else max(s for s, _ in fb.runs) if fb.runs else None
+    cos, sin = rotary.tables(dtype, None if reach is None else reach + fb.w)  # a tree's rows sit below start + W
     pos = fb.pos.clamp(max=cos.shape[0] - 1)
     return cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype)
 

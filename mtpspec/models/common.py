@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,10 +39,10 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def reset_buffers(self) -> None:
-        """Compute every rotary table again (non-persistent buffers: a model built on the meta device has none)."""
-        for m in self.modules():
-            if isinstance(m, Rotary):
-                m.cos, m.sin = m.compute(torch.float32)
+        """Empty rotary tables on the CPU (non-persistent buffers: a model built on the meta device has none); they grow
+        with use."""
+        for m in rotaries(self):
+            m.reset()
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits in at least fp32: fp32 for fp32 / bf16 models (a bf16 model's logits are bf16 values), fp64 for fp64 ones."""
@@ -159,33 +161,80 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding in the half-split layout (rotate_half), on the first `rot_dim` dims.
 
-    The `cos` / `sin` buffers are computed in fp32 (as transformers computes them) and cast to the
-    input's dtype; an fp64 input uses tables computed in fp64 (`tables`), built once on first use.
+    The `cos` / `sin` buffers (n, rot) cover positions 0..n-1 and grow with use (`tables(dtype, n)`: at least doubling,
+    up to max_len), so a model holds the tables of the positions it has reached, not of its whole context. They are
+    computed in fp32 (as transformers computes them) and cast to the input's dtype; an fp64 input uses tables computed
+    in fp64. Every operation is elementwise, so a position's entry is bitwise the same whatever the table's size or
+    how it grew (tested). A compiled graph reads them whole (`whole`, before tracing: a graph never grows them).
     """
+
+    FIRST = 256  # positions of a table's first growth
 
     def __init__(self, rot_dim: int, max_len: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.rot_dim, self.max_len, self.theta = rot_dim, max_len, theta
         self.scaling = scaling  # rope scaling (linear / llama3), see scale_inv_freq
-        cos, sin = self.compute(torch.float32)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", torch.empty(0, rot_dim), persistent=False)  # (n, rot) positions 0..n-1
+        self.register_buffer("sin", torch.empty(0, rot_dim), persistent=False)
 
-    def compute(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (max_len, rot) computed in `dtype` (fp32 or fp64)."""
+    def reset(self) -> None:
+        """Empty tables on the CPU (a model built on the meta device has none); they grow again with use."""
+        self.cos, self.sin = torch.empty(0, self.rot_dim), torch.empty(0, self.rot_dim)
+        self.__dict__.pop("_fp64", None)
+
+    def rows(self, start: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (end - start, rot) of positions start..end-1, computed in `dtype` (fp32 or fp64) on the CPU."""
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.int64).to(dtype) / self.rot_dim))
         inv_freq = scale_inv_freq(inv_freq, self.scaling)  # (rot/2,)
-        freqs = torch.outer(torch.arange(self.max_len).to(dtype), inv_freq)  # (max_len, rot/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, rot)
+        freqs = torch.outer(torch.arange(start, end).to(dtype), inv_freq)  # (end - start, rot/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (end - start, rot)
         return emb.cos(), emb.sin()
 
-    def tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (max_len, rot) for inputs of `dtype`: the buffers, or fp64 tables computed in fp64."""
-        if dtype != torch.float64:
-            return self.cos, self.sin
-        if self.__dict__.get("_fp64") is None:  # not a buffer: module.to() / to_empty() leave it alone
-            self.__dict__["_fp64"] = self.compute(torch.float64)
-        return self.__dict__["_fp64"]
+    def _grown(self, cos: Tensor, sin: Tensor, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin extended past n positions (computed in `dtype`, stored in the old tables' dtype and device)."""
+        have = sin.shape[0]
+        size = min(self.max_len, max(n, 2 * have, self.FIRST))
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors even under inference mode: training reads them
+            c, s = self.rows(have, size, dtype)
+            c, s = c.to(cos.device, cos.dtype), s.to(sin.device, sin.dtype)
+            return (torch.cat([cos, c]), torch.cat([sin, s])) if have else (c, s)
+
+    def tables(self, dtype: torch.dtype, n: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin (at least n positions, rot; all max_len when n is None) for inputs of `dtype`: the buffers, or fp64
+        tables computed in fp64. Grown, never shrunk: sin is stored last, so a table as long as n has its cos too."""
+        n = self.max_len if n is None else min(n, self.max_len)
+        if dtype == torch.float64:
+            t = self.__dict__.get("_fp64")  # not a buffer: module.to() / to_empty() leave it alone
+            if t is None or t[1].shape[0] < n:
+                empty = torch.empty(0, self.rot_dim, dtype=torch.float64)
+                with _GROWING:
+                    t = self.__dict__.get("_fp64") or (empty, empty)
+                    if t[1].shape[0] < n:
+                        t = self.__dict__["_fp64"] = self._grown(*t, n, torch.float64)
+            return t
+        if self.sin.shape[0] < n:
+            with _GROWING:  # one thread grows it; another that waited finds it long enough
+                if self.sin.shape[0] < n:
+                    self.cos, self.sin = self._grown(self.cos, self.sin, n, torch.float32)
+        return self.cos, self.sin
+
+    def whole(self) -> None:
+        """Every position's tables (a compiled graph's input: traced code must never grow them)."""
+        self.tables(self.cos.dtype)
+
+
+_GROWING = threading.Lock()  # shared by every Rotary: a lock per module would not survive copy.deepcopy
+
+
+def rotaries(module: nn.Module) -> list[Rotary]:
+    """The Rotary modules a model's layers use: registered ones and those shared by reference (`layer.rotary = [r]`)."""
+    found: dict[int, Rotary] = {}
+    for m in module.modules():
+        shared = m.__dict__.get("rotary")
+        for r in [m, *(shared if isinstance(shared, list) else ())]:
+            if isinstance(r, Rotary):
+                found[id(r)] = r
+    return list(found.values())
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
 from .hybrid_cache import HybridCache, Window
+from .common import rotaries
 from .forward import dense_graph, draft_chain_graph, fuse_projections, hybrid_graph, hybrid_window_graph, module_graph
 
 
@@ -103,6 +104,8 @@ class _Compiled:
         self.fn = fn
         self.also = tuple(also)  # modules outside `module` that the graphs read (a draft chain: the target's LM head)
         self.params = [p for m in (module, *self.also) for p in m.parameters()]
+        for r in rotaries(module):  # whole tables before tracing: traced code must never grow them
+            r.whole()
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
         self._fuse()
         self.graphs: dict[tuple, object] = {}  # (width, KV span, threads, *extra) -> its compiled function
