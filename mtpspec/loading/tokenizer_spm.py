@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -33,6 +34,7 @@ from ..errors import ConfigError
 from .gguf import GGUFFile, read_gguf
 from .tokenizer_hf import HFTokenizer
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte pieces
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's and SentencePiece's token types
 BUILDER_VERSION = 1  # bump when the model written changes: cached models of older builds are then not read
 
@@ -180,7 +182,7 @@ def _plan(f: GGUFFile):
     if md.get("tokenizer.ggml.model") != "llama" or f.architecture not in GEMMA_ARCHS or "tokenizer.ggml.merges" in md:
         return None
     tokens, types = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.token_type")
-    if not isinstance(tokens, list) or not tokens or types is None or not hasattr(types, "dtype") or len(types) != len(tokens):
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens) or types is None or not hasattr(types, "dtype") or len(types) != len(tokens):
         return None
     n = len(tokens)
     special = {}
@@ -192,8 +194,7 @@ def _plan(f: GGUFFile):
             special[key] = v
     if "unknown" not in special:
         return None
-    types = np.asarray(types).astype(np.int64)
-    if types.min() < NORMAL or types.max() > BYTE:
+    if types.dtype.kind not in "iu" or types.min() < NORMAL or types.max() > BYTE:
         return None
     respelled = [i for i, t in enumerate(tokens) if " " in t and not t.strip()]  # transformers' vocabulary spells them
     added = (types == CONTROL) | (types == USER_DEFINED)  # as U+2581 runs: not added tokens then (their name is no token)
@@ -204,8 +205,7 @@ def _plan(f: GGUFFile):
         t = tokens[i]
         if not t or " " in t or "\u2581" in t or (i != special["unknown"] and unk in t):
             return None  # matched in raw text by transformers, in normalized text by SentencePiece: could differ
-    if any(not (len(tokens[i]) == 6 and tokens[i].startswith("<0x") and tokens[i].endswith(">"))
-           for i in np.flatnonzero(types == BYTE).tolist()):
+    if any(_BYTE_PIECE.fullmatch(tokens[i]) is None for i in np.flatnonzero(types == BYTE).tolist()):
         return None
     spelled = list(tokens)
     for i in respelled:
