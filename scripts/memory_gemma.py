@@ -95,7 +95,7 @@ def main() -> None:
         tok = load_gguf_tokenizer(f)
         del f
         rss1, uss1 = memory()
-        print(json.dumps({"rss": rss1 - rss0, "uss": uss1 - uss0, "vocab": tok.vocab_size}))
+        print(json.dumps({"rss": rss1 - rss0, "uss": uss1 - uss0, "vocab": tok.vocab_size, "kind": type(tok).__name__}))
         return
 
     x = lambda b: f"{b / 1e6:7.1f} MB  {b / file_size:5.2f}x"  # noqa: E731
@@ -124,7 +124,7 @@ def main() -> None:
         print(f"after the model (file mapped):     RSS +{x(rss_m - rss0)}, USS +{x(uss_m - uss0)}")
         print(f"after the tokenizer (file mapped): RSS +{x(rss_t - rss0)}, USS +{x(uss_t - uss0)}")
         print(f"file unmapped, metadata freed:     RSS +{x(rss_e - rss0)}, USS +{x(uss_e - uss0)}  "
-              f"({type(model).__name__}, {tok.vocab_size:,} tokens)")
+              f"({type(model).__name__}, {type(tok).__name__} of {tok.vocab_size:,} tokens)")
         return
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -139,7 +139,7 @@ def main() -> None:
     print(f"  rotary tables   {x(parts.get('rotary', 0))}  (positions reached so far)")
     if parts.get("buffers"):
         print(f"  other buffers   {x(parts['buffers'])}")
-    print(f"  tokenizer       {x(tok['rss'])}  (alone, in a child process: {tok['vocab']:,} tokens)")
+    print(f"  tokenizer       {x(tok['rss'])}  (alone, in a child process: {tok['kind']}, {tok['vocab']:,} tokens)")
     rest = rss1 - rss0 - sum(parts.values()) - tok["rss"]
     print(f"  the rest        {x(rest)}  (Python objects, allocator slack, code pages)")
 

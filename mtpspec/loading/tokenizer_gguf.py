@@ -1,5 +1,7 @@
 """The tokenizer a GGUF file describes (`tokenizer.ggml.*` keys), as a `tokenizers.Tokenizer` in an HFTokenizer.
 
+Gemma's SentencePiece vocabularies run on SentencePiece instead (tokenizer_spm.py: the same ids in about 35 MB less);
+this builder stays for the others, where a SentencePiece check fails, and for that tokenizer's `.tokenizer`.
 Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
@@ -41,19 +43,24 @@ PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", 
 
 def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
     """The file's tokenizer with the HFTokenizer interface (encode / decode / stream / stop_ids / chat_template)."""
+    from .tokenizer_spm import load_spm_tokenizer
+
     f = source if isinstance(source, GGUFFile) else read_gguf(source)
-    tok = build_tokenizer(f)
+    out = load_spm_tokenizer(f, _spm_cache_path(f))  # Gemma's vocabulary: SentencePiece, half the memory
+    tok = None if out is not None else build_tokenizer(f)
     md = f.metadata
     eos = md.get("tokenizer.ggml.eos_token_id")
     stop = () if eos is None else (int(eos),)
     template = md.get("tokenizer.chat_template")
     template = template if isinstance(template, str) else None
-    end_turn = tok.token_to_id("<end_of_turn>")
+    end_turn = out.token_id("<end_of_turn>") if out is not None else tok.token_to_id("<end_of_turn>")
     if f.architecture == "gemma3" and end_turn is not None:  # a turn ends generation as EOS does (llama.cpp: EOG tokens)
         stop = tuple(dict.fromkeys((*stop, end_turn)))
         if template is None:  # files converted without it (Gemma 3 270M): Gemma's turn format, as llama.cpp falls back to
             template = GEMMA_CHAT_TEMPLATE
-    out = HFTokenizer(tok, stop)
+    if out is None:
+        out = HFTokenizer(tok, stop)
+    out.stop_ids = stop
     out.chat_template = template
     return out
 
@@ -117,19 +124,35 @@ def _read_merges(path: Path, f: GGUFFile) -> np.ndarray | None:
 
 
 def _cache_path(f: GGUFFile) -> Path | None:
-    import hashlib
-
     import tokenizers
+
+    return _cache_entry(f, f"{tokenizers.__version__} {BUILDER_VERSION}", "merges.npy")
+
+
+def _spm_cache_path(f: GGUFFile) -> Path | None:
+    """Where the file's serialized SentencePiece model is kept (tokenizer_spm.py), keyed as the merges are."""
+    try:
+        import sentencepiece
+    except ImportError:
+        return None
+    from . import tokenizer_spm
+
+    return _cache_entry(f, f"sentencepiece {sentencepiece.__version__} {tokenizer_spm.BUILDER_VERSION}", "spm.model")
+
+
+def _cache_entry(f: GGUFFile, versions: str, suffix: str) -> Path:
+    """A cache file named by the builder's `versions`, the architecture and the file's tokenizer metadata."""
+    import hashlib
 
     from .realmodels import model_cache_dir
 
     md = f.metadata
-    h = hashlib.sha256(f"{tokenizers.__version__} {BUILDER_VERSION} {f.architecture}".encode())
+    h = hashlib.sha256(f"{versions} {f.architecture}".encode())
     for key in sorted(k for k in md if k.startswith("tokenizer.ggml.")):
         v = md[key]
         h.update(key.encode())
         h.update(v.tobytes() if hasattr(v, "tobytes") else "\x00".join(map(str, v)).encode() if isinstance(v, list) else repr(v).encode())
-    return model_cache_dir() / "tokenizers" / f"{h.hexdigest()[:24]}.merges.npy"
+    return model_cache_dir() / "tokenizers" / f"{h.hexdigest()[:24]}.{suffix}"
 
 
 BUILDER_VERSION = 2  # bump when _build changes the merges it makes: merges cached by older builds are then not read

@@ -1,0 +1,257 @@
+"""A Gemma GGUF file's tokenizer run by SentencePiece: the ids of transformers' GGUF tokenizer, in 40% less memory.
+
+transformers turns Gemma's SentencePiece vocabulary into a `tokenizers` BPE whose merges rank each token by its file
+position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). A SentencePiece BPE model
+over the same pieces, scored by file position, merges the same pairs, so it encodes the same ids while holding 50 MB. The model is written as a ModelProto (hand-encoded protobuf: the package's pb2 module needs
+protobuf) and mirrors transformers' tokenizer:
+
+- pieces: normal tokens scored -position; whitespace-only tokens holding a space respelled as that many U+2581;
+  control and user-defined tokens (transformers' added tokens, matched in raw text) USER_DEFINED, so SentencePiece
+  matches them in the text too and decodes them as their text; the named unknown token UNKNOWN (SentencePiece matches
+  no UNKNOWN piece in text, so `encode` splits the text on it first); `<0xNN>` byte pieces BYTE.
+- normalizer: none (identity), no dummy prefix, spaces kept and written as U+2581; byte fallback.
+- decoding: runs of byte pieces decode as `tokenizers`' ByteFallback does (a run that is not UTF-8 is one U+FFFD per
+  byte), ids outside the vocabulary are skipped.
+
+`load_spm_tokenizer` answers None where the file is not such a vocabulary or a check fails; the caller then builds the
+`tokenizers` one. The `tokenizers.Tokenizer` itself (`.tokenizer`, `to_hf`, `save`: export, grammars, training) is
+built from the file on first use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .gguf import GGUFFile, read_gguf
+from .tokenizer_hf import HFTokenizer
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte pieces
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's and SentencePiece's token types
+BUILDER_VERSION = 1  # bump when the model written changes: cached models of older builds are then not read
+
+
+class SPMTokenizer(HFTokenizer):
+    """HFTokenizer's interface over a `sentencepiece.SentencePieceProcessor`."""
+
+    def __init__(self, sp, path: Path, *, bos: int | None, eos: int | None, unk: int, special_ids, byte_ids: dict[int, int],
+                 stop_ids: tuple[int, ...] = ()) -> None:
+        self.sp = sp
+        self.path = path  # the GGUF file: the `tokenizers` form is built from it on first use
+        self.stop_ids = tuple(stop_ids)
+        self.chat_template: str | None = None
+        self.bos_id, self._eos, self._unk = bos, eos, unk  # _eos: appended by encode (the file's add_eos_token)
+        self._unk_text = sp.id_to_piece(unk)
+        self._special_ids = frozenset(special_ids)
+        self._bytes = byte_ids  # id -> byte of the <0xNN> pieces
+        self._byte_set = frozenset(byte_ids)
+        self._n = sp.get_piece_size()
+        self._hf = None
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self):
+        """The same tokenizer as a `tokenizers.Tokenizer` (built from the file on first use: seconds, 86 MB)."""
+        if self._hf is None:
+            with self._lock:
+                if self._hf is None:
+                    from .tokenizer_gguf import build_tokenizer
+
+                    self._hf = build_tokenizer(read_gguf(self.path))
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n
+
+    def token_id(self, piece: str) -> int | None:
+        i = self.sp.piece_to_id(piece)
+        return i if self.sp.id_to_piece(i) == piece else None
+
+    def hf_tokenizer_config(self) -> dict:
+        name = lambda i: None if i is None else self.sp.id_to_piece(i)  # noqa: E731
+        eos = name(self.stop_ids[0]) if self.stop_ids else None
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_id), "eos_token": eos,
+               "unk_token": "<unk>" if self.token_id("<unk>") is not None else None, "pad_token": eos,
+               "add_bos_token": self.bos_id is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        return cfg
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids without BOS / EOS (added tokens in the text are matched, as transformers matches them)."""
+        if self._unk_text not in text:
+            return self.sp.encode(text)
+        parts = text.split(self._unk_text)
+        out = self.sp.encode(parts[0])
+        for part in parts[1:]:
+            out.append(self._unk)
+            out += self.sp.encode(part)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.encode_plain(text)
+        if self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if self._eos is not None:
+            ids.append(self._eos)
+        if not ids:
+            raise ConfigError("the prompt is empty and this tokenizer adds no BOS token: give a prompt")
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        ids = [i for i in ids if 0 <= i < self._n]
+        if self._byte_set.isdisjoint(ids):
+            return self.sp.decode(ids)
+        out = []
+        for is_byte, run in itertools.groupby(ids, self._byte_set.__contains__):
+            run = list(run)
+            if not is_byte:
+                out.append(self.sp.decode(run))
+                continue
+            raw = bytes(self._bytes[i] for i in run)
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append("\ufffd" * len(raw))
+        return "".join(out)
+
+
+def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None) -> SPMTokenizer | None:
+    """The file's tokenizer on SentencePiece, or None where it is not a Gemma SentencePiece vocabulary SentencePiece
+    can run as transformers does (then the `tokenizers` one is built). `cache`: where the serialized model is kept."""
+    try:
+        import sentencepiece
+    except ImportError:
+        return None
+    plan = _plan(f)
+    if plan is None:
+        return None
+    tokens, types, added, special, add_bos, add_eos = plan
+    blob = None
+    if cache is not None and cache.is_file():
+        try:
+            blob = cache.read_bytes()
+        except OSError:
+            blob = None
+    sp = _processor(sentencepiece, blob) if blob is not None else None
+    if sp is None:
+        blob = model_proto(tokens, types, added, special["unknown"])
+        sp = _processor(sentencepiece, blob)
+        if sp is None:
+            return None
+        if cache is not None:
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, cache)  # readers see no file or a whole one
+            except OSError:
+                pass  # a read-only cache: written again next time
+    del blob
+    if sp.get_piece_size() != len(tokens) or any(sp.encode(tokens[i]) != [i] for i in np.flatnonzero(added).tolist()
+                                                 if i != special["unknown"]):
+        return None  # each added token must come out of the text as itself, as transformers splits it out
+    byte_ids = {i: int(tokens[i][3:5], 16) for i in np.flatnonzero(types == BYTE).tolist()}
+    special_ids = set(np.flatnonzero(types == CONTROL).tolist()) | set(special.values())
+    return SPMTokenizer(sp, f.path, bos=special.get("bos") if add_bos else None, eos=special.get("eos") if add_eos else None,
+                        unk=special["unknown"], special_ids=special_ids, byte_ids=byte_ids)
+
+
+def _processor(sentencepiece, blob: bytes):
+    try:
+        return sentencepiece.SentencePieceProcessor(model_proto=blob)
+    except Exception:  # noqa: BLE001 - a model SentencePiece refuses (or a damaged cache entry): None, built again or not used
+        return None
+
+
+def _plan(f: GGUFFile):
+    """(tokens as SentencePiece spells them, llama.cpp types, which are transformers' added tokens, named special ids,
+    add BOS, add EOS), or None."""
+    from .tokenizer_gguf import GEMMA_ARCHS
+
+    md = f.metadata
+    if md.get("tokenizer.ggml.model") != "llama" or f.architecture not in GEMMA_ARCHS or "tokenizer.ggml.merges" in md:
+        return None
+    tokens, types = md.get("tokenizer.ggml.tokens"), md.get("tokenizer.ggml.token_type")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        return None
+    if types is None or not hasattr(types, "dtype") or len(types) != len(tokens):
+        return None
+    n = len(tokens)
+    special = {}
+    for key in ("bos", "eos", "unknown", "padding"):
+        v = md.get(f"tokenizer.ggml.{key}_token_id")
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+                return None  # the `tokenizers` builder names the bad key
+            special[key] = v
+    if "unknown" not in special:
+        return None
+    if types.dtype.kind not in "iu" or types.min() < NORMAL or types.max() > BYTE:
+        return None
+    respelled = [i for i, t in enumerate(tokens) if " " in t and not t.strip()]  # transformers' vocabulary spells them
+    added = (types == CONTROL) | (types == USER_DEFINED)  # as U+2581 runs: not added tokens then (their name is no token)
+    added[respelled] = types[respelled] == CONTROL  # a special one would be added as a new token: refused below
+    added[list(special.values())] = True
+    unk = tokens[special["unknown"]]
+    for i in np.flatnonzero(added).tolist():
+        t = tokens[i]
+        if not t or " " in t or "\u2581" in t or (i != special["unknown"] and unk in t):
+            return None  # matched in raw text by transformers, in normalized text by SentencePiece: could differ
+    if any(_BYTE_PIECE.fullmatch(tokens[i]) is None for i in np.flatnonzero(types == BYTE).tolist()):
+        return None
+    spelled = list(tokens)
+    for i in respelled:
+        spelled[i] = "\u2581" * len(tokens[i])
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", True)) and "bos" in special
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and "eos" in special
+    return spelled, types, added, special, add_bos, add_eos
+
+
+def model_proto(tokens: list[str], types: np.ndarray, added: np.ndarray, unk: int) -> bytes:
+    """A serialized sentencepiece ModelProto: BPE over `tokens` scored by position; `added` (transformers' added
+    tokens) USER_DEFINED, `unk` the unknown piece, byte pieces BYTE, the rest NORMAL (transformers' BPE vocabulary);
+    identity normalizer, no dummy prefix, byte fallback."""
+    parts = []
+    for i, (t, ty, a) in enumerate(zip(tokens, types.tolist(), added.tolist())):
+        typ = UNKNOWN if i == unk else USER_DEFINED if a else BYTE if ty == BYTE else NORMAL
+        body = _bytes(1, t.encode("utf-8")) + _key(2, 5) + struct.pack("<f", -float(i))  # piece, score
+        body += b"" if typ == NORMAL else _int(3, typ)  # type (NORMAL: the default, left out)
+        parts.append(_bytes(1, body))
+    unk_text = tokens[unk].encode("utf-8")
+    trainer = (_int(3, 2) + _int(4, len(tokens)) + _int(35, 1)  # model_type BPE, vocab_size, byte_fallback
+               + _int(40, unk) + _int(41, -1) + _int(42, -1) + _int(43, -1)  # unk id; BOS / EOS / PAD added by us
+               + _bytes(44, unk_text) + _bytes(45, unk_text))  # unk_surface (decodes as transformers'), unk_piece
+    normalizer = _bytes(1, b"identity") + _int(3, 0) + _int(4, 0) + _int(5, 1)  # no dummy prefix, spaces kept, as U+2581
+    parts += [_bytes(2, trainer), _bytes(3, normalizer)]
+    return b"".join(parts)
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int32: ten bytes, as protobuf writes them
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def _int(field: int, v: int) -> bytes:
+    return _key(field, 0) + _varint(v)
+
+
+def _bytes(field: int, b: bytes) -> bytes:
+    return _key(field, 2) + _varint(len(b)) + b
