@@ -62,10 +62,18 @@ class EagleOptions(DrafterOptions):
     tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
 
 
+@dataclass(frozen=True)
+class Eagle3Options(DrafterOptions):
+    """--drafter eagle3: its draft vocabulary comes with the head (d2t), so --draft-vocab is not one of its options."""
+
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
+
+
 # name -> factory(target_model, draft_model, options) and the class of its options
 REGISTRY: dict[str, Callable[[Any, Any, DrafterOptions], Drafter]] = {}
 OPTION_CLASSES: dict[str, type[DrafterOptions]] = {}
-USES_DRAFT_MODEL = ("draft", "mtp", "eagle", "medusa")  # mtp: optional (a trained head for a target without one)
+USES_DRAFT_MODEL = ("draft", "mtp", "eagle", "eagle3", "medusa")  # mtp: optional (a trained head for a target without one)
 
 
 def register(name: str, options: type[DrafterOptions]):
@@ -119,7 +127,7 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
         from ..models.heads import is_head_dir
 
         if is_head_dir(draft_model):
-            raise ConfigError(f"--drafter draft needs a full model; {draft_model} is a trained head (use it with --drafter mtp, eagle or medusa)")
+            raise ConfigError(f"--drafter draft needs a full model; {draft_model} is a trained head (use it with --drafter mtp, eagle, eagle3 or medusa)")
         draft_model = load_module(draft_model, dtype=target.dtype)
     if not callable(getattr(draft_model, "forward_tokens", None)) or not hasattr(draft_model, "new_cache"):
         raise ConfigError(f"--drafter draft needs a causal LM as its draft model, got {type(draft_model).__name__}")
@@ -199,9 +207,9 @@ def _cast(head, dtype):
 
 
 def _attached(target, draft_model, kind: str) -> MTPSource:
-    from ..models.heads import AttachedHead
+    from ..models.heads import attach
 
-    return AttachedHead(target, _head(draft_model, kind, target))
+    return attach(target, _head(draft_model, kind, target))
 
 
 @register("eagle", EagleOptions)
@@ -215,6 +223,17 @@ def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
     return d
 
 
+@register("eagle3", Eagle3Options)
+def _eagle3(target, draft_model, options: Eagle3Options) -> Drafter:
+    """An EAGLE-3 head (models/eagle3.py): the MTP drafter's bookkeeping, its pairs' hidden states fused from the
+    target's layer inputs, its drafts from its own draft-vocabulary LM head."""
+    from .mtp import MTPDrafter
+
+    d = MTPDrafter(_attached(target, draft_model, "eagle3"), tree=options.tree, tree_beam=options.tree_beam)
+    d.name = "eagle3"
+    return d
+
+
 @register("medusa", MedusaOptions)
 def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     from .medusa import MedusaDrafter
@@ -222,7 +241,7 @@ def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     return MedusaDrafter(target, _head(draft_model, "medusa", target), tree=options.tree)
 
 
-KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "lookahead", "suffix")
+KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "eagle3", "lookahead", "suffix")
 
 # keyword -> (the flag its errors name, its type); drafter -> the keywords it reads (derived from the classes)
 OPTION_TYPES: dict[str, tuple[str, type]] = {
@@ -288,5 +307,5 @@ def make_drafter(name: str, target, draft_model=None, options: DrafterOptions | 
 
 __all__ = ["Drafter", "BatchDrafter", "MTPSource", "NoDrafter", "NgramDrafter", "DraftModelDrafter", "make_drafter",
            "register", "REGISTRY", "OPTIONS", "OPTION_TYPES", "OPTION_CLASSES", "USES_DRAFT_MODEL", "DrafterOptions",
-           "NoDrafterOptions", "NgramOptions", "DraftModelOptions", "MTPOptions", "EagleOptions", "MedusaOptions",
+           "NoDrafterOptions", "NgramOptions", "DraftModelOptions", "MTPOptions", "EagleOptions", "Eagle3Options", "MedusaOptions",
            "options_for", "check_options", "for_drafter"]
