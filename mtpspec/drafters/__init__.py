@@ -151,7 +151,7 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
 
 
 def _head(draft_model, kind: str, target):
-    from ..models.heads import DraftHead, load_head
+    from ..models.heads import DraftHead
 
     if draft_model is None:
         raise ConfigError(f"--drafter {kind} needs a trained head (--draft-model HEAD_FOLDER, from `mtpspec train head`)")
@@ -165,7 +165,9 @@ def _head(draft_model, kind: str, target):
         if meta.exists():
             head = _read_head(str(path.resolve()), meta.stat().st_mtime, target.dtype)
         else:
-            head = load_head(path, target.dtype)  # names what is missing
+            from ..models.eagle3_io import read_head
+
+            head = read_head(path, target.dtype)  # an exported EAGLE-3 head (HF / GGUF), or names what is missing
     else:
         raise ConfigError(
             f"--drafter {kind} takes a trained head (a folder from `mtpspec train head`) as its draft model, "

@@ -194,6 +194,7 @@ def on_blocks(head: DraftHead) -> DraftHead:
 
 
 def is_head_dir(path: str | Path) -> bool:
+    """A `train head` folder (head.json)."""
     return Path(path).is_dir() and (Path(path) / "head.json").exists()
 
 
