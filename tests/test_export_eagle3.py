@@ -116,3 +116,51 @@ def test_cli_errors(stories, head_dir, tmp_path, capsys):
     mtp = save_head(DraftHead(head_config(stories.module, HeadConfig(out="", kind="mtp"))), tmp_path / "mtp")
     assert main(["export", str(mtp), "--target", str(model), "--tokenizer", str(tok), "--out", str(tmp_path / "z")]) == 2
     assert "writes eagle3 heads" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp itself (slow; skipped without its binaries): `--spec-type draft-eagle3` on the demo (a qwen35 target, whose
+# graph exposes its layer inputs: llama.cpp's t_layer_inp, set by llama / qwen3 / qwen35 / ... but not by gemma3)
+
+EAGLE3_DEMO = dict(kind="eagle3", prompts="stdlib", train_prompts=48, heldout_prompts=8, gen_tokens=96, gen_batch=8, depth=3,
+                   steps=150, batch_size=16, seq_len=96, draft_vocab=1024, eval_prompts=0)
+
+
+@pytest.mark.slow
+def test_llamacpp_drafts_with_the_eagle3_head(tmp_path):
+    """A small eagle3 head trained on the demo, exported as GGUF next to the demo's GGUF: llama-server drafts with it
+    (`-md HEAD.gguf --spec-type draft-eagle3`, 3 drafts a step, no early stop) and its greedy tokens are ours; its
+    drafts are accepted as often as ours at D = 3 on the same prompts (exact-match acceptance of the same function: a
+    slip in the features, the layer, the rope or d2t would leave next to nothing accepted)."""
+    import mtpspec
+    from mtpspec.bench.llamacpp import LlamaServer, Method, parse_completion, request_body, server_args
+    from mtpspec.export_eagle3 import export_eagle3_gguf
+    from mtpspec.export_gguf import export_gguf
+    from mtpspec.train.heads import train_head
+    from test_export_gguf import GREEDY_PROMPTS, _llama_server
+
+    exe = _llama_server()
+    demo = mtpspec.load("demo")
+    train_head("demo", HeadConfig(out=str(tmp_path / "head"), **EAGLE3_DEMO), progress_bar=False)
+    head = load_head(tmp_path / "head")
+    target_gguf = export_gguf(demo.module, demo.tokenizer, tmp_path / "demo.gguf")
+    head_gguf = export_eagle3_gguf(head, demo.tokenizer, tmp_path / "eagle3.gguf").path
+    spec = ["-md", str(head_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "--spec-draft-p-min", "0"]
+    n, ours_d = 64, [0, 0]
+    theirs_d = [0, 0]
+    with LlamaServer(lambda port: server_args(exe, target_gguf, Method("llamacpp", "none", None), threads=1, ctx_size=1024,
+                                              port=port) + spec) as server:
+        for prompt in GREEDY_PROMPTS["demo"]:
+            ids = demo.encode(prompt)
+            r = demo.generate(ids, drafter="eagle3", k=3, draft_model=head, max_new_tokens=n)
+            assert r.tokens == demo.generate(ids, max_new_tokens=n).tokens
+            answer = parse_completion(server.post("/completion", request_body(ids, n)))
+            theirs = answer.tokens[:-1] if len(answer.tokens) == n + 1 else answer.tokens
+            assert theirs == r.tokens, prompt
+            ours_d[0] += r.stats.draft_tokens
+            ours_d[1] += r.stats.accepted_tokens
+            theirs_d[0] += int(answer.draft_n or 0)
+            theirs_d[1] += int(answer.draft_n_accepted or 0)
+    print(f"eagle3 on the demo, D = 3: ours {ours_d[1]} of {ours_d[0]} drafts accepted, llama.cpp {theirs_d[1]} of {theirs_d[0]}")
+    assert theirs_d[0] > 0 and ours_d[1] > 0.1 * ours_d[0]
+    assert abs(theirs_d[1] / theirs_d[0] - ours_d[1] / ours_d[0]) < 0.1

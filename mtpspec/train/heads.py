@@ -69,6 +69,12 @@ class HeadConfig:
     checkpoint_every: int = 0  # > 0: a resumable checkpoint (out/train_state.pt) every N steps; a rerun continues from it
     save_dtype: str = "float32"  # the head's weights as written: float32 | bfloat16 (half the size; measured as written)
     aux_layers: str = ""  # eagle3: the target layers whose inputs are its features, "low,mid,high"; "" = (2, L//2, L-3)
+    # > 0: training stops after this many minutes (its own, resumed runs counted), the schedule's progress being
+    # max(step / steps, minutes / max_minutes) as pretraining's
+    max_minutes: float = 0.0
+    # eagle3, > 0: only this many of the data's sequences (spread evenly over it) get the layer-input teacher pass (a
+    # prefill each: on a real model the pass over a whole data cache can take longer than the training)
+    feature_sequences: int = 0
 
 
 REAL_SETS = ("humaneval", "mt_bench", "spec_bench")  # `--prompts realsets`: the shared benchmark sets
@@ -480,10 +486,13 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         init_from_target(head, module)
     lm, coverage = None, 1.0
     if cfg.kind == "eagle3":
+        lm, coverage = init_eagle3(head, module, seqs, cfg.draft_vocab)  # (the vocabulary of the whole data)
+        if 0 < cfg.feature_sequences < len(seqs):
+            seqs = [seqs[i] for i in torch.linspace(0, len(seqs) - 1, cfg.feature_sequences).round().long().tolist()]
         cache = Path(cfg.data_cache) if cfg.data_cache else None
-        cache = cache and cache.with_name(cache.stem + ".layers-" + "-".join(map(str, hc.aux_layers)) + cache.suffix)
+        tag = "-".join(map(str, hc.aux_layers)) + (f".n{cfg.feature_sequences}" if cfg.feature_sequences else "")
+        cache = cache and cache.with_name(cache.stem + ".layers-" + tag + cache.suffix)
         seqs = layer_input_data(module, seqs, hc.aux_layers, cache, progress_bar)
-        lm, coverage = init_eagle3(head, module, seqs, cfg.draft_vocab)
     elif cfg.draft_vocab:
         head.token_ranking = draft_vocabulary(seqs, module.vocab_size, cfg.draft_vocab)
         ids = head.token_ranking.top(cfg.draft_vocab)
@@ -503,12 +512,17 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     loss_fn = world.wrap(head, lambda toks, hid, aux=None: head_losses(head, module, toks, hid, cfg, lm, aux))
     bar = tqdm(range(first, cfg.steps), desc=f"train {cfg.kind} head", disable=not progress_bar, initial=first, total=cfg.steps)
     t1 = time.perf_counter() - train_s
+    elapsed, steps_run = train_s, first  # (elapsed: the ranks' mean, so every rank stops at the same step)
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(step / cfg.steps * math.pi)))
+        progress = max(step / cfg.steps, elapsed / (60 * cfg.max_minutes) if cfg.max_minutes else 0.0)
+        if progress >= 1.0:
+            break
+        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(progress * math.pi)))
         batch = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
         loss, parts = loss_fn(*(world.shard(x) for x in batch))
         optimizer_step(opt, head.parameters(), loss, lr)
-        logged = world.mean({"loss": loss.item(), **parts})
+        logged = world.mean({"loss": loss.item(), **parts, "elapsed": time.perf_counter() - t1})
+        elapsed, steps_run = logged.pop("elapsed"), step + 1
         bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:
             history.append({"step": step, **{k: round(v, 4) for k, v in logged.items()}})
@@ -531,7 +545,7 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         "kind": cfg.kind, "target": str(model), "parameters": sum(p.numel() for p in head.parameters()),
         "train_prompts": len(train_p), "heldout_prompts_skipped": len(held_p), "distill_tokens": sum(s[0].shape[0] for s in seqs),
         "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": coverage,  # share of the data's tokens inside it
-        "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,
+        "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": steps_run,
         "final_loss": history[-1] if history else None,
         "heldout_greedy": measure(module, tok, head, held_p[: cfg.eval_prompts], k, cfg.eval_tokens) if cfg.eval_prompts else None,
         "config": asdict(cfg), "history": history,
