@@ -136,6 +136,7 @@ def test_llamacpp_drafts_with_the_eagle3_head(tmp_path):
     from mtpspec.bench.llamacpp import LlamaServer, Method, parse_completion, request_body, server_args
     from mtpspec.export_eagle3 import export_eagle3_gguf
     from mtpspec.export_gguf import export_gguf
+    from mtpspec.train.data import code_prompts, stdlib_files
     from mtpspec.train.heads import train_head
     from test_export_gguf import GREEDY_PROMPTS, _llama_server
 
@@ -150,7 +151,7 @@ def test_llamacpp_drafts_with_the_eagle3_head(tmp_path):
     theirs_d = [0, 0]
     with LlamaServer(lambda port: server_args(exe, target_gguf, Method("llamacpp", "none", None), threads=1, ctx_size=1024,
                                               port=port) + spec) as server:
-        for prompt in GREEDY_PROMPTS["demo"]:
+        for prompt in GREEDY_PROMPTS["demo"] + code_prompts(stdlib_files()[1], 3):  # (the second: held out of its training)
             ids = demo.encode(prompt)
             r = demo.generate(ids, drafter="eagle3", k=3, draft_model=head, max_new_tokens=n)
             assert r.tokens == demo.generate(ids, max_new_tokens=n).tokens
@@ -162,5 +163,5 @@ def test_llamacpp_drafts_with_the_eagle3_head(tmp_path):
             theirs_d[0] += int(answer.draft_n or 0)
             theirs_d[1] += int(answer.draft_n_accepted or 0)
     print(f"eagle3 on the demo, D = 3: ours {ours_d[1]} of {ours_d[0]} drafts accepted, llama.cpp {theirs_d[1]} of {theirs_d[0]}")
-    assert theirs_d[0] > 0 and ours_d[1] > 0.1 * ours_d[0]
-    assert abs(theirs_d[1] / theirs_d[0] - ours_d[1] / ours_d[0]) < 0.1
+    assert theirs_d[0] > 0 and ours_d[1] > 0.2 * ours_d[0]
+    assert abs(theirs_d[1] / theirs_d[0] - ours_d[1] / ours_d[0]) < 0.05
