@@ -49,8 +49,8 @@ def head():
     return _head()
 
 
-def run(target, prompt, k, head, params=SamplingParams(), seed=0, n=N, drafter="eagle3"):
-    d = make_drafter(drafter, target, draft_model=head)
+def run(target, prompt, k, head, params=SamplingParams(), seed=0, n=N, drafter="eagle3", **opts):
+    d = make_drafter(drafter, target, draft_model=head, **opts)
     return generate_tokens(target, prompt, d, k, Sampler(params, seed), n)
 
 
@@ -60,7 +60,7 @@ def _fp64(target, head):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_identical_to_plain(target, head, k):
-    """fp64 (no near-ties): the same tokens as plain decoding, with and without norm_before_residual."""
+    """fp64 (no near-ties): the same tokens as plain decoding, with and without norm_before_residual, chains and a tree."""
     t64, h64 = _fp64(target, head)
     _, h64b = _fp64(target, _head(2, 0, norm_before_residual=True))  # and the full vocabulary
     drafted = accepted = 0
@@ -71,6 +71,8 @@ def test_greedy_identical_to_plain(target, head, k):
             assert r.tokens == ref, f"k={k} differs on prompt {prompt}"
             drafted += r.stats.draft_tokens
             accepted += r.stats.accepted_tokens
+        if k > 1:  # a token tree (EAGLE-2's dynamic tree over the head's guesses)
+            assert run(t64, prompt, k, h64, tree=8).tokens == ref
     assert drafted > 0 and accepted > 0
 
 
@@ -262,12 +264,16 @@ def _real_head(module, draft_vocab: int) -> DraftHead:
     return head.eval()
 
 
-@pytest.mark.parametrize("which", ["demo", "stories260K"])
-def test_real_targets_greedy_identical_alone_and_batched(which, stories):
+@pytest.mark.parametrize("which", ["demo", "stories260K", "stories260K-q8_0"])
+def test_real_targets_greedy_identical_alone_and_batched(which, stories, assets):
+    """The demo (a hybrid), stories260K (dense), and stories260K on Q8_0 blocks (the head then drafts on blocks too)."""
     import mtpspec
     from mtpspec.prompts import tinystories_prompts
 
-    model = mtpspec.load("demo") if which == "demo" else stories
+    if which == "stories260K-q8_0":
+        model = mtpspec.load(assets / "models" / "stories260K.bin", tokenizer=assets / "models" / "tok512.bin", quant="q8_0")
+    else:
+        model = mtpspec.load("demo") if which == "demo" else stories
     head = _real_head(model.module, 256)
     prompts = tinystories_prompts(2)
     refs = [model.generate(p, max_new_tokens=24).tokens for p in prompts]

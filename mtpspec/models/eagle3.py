@@ -80,7 +80,7 @@ class Eagle3Module(nn.Module):
 
     def features(self, layer_inputs: Tensor) -> Tensor:
         """(T, 3H) the target's layer inputs, concatenated -> g (T, H)."""
-        return self.fc(layer_inputs.to(self.fc.weight.dtype))
+        return self.fc(layer_inputs.to(self.norm.weight.dtype))  # (the norm's: fc may hold GGUF blocks, heads.on_blocks)
 
 
 class Eagle3Vocab:
