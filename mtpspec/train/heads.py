@@ -328,8 +328,9 @@ def eagle3_chain(head: DraftHead, target, tokens: Tensor, layer_inputs: Tensor, 
 @torch.inference_mode()
 def layer_input_data(target, seqs: list[tuple[Tensor, Tensor]], layers: tuple[int, ...], path: Path | None = None,
                      progress_bar: bool = True) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """[(tokens, hidden, layer inputs (T, 3H))]: a teacher pass per sequence tapping the inputs of `layers` (fp16 for an
-    fp32 target, as the hiddens); read from / written to `path` when given."""
+    """[(tokens, hidden, layer inputs (T, 3H))]: a teacher pass per sequence tapping the inputs of `layers` (bf16 for an
+    fp32 target: half the memory, and the residual stream's range, which fp16's is not: Gemma 3's reaches 1e5 at its
+    first position); read from / written to `path` when given."""
     from tqdm import tqdm
 
     if path is not None and path.exists():
@@ -341,7 +342,7 @@ def layer_input_data(target, seqs: list[tuple[Tensor, Tensor]], layers: tuple[in
         for t, _ in tqdm(seqs, desc="target layer inputs", disable=not progress_bar):
             out = target.forward_tokens(t, target.new_cache(t.shape[0]), prefill=True, logits=False)
             a = torch.cat([out.layer_inputs[i] for i in layers], dim=-1)  # (T, 3H)
-            feats.append(a.to(torch.float16 if target.dtype == torch.float32 else target.dtype).clone())
+            feats.append(a.to(torch.bfloat16 if target.dtype == torch.float32 else target.dtype).clone())
     finally:
         target.tapped_layers = before
     if path is not None:
