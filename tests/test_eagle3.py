@@ -282,3 +282,25 @@ def test_real_targets_greedy_identical_alone_and_batched(which, stories, assets)
         assert r.tokens == ref and r.stats.draft_tokens > 0
     batch = model.generate_batch(prompts, drafter="eagle3", k=2, draft_model=head, max_new_tokens=24)
     assert [r.tokens for r in batch] == refs
+
+
+def test_train_head_end_to_end(tmp_path, target):
+    """`train head --kind eagle3` on the tiny target: the layer-input pass on an even subset of the data
+    (--feature-sequences) cached beside the data, a time budget (--max-minutes) that ends training, and a head that
+    drafts losslessly as written."""
+    from mtpspec.train.heads import train_head
+    from test_heads import _DigitTokenizer
+
+    (tmp_path / "prompts.txt").write_text("\n".join(["1 2 3", "4 5 6 7", "8 9", "3 1 4 1 5", "9 2 6", "2 7 1 8"]) + "\n")
+    cfg = dict(kind="eagle3", prompts=str(tmp_path / "prompts.txt"), heldout_prompts=1, train_prompts=5, gen_tokens=16,
+               gen_batch=2, depth=2, steps=6, batch_size=2, seq_len=8, draft_vocab=8, eval_prompts=1, eval_tokens=8,
+               data_cache=str(tmp_path / "data.pt"), feature_sequences=3, num_heads=2, num_kv_heads=1)
+    report = train_head("tiny", HeadConfig(out=str(tmp_path / "a"), **cfg), target=(target, _DigitTokenizer()), progress_bar=False)
+    assert report["kind"] == "eagle3" and report["steps"] == 6 and report["heldout_greedy"]["identical_to_plain"]
+    assert report["draft_vocab_coverage"] > 0.5
+    assert len(torch.load(tmp_path / "data.layers-0-1-1.n3.pt")) == 3
+    head = load_head(tmp_path / "a")
+    assert head.config.aux_layers == LAYERS and head.config.draft_vocab_size == 8 and head.token_ranking is None
+    timed = train_head("tiny", HeadConfig(out=str(tmp_path / "b"), max_minutes=1e-9, **cfg), target=(target, _DigitTokenizer()),
+                       progress_bar=False)
+    assert timed["steps"] == 1  # the budget was spent by the first step
