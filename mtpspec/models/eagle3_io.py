@@ -99,17 +99,20 @@ def load_eagle3_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
 
     from .heads import DraftHead, DraftHeadConfig
 
-    r = gguf.GGUFReader(str(path))
+    try:
+        r = gguf.GGUFReader(str(path))
+        arch = r.fields["general.architecture"].contents()
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF ({e.__class__.__name__}: {e})") from None
+    if arch != "eagle3":
+        raise ModelLoadError(f"{path}: a GGUF of arch {arch}, not an EAGLE-3 head (arch eagle3)")
 
     def kv(key):
         f = r.fields.get(key)
         if f is None:
-            raise ModelLoadError(f"{path}: not an EAGLE-3 GGUF (no {key})")
-        vals = [f.parts[i].tolist() for i in f.data]
-        return [v[0] if len(v) == 1 else v for v in vals] if len(f.data) > 1 or key.endswith("target_layers") else vals[0][0]
+            raise ModelLoadError(f"{path}: an eagle3 GGUF without {key}")
+        return f.contents()
 
-    if bytes(r.fields["general.architecture"].parts[-1]).decode() != "eagle3":
-        raise ModelLoadError(f"{path}: not an EAGLE-3 GGUF (architecture is not eagle3)")
     a = "eagle3."
     ts = {t.name: t for t in r.tensors}
     n_draft = int(ts["output.weight"].shape[-1])
