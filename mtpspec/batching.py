@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .cache import KVCache, lazy_zeros
 from .models.batch import ForwardBatch
-from .models.forward import dense_forward, hybrid_forward, record
+from .models.forward import dense_forward, hybrid_forward, record, tapped
 from .models.hybrid_cache import HybridCache
 from .types import TargetOutput
 
@@ -117,15 +117,16 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], t
     used = min(int(slots.max()) + 1, storage.max_len + 1)  # keys no query can see are not read
     k_bufs, v_bufs = storage.k[:, : fb.b, :, :used], storage.v[:, : fb.b, :, :used]  # (L, B, n_kv, S, hd) views
     fb = replace(fb, logits=False)  # the head runs once below, over the real rows
+    taps = tapped(target)  # {layer id: (N, H)} the layer inputs an EAGLE-3 drafter reads, or None
     if isinstance(caches[0], HybridCache):
         n = range(caches[0].n_linear)
         convs = [stack_rows([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
         states = [stack_rows([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv) (read, never written)
-        _, hid, pre, hists, recs = hybrid_forward(target, toks, fb, k_bufs, v_bufs, convs, states)
+        _, hid, pre, hists, recs = hybrid_forward(target, toks, fb, k_bufs, v_bufs, convs, states, taps=taps)
         for b, c in enumerate(caches):
             record(c, hists, recs, b, lens[b])
     else:
-        _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs)  # (N, H) each
+        _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs, taps)  # (N, H) each
     for b, c in enumerate(caches):
         c.advance(lens[b])
     lazy = lazy or [False] * len(lens)
@@ -138,6 +139,7 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], t
     outs, i, j = [], 0, 0
     for t, z in zip(lens, lazy):
         logits = None if z else head[j : j + t]
-        outs.append(TargetOutput(logits=logits, hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t]))
+        outs.append(TargetOutput(logits=logits, hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t],
+                                 layer_inputs=None if taps is None else {n: x[i : i + t] for n, x in taps.items()}))
         i, j = i + t, j + (0 if z else t)
     return outs

@@ -59,7 +59,7 @@ def draft_model_arg(draft_model, drafter: str):
     """What make_drafter gets: a loaded Model's module (a draft model), a path, a head, or None."""
     module = getattr(draft_model, "module", None)
     if module is not None and not isinstance(draft_model, (str, Path)):
-        if drafter in ("mtp", "eagle", "medusa"):
+        if drafter in ("mtp", "eagle", "eagle3", "medusa"):
             raise ConfigError(
                 f"--drafter {drafter} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
                 "not a loaded model (a loaded model is a draft model for --drafter draft)"

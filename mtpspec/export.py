@@ -352,6 +352,9 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="hf: a Hugging Face checkpoint directory (default); gguf: one GGUF file for llama.cpp")
     p.add_argument("--outtype", default=None, help="GGUF tensor type: f32 (default), f16, bf16 or q8_0 (--format gguf only)")
     p.add_argument("--no-check", action="store_true", help="skip the logits and tokenizer checks against transformers (hf)")
+    p.add_argument("--target", default=None,
+                   help="exporting a trained eagle3 head (a `train head` folder): its target model, whose tokenizer the "
+                        "GGUF carries and whose special ids config.json names")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing GGUF file, or an earlier export's files in the --out directory (default: refuse)")
 
@@ -368,6 +371,12 @@ def run_export(args: argparse.Namespace) -> int:
     path = args.model or args.model_path
     if not path:
         raise ConfigError("export needs a model: mtpspec export MODEL --out DIR")
+    from .models.heads import is_head_dir
+
+    if is_head_dir(path):
+        return _run_export_head(args, path)
+    if args.target is not None:
+        raise ConfigError("--target names the target of a trained head; the model exported here is not a head folder")
     if args.format == "gguf":
         return _run_export_gguf(args, path)
     if args.outtype is not None:
@@ -406,4 +415,30 @@ def _run_export_gguf(args: argparse.Namespace, path: str) -> int:
     done = write_gguf(model.module, model.tokenizer, args.out, outtype)
     note = f"; {len(done.fallback_f16)} matrices f16 (rows not a multiple of 32)" if done.fallback_f16 else ""
     print(f"wrote {done.path}: GGUF {done.arch}, {done.tensors} tensors, {outtype}{note}, {done.bytes / 1e6:.1f} MB")
+    return 0
+
+
+def _run_export_head(args: argparse.Namespace, path: str) -> int:
+    """`export HEAD_FOLDER --target MODEL`: an EAGLE-3 head as vLLM / SGLang load it (hf) or llama.cpp does (gguf)."""
+    from .api import load
+    from .export_eagle3 import export_eagle3_gguf, export_eagle3_hf
+    from .models.heads import check_fits, load_head
+
+    head = load_head(path)
+    if head.config.kind != "eagle3":
+        raise ConfigError(f"{path} is a {head.config.kind} head; `mtpspec export` writes eagle3 heads (vLLM / SGLang / llama.cpp layouts)")
+    if args.target is None:
+        raise ConfigError("exporting a head needs its target model: --target MODEL (its tokenizer and special ids)")
+    refuse_overwrite(args.out, args.format, args.force)
+    target = load(args.target, args.tokenizer, "fp32")
+    check_fits(head, target.module)
+    if args.format == "gguf":
+        outtype = args.outtype or "f32"
+        done = export_eagle3_gguf(head, target.tokenizer, args.out, outtype)
+        print(f"wrote {done.path}: GGUF eagle3, {done.tensors} tensors, {outtype}, {done.bytes / 1e6:.1f} MB")
+        return 0
+    if args.outtype is not None:
+        raise ConfigError("--outtype sets the GGUF tensor type: use it with --format gguf")
+    out = export_eagle3_hf(head, args.out, *special_ids(target.tokenizer))
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir() if p.is_file())))
     return 0

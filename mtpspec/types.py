@@ -68,21 +68,26 @@ class TargetOutput:
     logits: Tensor | None  # (T, V) float32, next-token logits at each position (None: a prefill asked for none)
     hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
     prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
+    # layer id -> (T, H) the residual stream entering that decoder layer, for the layers the model taps
+    # (model.tapped_layers, set by an EAGLE-3 drafter: forward.tapped); None when it taps none
+    layer_inputs: dict[int, Tensor] | None = None
 
     def rows(self, rows: list[int]) -> "TargetOutput":
         """The output at these rows only (a tree's accepted path)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.hidden.device)
         return TargetOutput(None if self.logits is None else self.logits[idx], self.hidden[idx],
-                            None if self.prenorm_hidden is None else self.prenorm_hidden[idx])
+                            None if self.prenorm_hidden is None else self.prenorm_hidden[idx],
+                            None if self.layer_inputs is None else {i: x[idx] for i, x in self.layer_inputs.items()})
 
     @staticmethod
     def cat(outs: list["TargetOutput"]) -> "TargetOutput":
         """Forwards over consecutive positions (prefill chunks, one-position passes) as one output."""
         if len(outs) == 1:
             return outs[0]
-        pre, logits = [o.prenorm_hidden for o in outs], [o.logits for o in outs]
+        pre, logits, taps = [o.prenorm_hidden for o in outs], [o.logits for o in outs], [o.layer_inputs for o in outs]
         return TargetOutput(logits=None if any(x is None for x in logits) else torch.cat(logits), hidden=torch.cat([o.hidden for o in outs]),
-                            prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre))
+                            prenorm_hidden=None if any(p is None for p in pre) else torch.cat(pre),
+                            layer_inputs=None if any(t is None for t in taps) else {i: torch.cat([t[i] for t in taps]) for i in taps[0]})
 
 
 @dataclass(frozen=True)

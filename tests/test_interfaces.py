@@ -41,10 +41,11 @@ def target() -> HybridLM:
 @pytest.fixture(scope="module")
 def heads() -> dict[str, DraftHead]:
     out = {}
-    for kind in ("mtp", "eagle", "medusa"):
+    for kind in ("mtp", "eagle", "medusa", "eagle3"):
         torch.manual_seed(1)
         h = DraftHead(DraftHeadConfig(kind=kind, hidden_size=32, vocab_size=V, max_seq_len=128, num_heads=2,
-                                      num_kv_heads=2, head_dim=16, intermediate_size=32, num_medusa=3))
+                                      num_kv_heads=2, head_dim=16, intermediate_size=32, num_medusa=3,
+                                      aux_layers=(0, 1, 1) if kind == "eagle3" else ()))
         randomize(h, 1)
         out[kind] = h.eval()
     return out
@@ -56,7 +57,7 @@ def heads() -> dict[str, DraftHead]:
 def test_hybrid_with_mtp_and_attached_heads_are_mtp_sources(target, heads):
     assert isinstance(target, MTPSource) and target.mtp is not None
     bare = _model(0)
-    for kind in ("mtp", "eagle"):
+    for kind in ("mtp", "eagle", "eagle3"):
         src = AttachedHead(bare, heads[kind])
         assert isinstance(src, MTPSource)
         assert src.config.mtp_num_layers == 1 and src.vocab_size == V and src.lm_head is bare.lm_head
@@ -66,7 +67,7 @@ def test_hybrid_with_mtp_and_attached_heads_are_mtp_sources(target, heads):
 def test_every_registered_drafter_is_a_drafter(target, heads):
     draft = _model(0)  # a causal LM as the draft model
     given = {"none": None, "ngram": None, "lookahead": None, "suffix": None, "draft": draft, "mtp": None, "eagle": heads["eagle"],
-             "medusa": heads["medusa"]}
+             "medusa": heads["medusa"], "eagle3": heads["eagle3"]}
     assert set(REGISTRY) == set(given)
     for name in REGISTRY:
         d = make_drafter(name, target, draft_model=given[name])

@@ -66,10 +66,18 @@ class EagleOptions(DrafterOptions):
     tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
 
 
+@dataclass(frozen=True)
+class Eagle3Options(DrafterOptions):
+    """--drafter eagle3: its draft vocabulary comes with the head (d2t), so --draft-vocab is not one of its options."""
+
+    tree: int | str | None = option("tree", "--tree", None)  # a node budget: a dynamic token tree (tree.py); None = a chain
+    tree_beam: int = option("tree_beam", "--tree-beam", 1)  # a tree: nodes expanded per level (tree.py)
+
+
 # name -> factory(target_model, draft_model, options) and the class of its options
 REGISTRY: dict[str, Callable[[Any, Any, DrafterOptions], Drafter]] = {}
 OPTION_CLASSES: dict[str, type[DrafterOptions]] = {}
-USES_DRAFT_MODEL = ("draft", "mtp", "eagle", "medusa")  # mtp: optional (a trained head for a target without one)
+USES_DRAFT_MODEL = ("draft", "mtp", "eagle", "eagle3", "medusa")  # mtp: optional (a trained head for a target without one)
 
 
 def register(name: str, options: type[DrafterOptions]):
@@ -123,7 +131,7 @@ def _draft(target, draft_model, options: DraftModelOptions) -> Drafter:
         from ..models.heads import is_head_dir
 
         if is_head_dir(draft_model):
-            raise ConfigError(f"--drafter draft needs a full model; {draft_model} is a trained head (use it with --drafter mtp, eagle or medusa)")
+            raise ConfigError(f"--drafter draft needs a full model; {draft_model} is a trained head (use it with --drafter mtp, eagle, eagle3 or medusa)")
         with torch.device("cpu"):  # loaded as on the CPU, then placed beside the target
             draft_model = place(load_module(draft_model, dtype=target.dtype), device_of(target))
     if not callable(getattr(draft_model, "forward_tokens", None)) or not hasattr(draft_model, "new_cache"):
@@ -149,7 +157,7 @@ def _mtp(target, draft_model, options: MTPOptions) -> Drafter:
 
 
 def _head(draft_model, kind: str, target):
-    from ..models.heads import DraftHead, load_head
+    from ..models.heads import DraftHead
 
     if draft_model is None:
         raise ConfigError(f"--drafter {kind} needs a trained head (--draft-model HEAD_FOLDER, from `mtpspec train head`)")
@@ -164,7 +172,9 @@ def _head(draft_model, kind: str, target):
             if meta.exists():
                 head = _read_head(str(path.resolve()), meta.stat().st_mtime, target.dtype)
             else:
-                head = load_head(path, target.dtype)  # names what is missing
+                from ..models.eagle3_io import read_head
+
+                head = read_head(path, target.dtype)  # an exported EAGLE-3 head (HF / GGUF), or names what is missing
     else:
         raise ConfigError(
             f"--drafter {kind} takes a trained head (a folder from `mtpspec train head`) as its draft model, "
@@ -227,9 +237,9 @@ def _cast(head, dtype):
 
 
 def _attached(target, draft_model, kind: str) -> MTPSource:
-    from ..models.heads import AttachedHead
+    from ..models.heads import attach
 
-    return AttachedHead(target, _head(draft_model, kind, target))
+    return attach(target, _head(draft_model, kind, target))
 
 
 @register("eagle", EagleOptions)
@@ -243,6 +253,17 @@ def _eagle(target, draft_model, options: EagleOptions) -> Drafter:
     return d
 
 
+@register("eagle3", Eagle3Options)
+def _eagle3(target, draft_model, options: Eagle3Options) -> Drafter:
+    """An EAGLE-3 head (models/eagle3.py): the MTP drafter's bookkeeping, its pairs' hidden states fused from the
+    target's layer inputs, its drafts from its own draft-vocabulary LM head."""
+    from .mtp import MTPDrafter
+
+    d = MTPDrafter(_attached(target, draft_model, "eagle3"), tree=options.tree, tree_beam=options.tree_beam)
+    d.name = "eagle3"
+    return d
+
+
 @register("medusa", MedusaOptions)
 def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     from .medusa import MedusaDrafter
@@ -250,7 +271,7 @@ def _medusa(target, draft_model, options: MedusaOptions) -> Drafter:
     return MedusaDrafter(target, _head(draft_model, "medusa", target), tree=options.tree)
 
 
-KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "lookahead", "suffix")
+KNOWN = ("none", "ngram", "draft", "mtp", "medusa", "eagle", "eagle3", "lookahead", "suffix")
 
 # keyword -> (the flag its errors name, its type); drafter -> the keywords it reads (derived from the classes)
 OPTION_TYPES: dict[str, tuple[str, type]] = {
@@ -317,5 +338,5 @@ def make_drafter(name: str, target, draft_model=None, options: DrafterOptions | 
 
 __all__ = ["Drafter", "BatchDrafter", "MTPSource", "NoDrafter", "NgramDrafter", "DraftModelDrafter", "make_drafter",
            "register", "REGISTRY", "OPTIONS", "OPTION_TYPES", "OPTION_CLASSES", "USES_DRAFT_MODEL", "DrafterOptions",
-           "NoDrafterOptions", "NgramOptions", "DraftModelOptions", "MTPOptions", "EagleOptions", "MedusaOptions",
+           "NoDrafterOptions", "NgramOptions", "DraftModelOptions", "MTPOptions", "EagleOptions", "Eagle3Options", "MedusaOptions",
            "options_for", "check_options", "for_drafter"]

@@ -74,7 +74,13 @@ class MTPDrafter:
         self.target = target
         self.tree_beam = check_tree_beam(tree_beam)  # a tree: nodes expanded per level
         self.prenorm = prenorm_hidden  # feed the pre-final-norm hidden (for heads trained that way)
-        self.head = make_draft_head(target, draft_vocab)  # None = the target's full LM head
+        # an EAGLE-3 head (models.heads.Eagle3Head): its pairs' hidden states come from the target's layer inputs, its
+        # drafts from its own LM head over its draft vocabulary
+        self.pair_hidden = getattr(target, "pair_hidden", None)
+        own = getattr(target, "own_head", None)
+        if own is not None and draft_vocab:
+            raise ConfigError("--draft-vocab does not apply to an eagle3 head: its draft vocabulary is its own (d2t)")
+        self.head = own if own is not None else make_draft_head(target, draft_vocab)  # None = the target's full LM head
         self.n_layers = target.config.mtp_num_layers
         if self.n_layers > 1 and tree is not None:
             raise ConfigError(f"token trees (--tree) need a one-layer MTP module; this one has {self.n_layers} layers "
@@ -93,7 +99,9 @@ class MTPDrafter:
         self.fused = fused_mtp(target.mtp) if fused else None  # folded decode copy (None = the module itself)
         if self.fused is None:
             fused_for_decoding(target.mtp)  # the module's q / k / v and gate / up, each one product
-        self.compiled = compiled_draft_step(target.mtp, target)  # the compiled step when the target was compiled, else None
+        # the compiled step when the target was compiled, else None (an EAGLE-3 head drafts eagerly: its target's forwards
+        # must tap layer inputs, which its compiled graphs do not)
+        self.compiled = None if self.pair_hidden is not None else compiled_draft_step(target.mtp, target)
         self.sampler: Sampler | None = None
         self.cache = None
         self.pending_h: Tensor | None = None  # (P, H) target hidden states of pairs not yet in the MTP cache
@@ -111,6 +119,9 @@ class MTPDrafter:
         self.lookup = NgramDrafter(n_min=lookup, n_max=lookup) if lookup else None
 
     def _hidden(self, out: TargetOutput) -> Tensor:
+        """The hidden state of the pairs at a target forward's rows (T, H)."""
+        if self.pair_hidden is not None:
+            return self.pair_hidden(out)  # EAGLE-3: g = fc(the target's layer inputs)
         return out.prenorm_hidden if self.prenorm and out.prenorm_hidden is not None else out.hidden
 
     def _queue(self, h: Tensor, t: Tensor) -> None:
@@ -350,7 +361,8 @@ class MTPDrafter:
         if verdict.num_drafted > 0:
             self.cache.crop(self.committed)  # drop the entries built from drafted (not target) states
         n = verdict.num_accepted
-        self._queue(self._hidden(out)[: n + 1], verdict.tokens[: n + 1])
+        self._queue(self._hidden(out.rows(list(range(n + 1))) if self.pair_hidden is not None else out)[: n + 1],
+                    verdict.tokens[: n + 1])
 
 
 def _many(module, target, hidden: list[Tensor], tokens: list[Tensor], caches: list[KVCache], layer: int) -> Tensor:

@@ -227,11 +227,21 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch)
     return out, hist, rec
 
 
-def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None):
+def tapped(model) -> dict | None:
+    """{layer id: None} for the layers whose input `model` taps (model.tapped_layers: an EAGLE-3 drafter's feature
+    layers), filled by the forward; None when it taps none."""
+    ids = getattr(model, "tapped_layers", ())
+    return dict.fromkeys(ids) if ids else None
+
+
+def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None, taps: dict | None = None):
     """DenseLM: tokens (B, W), k_bufs / v_bufs (L, B, nkv, S, hd) (None: training, no cache) -> logits (N, V) (None
-    when fb.logits is False), hidden (N, H) post final norm, prenorm (N, H) of the real rows."""
+    when fb.logits is False), hidden (N, H) post final norm, prenorm (N, H) of the real rows. taps: {layer id: None}
+    filled with the residual stream (N, H) entering each of those layers."""
     x = fb.real(model.embed(tokens))  # (N, H)
     for i, layer in enumerate(model.model.layers):
+        if taps is not None and i in taps:
+            taps[i] = x
         x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb)
     hid = model.model.norm(x)
     return (model.head(hid) if fb.logits else None), hid, x
@@ -248,14 +258,16 @@ def _dense_layer(layer, x: Tensor, k_buf, v_buf, fb: ForwardBatch) -> Tensor:
 
 
 def hybrid_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None,
-                   convs: list[Tensor] | None, states: list[Tensor] | None, kv=None):
+                   convs: list[Tensor] | None, states: list[Tensor] | None, kv=None, taps: dict | None = None):
     """HybridLM: tokens (B, W), k_bufs / v_bufs (L_full, B, nkv, S, hd), per linear layer its conv window (B, C, K-1) and
     incoming state (B, nv, dk, dv) (None: training, zeros and no cache), kv: the KVCache a block-sparse layer's indexer
     reads -> logits (N, V) or None, hidden (N, H), prenorm (N, H), and per linear layer its widened conv window and
-    its slots (see _delta_net)."""
+    its slots (see _delta_net). taps: as dense_forward's."""
     x = fb.real(model.embed(tokens))  # (N, H)
     hists, recs = [], []
-    for layer in model.model.layers:
+    for n, layer in enumerate(model.model.layers):
+        if taps is not None and n in taps:
+            taps[n] = x
         h = layer.input_layernorm(x)
         if layer.layer_type == "linear_attention":
             dn = layer.linear_attn
@@ -278,18 +290,24 @@ def hybrid_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | Non
 
 def module_forward(module, hidden: Tensor, emb: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch,
                    layer: int = 0, kv=None) -> Tensor:
-    """An MTP module (fc([norm(e), norm(h)]) -> decoder layer -> norm) or an EAGLE module (fc([e, h]) with a bias ->
-    decoder layer): hidden, emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV (or one
-    (1, nkv, S, hd) per sequence, each its own cache: fb from ForwardBatch.many) -> (B, W, H), padding rows zero. The
+    """An MTP module (fc([norm(e), norm(h)]) -> decoder layer -> norm), an EAGLE module (fc([e, h]) with a bias ->
+    decoder layer) or an EAGLE-3 module (eagle3.py: its layer on g, fc having run on the target's features): hidden,
+    emb (B, W, H) at the rows' positions, k_buf / v_buf (B, nkv, S, hd) its layer's KV (or one (1, nkv, S, hd) per
+    sequence, each its own cache: fb from ForwardBatch.many) -> (B, W, H), padding rows zero. The
     decoder layer is a layer of the target's kind, run by the same code: the hybrid's full-attention layer, or a dense
     layer (dense.Block: a head trained for a Llama / Qwen3 / Gemma 3 target)."""
     mtp = hasattr(module, "pre_fc_norm_hidden")
     hidden, emb = fb.real(hidden), fb.real(emb)  # (N, H)
+    block = module.layers[layer]
+    if hasattr(block, "hidden_norm"):  # EAGLE-3 (eagle3.py): hidden is g, emb the raw embedding; -> the pre-norm output
+        g = block.hidden_norm(hidden)
+        x = torch.cat([block.input_layernorm(emb), g], dim=-1)  # (N, 2H)
+        x = (g if module.norm_before_residual else hidden) + _dense_attention(block.self_attn, x, k_buf, v_buf, fb)
+        return fb.grid(x + _mlp(block.mlp, block.post_attention_layernorm(x)))  # (B, W, H)
     if mtp:
         x = module.fc(torch.cat([module.pre_fc_norm_embedding(emb), module.pre_fc_norm_hidden(hidden)], dim=-1))
     else:
         x = module.fc(torch.cat([emb, hidden], dim=-1))
-    block = module.layers[layer]
     if hasattr(block, "sandwich"):
         x = _dense_layer(block, x, k_buf, v_buf, fb)
     else:
@@ -314,16 +332,17 @@ def forward_tokens(model, tokens: Tensor, cache, tree=None, prefill: bool = Fals
     t, start = tokens.shape[0], cache.length
     check_room(start + t, cache.max_len)
     fb = ForwardBatch.one(start, t, tree, prefill, logits)
+    taps = tapped(model)
     if isinstance(cache, HybridCache):
         kv, n = cache.kv, range(cache.n_linear)
         convs = [cache.conv_window(i) for i in n]  # (1, C, K-1)
         states = [cache.start_state(i) for i in n]  # (1, nv, dk, dv)
-        lg, hid, pre, hists, recs = hybrid_forward(model, tokens[None], fb, kv.k, kv.v, convs, states, kv)
+        lg, hid, pre, hists, recs = hybrid_forward(model, tokens[None], fb, kv.k, kv.v, convs, states, kv, taps)
         record(cache, hists, recs)
     else:
-        lg, hid, pre = dense_forward(model, tokens[None], fb, cache.k, cache.v)
+        lg, hid, pre = dense_forward(model, tokens[None], fb, cache.k, cache.v, taps)
     cache.advance(t)
-    return TargetOutput(logits=lg, hidden=hid, prenorm_hidden=pre)
+    return TargetOutput(logits=lg, hidden=hid, prenorm_hidden=pre, layer_inputs=taps)
 
 
 @torch.inference_mode()
@@ -342,8 +361,8 @@ def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, 
     if tree is None and not prefill:
         if exact and tokens.shape[0] > 1:
             return by_position(model, tokens, cache)
-        step = model.compiled_step
-        if step is not None and step.handles(tokens.shape[0], cache):
+        step = model.compiled_step  # (a model tapping layer inputs runs eagerly: its graphs return none)
+        if step is not None and step.handles(tokens.shape[0], cache) and not getattr(model, "tapped_layers", ()):
             return step(tokens, cache)
     return forward_tokens(model, tokens, cache, tree, prefill, logits)
 

@@ -1,6 +1,6 @@
-"""Draft heads trained for a frozen target (`mtpspec train head`): MTP, Medusa, EAGLE.
+"""Draft heads trained for a frozen target (`mtpspec train head`): MTP, Medusa, EAGLE, EAGLE-3.
 
-All three read the target's post-final-norm hidden states and share the target's embedding and LM
+The first three read the target's post-final-norm hidden states and share the target's embedding and LM
 head (frozen, not stored with the head):
 
 - **mtp**: the native module (qwen35.MTPModule) added to a target that has none. Position i reads
@@ -12,7 +12,11 @@ head (frozen, not stored with the head):
 - **medusa**: K residual blocks h + SiLU(W_k h + b_k), W_k zero-initialised (so each head starts as
   the target's own next-token head); block k at position i predicts t_{i+1+k}.
 
-MTP and EAGLE run through the same forward (forward.module_forward: (hidden, emb) -> (T, H)), so one
+- **eagle3** (eagle3.py): the inputs of three target layers, fused by fc, through one Llama layer whose attention
+  reads [norm(e(t_{i+1})), norm(g_i)]; its own final norm and LM head over a draft vocabulary (d2t / t2d); chained on
+  its pre-norm output. Shares the target's embedding only.
+
+MTP, EAGLE and EAGLE-3 run through the same forward (forward.module_forward: (hidden, emb) -> (T, H)), so one
 drafter (drafters/mtp.py) runs both through `AttachedHead`: an MTPSource (mtp_source.py) made of
 the head and its frozen target, as a target with a native MTP module is one.
 
@@ -39,7 +43,7 @@ from .mtp_source import MTPSource
 from .forward import module_tokens
 from .qwen35 import HybridBlock, HybridConfig, MTPModule
 
-KINDS = ("mtp", "medusa", "eagle")
+KINDS = ("mtp", "medusa", "eagle", "eagle3")
 FORMAT = "mtpspec-head"
 
 
@@ -58,6 +62,13 @@ class DraftHeadConfig:
     # the decoder layer's kind: None = Qwen3.5's gated full attention of the fields above; else the fields of a
     # DenseConfig of one layer (mtp: its target's own layer kind, a Llama / Qwen3 / Gemma 3 target's)
     dense: dict | None = None
+    # eagle3: the target layers whose inputs are its features (low, middle, high), its draft vocabulary's size (0 = the
+    # target's V), its norms' epsilon, and whether the layer's residual is hidden_norm(g) rather than g (llama.cpp's
+    # norm_before_residual; off by default there and here)
+    aux_layers: tuple[int, ...] = ()
+    draft_vocab_size: int = 0
+    norm_eps: float = 1e-6
+    norm_before_residual: bool = False
 
     @property
     def mtp_num_layers(self) -> int:  # what MTPDrafter reads from a target's config
@@ -75,6 +86,16 @@ class DraftHeadConfig:
             d = self.dense_config()
             return d.num_kv_heads, d.hd
         return self.num_kv_heads, self.head_dim
+
+    def eagle3_config(self):
+        """The DenseConfig of an EAGLE-3 head's Llama layer."""
+        from .dense import DenseConfig
+
+        return DenseConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size, max_seq_len=self.max_seq_len,
+            head_dim=self.head_dim, norm_eps=self.norm_eps, rope_theta=self.rope_theta,
+        )
 
     def layer_config(self) -> HybridConfig:
         return HybridConfig(
@@ -123,6 +144,14 @@ class DraftHead(nn.Module):
         if cfg.kind == "medusa":
             self.medusa = MedusaHeads(cfg.hidden_size, cfg.num_medusa)
             return
+        if cfg.kind == "eagle3":
+            if cfg.dense is not None:
+                raise ConfigError("an eagle3 head has its own Llama layer; a dense layer is for MTP heads")
+            from .eagle3 import Eagle3Module
+
+            self.mtp = Eagle3Module(cfg.eagle3_config(), len(cfg.aux_layers), cfg.draft_vocab_size or cfg.vocab_size,
+                                    cfg.norm_before_residual)
+            return
         if cfg.dense is not None:
             if cfg.kind != "mtp":
                 raise ConfigError(f"a {cfg.kind} head has the Qwen3.5 layer; a dense layer is for MTP heads")
@@ -141,7 +170,8 @@ def save_head(head: DraftHead, directory: str | Path, dtype: torch.dtype | None 
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(dtype or v.dtype).contiguous() for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
+    save_file({k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
+               for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
     meta = {"format": FORMAT, "version": 1, "kind": head.config.kind, "config": asdict(head.config)}
     (d / "head.json").write_text(json.dumps(meta, indent=2) + "\n")
     if head.token_ranking is not None:
@@ -164,6 +194,7 @@ def on_blocks(head: DraftHead) -> DraftHead:
 
 
 def is_head_dir(path: str | Path) -> bool:
+    """A `train head` folder (head.json)."""
     return Path(path).is_dir() and (Path(path) / "head.json").exists()
 
 
@@ -182,7 +213,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ModelLoadError(f"{meta_path}: not a draft head (format {meta.get('format')!r})")
     try:
-        cfg = DraftHeadConfig(**meta["config"])
+        cfg = DraftHeadConfig(**{**meta["config"], "aux_layers": tuple(meta["config"].get("aux_layers", ()))})
         _check_config(cfg)
         head = DraftHead(cfg)
     except (TypeError, KeyError, ValueError, RuntimeError, ConfigError) as e:
@@ -208,6 +239,10 @@ def _check_config(cfg: DraftHeadConfig) -> None:
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if cfg.kind == "eagle3" and (len(cfg.aux_layers) != 3 or any(not isinstance(i, int) or i < 0 for i in cfg.aux_layers)):
+        raise ValueError(f"aux_layers must be three target layer ids (low, middle, high), got {list(cfg.aux_layers)}")
+    if not isinstance(cfg.draft_vocab_size, int) or not 0 <= cfg.draft_vocab_size <= cfg.vocab_size:
+        raise ValueError(f"draft_vocab_size must be 0 (the full vocabulary) .. {cfg.vocab_size}, got {cfg.draft_vocab_size!r}")
     if cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
         raise ValueError(f"num_heads {cfg.num_heads} / num_kv_heads {cfg.num_kv_heads} / head_dim {cfg.head_dim} do not fit")
     if cfg.dense is not None:
@@ -225,6 +260,9 @@ def check_fits(head: DraftHead, target) -> None:
             f"the {c.kind} head was trained for hidden {c.hidden_size} / vocabulary {c.vocab_size}; "
             f"this target has hidden {t.hidden_size} / vocabulary {target.vocab_size}"
         )
+    n = len(target.model.layers) if c.aux_layers else 0
+    if any(i >= n for i in c.aux_layers):
+        raise ConfigError(f"the {c.kind} head reads the inputs of target layers {list(c.aux_layers)}; this target has {n} layers")
 
 
 class AttachedHead(MTPSource):
@@ -235,7 +273,7 @@ class AttachedHead(MTPSource):
     `target` is the frozen target itself (compiled.py reads it to find the target's compiled step)."""
 
     def __init__(self, target, head: DraftHead) -> None:
-        if head.config.kind not in ("mtp", "eagle"):
+        if head.config.kind not in ("mtp", "eagle", "eagle3"):
             raise ConfigError(f"a {head.config.kind} head is not an MTP-style module")
         check_fits(head, target)
         self.target, self.module = target, head  # the frozen target; the trained head (its parameters)
@@ -261,4 +299,44 @@ class AttachedHead(MTPSource):
         return module_tokens(self.mtp, self.target.embed, hidden, tokens, cache, layer, tree, sparse)
 
 
-__all__ = ["DraftHeadConfig", "DraftHead", "MedusaHeads", "EagleModule", "AttachedHead", "save_head", "load_head", "KINDS"]
+class Eagle3Head(AttachedHead):
+    """A trained EAGLE-3 head on its frozen target (eagle3.py): the MTPSource the MTP drafter reads, whose pairs'
+    hidden states are g = fc(the target's layer inputs) (`pair_hidden`), whose embedding is the target's raw rows, and
+    whose logits are its own LM head's over its draft vocabulary (`own_head`, -inf elsewhere in `head`).
+
+    Attaching it makes the target tap the inputs of the head's layers (target.tapped_layers, every forward's
+    TargetOutput.layer_inputs; kept for the target's later forwards, a few copies of (T, H) rows each)."""
+
+    def __init__(self, target, head: DraftHead) -> None:
+        from .eagle3 import Eagle3Vocab
+
+        super().__init__(target, head)
+        self.token_ranking = None  # its draft vocabulary is the head's own (d2t), not a ranking of the target's
+        self.own_head = Eagle3Vocab(head.mtp, target.vocab_size)
+        self.layers = tuple(head.config.aux_layers)
+        target.tapped_layers = tuple(sorted(set(getattr(target, "tapped_layers", ())) | set(self.layers)))
+
+    def pair_hidden(self, out) -> Tensor:
+        """A target forward's output (T rows) -> g (T, H), the hidden state of the pairs at those positions."""
+        if out.layer_inputs is None or any(i not in out.layer_inputs for i in self.layers):
+            raise ConfigError(f"the eagle3 head needs the target's inputs of layers {list(self.layers)}; this forward gave none")
+        return self.mtp.features(torch.cat([out.layer_inputs[i] for i in self.layers], dim=-1))  # (T, 3H) -> (T, H)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.target.model.embed_tokens(tokens)  # (T, H) the raw rows (llama.cpp: get_rows of tok_embd)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.own_head.full(self.own_head.logits(hidden))
+
+    def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None,
+                    sparse: str = "recompute") -> Tensor:
+        return module_tokens(self.mtp, self.embed, hidden, tokens, cache, layer, tree, sparse)
+
+
+def attach(target, head: DraftHead) -> AttachedHead:
+    """The MTPSource of a trained MTP / EAGLE / EAGLE-3 head on its target."""
+    return Eagle3Head(target, head) if head.config.kind == "eagle3" else AttachedHead(target, head)
+
+
+__all__ = ["DraftHeadConfig", "DraftHead", "MedusaHeads", "EagleModule", "AttachedHead", "Eagle3Head", "attach",
+           "save_head", "load_head", "KINDS"]

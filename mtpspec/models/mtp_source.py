@@ -18,12 +18,14 @@ class MTPConfig(Protocol):
 @runtime_checkable
 class MTPSource(Protocol):
     """What the MTP drafter (drafters/mtp.py) reads: a target with its own MTP module (HybridLM), or
-    a trained MTP / EAGLE head attached to a frozen target (models.heads.AttachedHead).
+    a trained MTP / EAGLE / EAGLE-3 head attached to a frozen target (models.heads.AttachedHead, Eagle3Head).
 
     The module reads pairs (h_i, e(t_{i+1})), the target's post-final-norm hidden state at i and the
     embedding of the token after it, and returns a hidden state (T, H) for the target's LM head.
     Besides the members below, the drafter reads `token_ranking` (a models.draft_vocab.TokenRanking,
-    or None / absent when the checkpoint has no draft vocabulary) through getattr.
+    or None / absent when the checkpoint has no draft vocabulary) through getattr, and from an EAGLE-3 head
+    `pair_hidden(out)` (its pairs' hidden states from a target forward's layer inputs, in place of out.hidden) and
+    `own_head` (its own draft-vocabulary LM head, in place of the target's).
     """
 
     mtp: nn.Module | None  # forward(hidden (T, H), emb (T, H), cache, start, layer) -> (T, H); None = the model has none

@@ -1,4 +1,4 @@
-"""`mtpspec train head`: fit a draft head (MTP, Medusa, EAGLE) to a frozen target by self-distillation.
+"""`mtpspec train head`: fit a draft head (MTP, Medusa, EAGLE, EAGLE-3) to a frozen target by self-distillation.
 
 The target continues training prompts (never the held-out ones), half greedily, half sampled at `gen_temperature`;
 one teacher pass gives its post-final-norm hiddens h (T, H), its distributions softmax(LM head(h)) recomputed on the
@@ -6,6 +6,10 @@ fly. The head is fitted to them (soft cross-entropy = KL up to a constant):
    - mtp: pairs (h_i, e(t_{i+1})) -> p_{i+1}; depth k chains on the head's own output hidden.
    - eagle: the same chain on predicted features, plus feature regression (smooth L1 to h_{i+k}).
    - medusa: block k on h_i -> p_{i+k} (the distribution of t_{i+k+1}).
+   - eagle3: g_i = fc(the inputs of three target layers at i) (a second teacher pass records them, `layer_input_data`);
+     EAGLE-3's training-time test (`eagle3_losses`): step k + 1 reads step k's own output and t_{i+k+1} and attends to
+     the real pairs up to i and to its own chain's earlier steps, as a draft chain rooted at i does; its own LM head
+     over the draft vocabulary (the teacher's distribution renormalised over it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from .distributed import World, launch, train_device
 @dataclass
 class HeadConfig:
     out: str  # output folder (head.json + head.safetensors + report.json)
-    kind: str = "mtp"  # mtp | medusa | eagle
+    kind: str = "mtp"  # mtp | medusa | eagle | eagle3
     prompts: str = "tinystories"  # tinystories | stdlib | a text file (one prompt per line)
     heldout_prompts: int = 50  # the first n prompts are never trained on (the evaluation set)
     train_prompts: int = 400
@@ -67,6 +71,13 @@ class HeadConfig:
     checkpoint_every: int = 0  # > 0: a resumable checkpoint (out/train_state.pt) every N steps; a rerun continues from it
     save_dtype: str = "float32"  # the head's weights as written: float32 | bfloat16 (half the size; measured as written)
     device: str = "cpu"  # where the target runs and the head trains: cpu, cuda or cuda:N (the data is kept on the host)
+    aux_layers: str = ""  # eagle3: the target layers whose inputs are its features, "low,mid,high"; "" = (2, L//2, L-3)
+    # > 0: training stops after this many minutes (its own, resumed runs counted), the schedule's progress being
+    # max(step / steps, minutes / max_minutes) as pretraining's
+    max_minutes: float = 0.0
+    # eagle3, > 0: only this many of the data's sequences (spread evenly over it) get the layer-input teacher pass (a
+    # prefill each: on a real model the pass over a whole data cache can take longer than the training)
+    feature_sequences: int = 0
 
 
 REAL_SETS = ("humaneval", "mt_bench", "spec_bench")  # `--prompts realsets`: the shared benchmark sets
@@ -208,29 +219,41 @@ def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar
     return seqs
 
 
-def _batch(seqs, n: int, length: int, rng: random.Random) -> tuple[Tensor, Tensor]:
-    """(tokens (B, T), hidden (B, T, H)) windows of the same length from random sequences."""
-    toks, hid = [], []
+def _batch(seqs, n: int, length: int, rng: random.Random) -> tuple[Tensor, ...]:
+    """(tokens (B, T), hidden (B, T, H)[, layer inputs (B, T, 3H)]) windows of the same length from random sequences
+    (each a tuple (tokens, hidden[, layer inputs]))."""
+    rows = []
     for _ in range(n):
-        t, h = seqs[rng.randrange(len(seqs))]
-        L = min(length, t.shape[0])
-        s = rng.randrange(t.shape[0] - L + 1)
-        toks.append(t[s : s + L])
-        hid.append(h[s : s + L])
-    m = min(x.shape[0] for x in toks)
-    return torch.stack([x[:m] for x in toks]), torch.stack([x[:m] for x in hid]).float()
+        seq = seqs[rng.randrange(len(seqs))]
+        L = min(length, seq[0].shape[0])
+        s = rng.randrange(seq[0].shape[0] - L + 1)
+        rows.append([x[s : s + L] for x in seq])
+    m = min(r[0].shape[0] for r in rows)
+    return (torch.stack([r[0][:m] for r in rows]), *(torch.stack([r[j][:m] for r in rows]).float() for j in range(1, len(rows[0]))))
 
 
 def _soft_ce(logits: Tensor, teacher_logits: Tensor) -> Tensor:
     return -(torch.softmax(teacher_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
 
 
-def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: HeadConfig, lm=None) -> tuple[Tensor, dict]:
+def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: HeadConfig, lm=None,
+                layer_inputs: Tensor | None = None) -> tuple[Tensor, dict]:
     """tokens (B, T), hidden (B, T, H) target post-norm hiddens -> (loss, {per-part values}). lm: the LM head the
     teacher and the head are read through (a draft vocabulary's rows: both distributions over its tokens), else the
-    target's."""
+    target's. layer_inputs (B, T, 3H): an eagle3 head's features."""
     kind = head.config.kind
     lm = lm or target.head
+    if kind == "eagle3":
+        with torch.no_grad():
+            teacher = lm(hidden)  # (B, T, N) over the draft vocabulary
+        outs = eagle3_chain(head, target, tokens, layer_inputs, cfg.depth)
+        parts, total = {}, 0.0
+        for k, o in enumerate(outs):
+            n = o.shape[1]
+            loss = _soft_ce(head.mtp.lm_head(head.mtp.norm(o)), teacher[:, 1 + k : 1 + k + n])  # root i: t_{i+k+2}
+            parts[f"ce_{k + 1}"] = loss.item()
+            total = total + cfg.depth_decay**k * loss
+        return total, parts
     with torch.no_grad():
         teacher = lm(hidden)  # (B, T, V) p_i = distribution of t_{i+1}
         emb = target.embed(tokens)  # (B, T, H)
@@ -256,6 +279,78 @@ def head_losses(head: DraftHead, target, tokens: Tensor, hidden: Tensor, cfg: He
             parts[f"feature_{k}"] = reg.item()
             total = total + w * cfg.feature_weight * reg
     return total, parts
+
+
+def eagle3_chain(head: DraftHead, target, tokens: Tensor, layer_inputs: Tensor, depth: int) -> list[Tensor]:
+    """EAGLE-3's training-time test over windows: tokens (B, T), layer_inputs (B, T, 3H) -> per step k = 0..depth-1 the
+    pre-norm outputs (B, T - 1 - k, H) of the chains rooted at i = 0..T-2-k: step 0 reads (fc(features_i), t_{i+1}),
+    step k reads (step k-1's output at i, t_{i+1+k}) at position i + k, and attends to step 0's keys at positions
+    <= i and to steps 1..k's keys of its own root (the draft chain's view: the real pairs, then its own entries)."""
+    from ..models.attention import rope
+
+    m = head.mtp
+    blk = m.layers[0]
+    att = blk.self_attn
+    b, t = tokens.shape
+    with torch.no_grad():
+        emb = target.model.embed_tokens(tokens)  # (B, T, H) the raw rows
+    g = m.fc(layer_inputs)  # (B, T, 3H) -> (B, T, H)
+    emb = emb.to(g.dtype)
+    cos_t, sin_t = att.rotary[0].tables(g.dtype)
+    rep = att.nh // att.nkv
+    keys, vals, outs = [], [], []
+    for k in range(depth):
+        n = t - 1 - k
+        if n < 1:
+            break
+        gk = g[:, :n]  # (B, n, H)
+        hn = blk.hidden_norm(gk)
+        x = torch.cat([blk.input_layernorm(emb[:, 1 + k : 1 + k + n]), hn], dim=-1)  # (B, n, 2H)
+        pos = torch.arange(k, k + n)
+        cos, sin = cos_t[pos][None, None].to(g.dtype), sin_t[pos][None, None].to(g.dtype)  # (1, 1, n, hd)
+        q = rope(att.q_proj(x).view(b, n, att.nh, att.hd).transpose(1, 2), cos, sin, att.hd)  # (B, nh, n, hd)
+        kk = rope(att.k_proj(x).view(b, n, att.nkv, att.hd).transpose(1, 2), cos, sin, att.hd)  # (B, nkv, n, hd)
+        v = att.v_proj(x).view(b, n, att.nkv, att.hd).transpose(1, 2)
+        keys.append(kk.repeat_interleave(rep, 1))  # (B, nh, n, hd)
+        vals.append(v.repeat_interleave(rep, 1))
+        scale = att.hd**-0.5
+        s0 = q @ keys[0][:, :, :n].transpose(-1, -2) * scale  # (B, nh, n, n) step 0's keys, causal
+        s0 = s0.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        diag = [(q * kj[:, :, :n]).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # k x (B, nh, n, 1)
+        p = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
+        y = p[..., :n] @ vals[0][:, :, :n]  # (B, nh, n, hd)
+        for j, vj in enumerate(vals[1:]):
+            y = y + p[..., n + j : n + j + 1] * vj[:, :, :n]
+        h = (hn if m.norm_before_residual else gk) + att.o_proj(y.transpose(1, 2).reshape(b, n, att.nh * att.hd))
+        o = h + blk.mlp(blk.post_attention_layernorm(h))  # (B, n, H)
+        outs.append(o)
+        g = o
+    return outs
+
+
+@torch.inference_mode()
+def layer_input_data(target, seqs: list[tuple[Tensor, Tensor]], layers: tuple[int, ...], path: Path | None = None,
+                     progress_bar: bool = True) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """[(tokens, hidden, layer inputs (T, 3H))]: a teacher pass per sequence tapping the inputs of `layers` (bf16 for an
+    fp32 target: half the memory, and the residual stream's range, which fp16's is not: Gemma 3's reaches 1e5 at its
+    first position); read from / written to `path` when given."""
+    from tqdm import tqdm
+
+    if path is not None and path.exists():
+        return [(t, h, a) for (t, h), a in zip(seqs, torch.load(path))]
+    before = getattr(target, "tapped_layers", ())
+    target.tapped_layers = tuple(layers)
+    try:
+        feats = []
+        for t, _ in tqdm(seqs, desc="target layer inputs", disable=not progress_bar):
+            out = target.forward_tokens(t, target.new_cache(t.shape[0]), prefill=True, logits=False)
+            a = torch.cat([out.layer_inputs[i] for i in layers], dim=-1)  # (T, 3H)
+            feats.append(a.to(torch.bfloat16 if target.dtype == torch.float32 else target.dtype).clone())
+    finally:
+        target.tapped_layers = before
+    if path is not None:
+        torch.save(feats, path)
+    return [(t, h, a) for (t, h), a in zip(seqs, feats)]
 
 
 def measure(target, tokenizer, head: DraftHead | None, prompts: list[str], k: int, new_tokens: int, drafter: str | None = None) -> dict:
@@ -300,8 +395,25 @@ def head_config(target, cfg: HeadConfig) -> DraftHeadConfig:
         kind=cfg.kind, hidden_size=h, vocab_size=target.vocab_size, max_seq_len=target.max_seq_len,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size or 4 * h, num_medusa=cfg.num_medusa,
-        rope_theta=getattr(target.config, "rope_theta", 10000.0), dense=dense,
+        rope_theta=getattr(target.config, "rope_theta", 10000.0), dense=dense, **(_eagle3_fields(target, cfg) if cfg.kind == "eagle3" else {}),
     )
+
+
+def _eagle3_fields(target, cfg: HeadConfig) -> dict:
+    """An eagle3 head's feature layers (cfg.aux_layers, else eagle3.default_layers), draft vocabulary size and norm eps."""
+    from ..models.eagle3 import default_layers
+
+    n = len(target.model.layers)
+    try:
+        layers = tuple(int(x) for x in cfg.aux_layers.split(",")) if cfg.aux_layers else default_layers(n)
+    except ValueError:
+        raise ConfigError(f"--aux-layers takes three target layer ids, e.g. 2,{n // 2},{n - 3}; got {cfg.aux_layers!r}") from None
+    if len(layers) != 3 or any(not 0 <= i < n for i in layers):
+        raise ConfigError(f"--aux-layers takes three target layer ids below {n} (its layers), got {cfg.aux_layers!r}")
+    if cfg.layer != "own":
+        raise ConfigError("--layer target is for MTP heads; an eagle3 head has its own Llama layer")
+    return {"aux_layers": layers, "draft_vocab_size": cfg.draft_vocab if 0 < cfg.draft_vocab < target.vocab_size else 0,
+            "norm_eps": float(getattr(target.config, "norm_eps", 1e-6))}
 
 
 @torch.no_grad()
@@ -316,10 +428,28 @@ def init_from_target(head: DraftHead, target) -> None:
     head.mtp.norm.weight.copy_(target.model.norm.weight.float())
 
 
+@torch.no_grad()
+def init_eagle3(head: DraftHead, target, seqs, size: int):
+    """An eagle3 head's draft vocabulary (the `size` tokens its data holds most, all when 0) and its LM head started
+    from the target's rows of them -> (the teacher's LM head over them, or None for the target's; the share of the
+    data's tokens inside them)."""
+    m = head.mtp
+    ids = torch.arange(target.vocab_size)
+    if head.config.draft_vocab_size:
+        ids = draft_vocabulary(seqs, target.vocab_size, size).top(size).sort().values
+        m.set_vocab(ids)
+    rows = target.lm_head.rows(ids).float().contiguous()  # (N, H)
+    m.lm_head.weight.copy_(rows)
+    if not head.config.draft_vocab_size:
+        return None, 1.0
+    coverage = round(float(sum(torch.isin(s[0], ids).sum() for s in seqs)) / sum(s[0].numel() for s in seqs), 4)
+    return (lambda h: h @ rows.t()), coverage  # noqa: E731
+
+
 def draft_vocabulary(seqs: list[tuple[Tensor, Tensor]], vocab_size: int, size: int) -> TokenRanking:
     """The target's tokens by how often its data holds them (prompts and continuations), `size` the default."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for t, _ in seqs:
+    for t, *_ in seqs:
         counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
     order, _ = ranking_from_counts(counts)
     return TokenRanking(order[: 4 * size], min(size, vocab_size))  # (a larger --draft-vocab than trained stays possible)
@@ -366,7 +496,15 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         init_from_target(head, module)
     head.to(dev)
     lm, coverage = None, 1.0
-    if cfg.draft_vocab:
+    if cfg.kind == "eagle3":
+        lm, coverage = init_eagle3(head, module, seqs, cfg.draft_vocab)  # (the vocabulary of the whole data)
+        if 0 < cfg.feature_sequences < len(seqs):
+            seqs = [seqs[i] for i in torch.linspace(0, len(seqs) - 1, cfg.feature_sequences).round().long().tolist()]
+        cache = Path(cfg.data_cache) if cfg.data_cache else None
+        tag = "-".join(map(str, hc.aux_layers)) + (f".n{cfg.feature_sequences}" if cfg.feature_sequences else "")
+        cache = cache and cache.with_name(cache.stem + ".layers-" + tag + cache.suffix)
+        seqs = layer_input_data(module, seqs, hc.aux_layers, cache, progress_bar)
+    elif cfg.draft_vocab:
         head.token_ranking = draft_vocabulary(seqs, module.vocab_size, cfg.draft_vocab)
         ids = head.token_ranking.top(cfg.draft_vocab)
         rows = module.lm_head.rows(ids).float().contiguous()  # (N, H) the LM head's rows of the draft vocabulary
@@ -382,16 +520,21 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         opt.load_state_dict(state["opt"])
         rng.setstate(state["rng"])
         history, first, train_s = state["history"], state["step"], state["train_seconds"]
-    loss_fn = world.wrap(head, lambda toks, hid: head_losses(head, module, toks, hid, cfg, lm))
+    loss_fn = world.wrap(head, lambda toks, hid, aux=None: head_losses(head, module, toks, hid, cfg, lm, aux))
     bar = tqdm(range(first, cfg.steps), desc=f"train {cfg.kind} head", disable=not progress_bar, initial=first, total=cfg.steps)
     t1 = time.perf_counter() - train_s
+    elapsed, steps_run = train_s, first  # (elapsed: the ranks' mean, so every rank stops at the same step)
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(step / cfg.steps * math.pi)))
-        toks, hid = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
+        progress = max(step / cfg.steps, elapsed / (60 * cfg.max_minutes) if cfg.max_minutes else 0.0)
+        if progress >= 1.0:
+            break
+        lr = cfg.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(progress * math.pi)))
+        batch = _batch(seqs, cfg.batch_size, cfg.seq_len, rng)  # the global batch: every rank draws it alike
         with on(dev):
-            loss, parts = loss_fn(world.shard(toks).to(dev), world.shard(hid).to(dev))
+            loss, parts = loss_fn(*(world.shard(x).to(dev) for x in batch))
             optimizer_step(opt, head.parameters(), loss, lr)
-        logged = world.mean({"loss": loss.item(), **parts})
+        logged = world.mean({"loss": loss.item(), **parts, "elapsed": time.perf_counter() - t1})
+        elapsed, steps_run = logged.pop("elapsed"), step + 1
         bar.set_postfix(loss=f"{logged['loss']:.3f}")
         if step % 50 == 0 or step == cfg.steps - 1:
             history.append({"step": step, **{k: round(v, 4) for k, v in logged.items()}})
@@ -412,9 +555,9 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
     k = cfg.num_medusa if cfg.kind == "medusa" else max(cfg.depth, 1)
     report = {
         "kind": cfg.kind, "target": str(model), "parameters": sum(p.numel() for p in head.parameters()),
-        "train_prompts": len(train_p), "heldout_prompts_skipped": len(held_p), "distill_tokens": sum(t.shape[0] for t, _ in seqs),
+        "train_prompts": len(train_p), "heldout_prompts_skipped": len(held_p), "distill_tokens": sum(s[0].shape[0] for s in seqs),
         "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": coverage,  # share of the data's tokens inside it
-        "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": cfg.steps,
+        "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": steps_run,
         "final_loss": history[-1] if history else None,
         "heldout_greedy": measure(module, tok, head, held_p[: cfg.eval_prompts], k, cfg.eval_tokens) if cfg.eval_prompts else None,
         "config": asdict(cfg), "history": history,
