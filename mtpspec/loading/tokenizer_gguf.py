@@ -28,9 +28,9 @@ import numpy as np
 from ..errors import ModelLoadError
 from .gguf import GGUFFile, read_gguf
 from .tokenizer_hf import HFTokenizer
+from .tokenizer_spm import GEMMA_ARCHS, load_spm_tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
-GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -43,10 +43,8 @@ PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", 
 
 def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
     """The file's tokenizer with the HFTokenizer interface (encode / decode / stream / stop_ids / chat_template)."""
-    from .tokenizer_spm import load_spm_tokenizer
-
     f = source if isinstance(source, GGUFFile) else read_gguf(source)
-    out = load_spm_tokenizer(f, _spm_cache_path(f))  # Gemma's vocabulary: SentencePiece, half the memory
+    out = load_spm_tokenizer(f, _spm_cache_path(f), lambda path=f.path: build_tokenizer(read_gguf(path)))  # Gemma's vocabulary: SentencePiece, half the memory
     tok = None if out is not None else build_tokenizer(f)
     md = f.metadata
     eos = md.get("tokenizer.ggml.eos_token_id")

@@ -25,13 +25,16 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
-from .gguf import GGUFFile, read_gguf
+from .gguf import GGUFFile
 from .tokenizer_hf import HFTokenizer
+
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # SentencePiece vocabularies run as transformers' Gemma tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte pieces
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's and SentencePiece's token types
@@ -42,9 +45,10 @@ class SPMTokenizer(HFTokenizer):
     """HFTokenizer's interface over a `sentencepiece.SentencePieceProcessor`."""
 
     def __init__(self, sp, path: Path, *, bos: int | None, eos: int | None, unk: int, special_ids, byte_ids: dict[int, int],
-                 stop_ids: tuple[int, ...] = ()) -> None:
+                 stop_ids: tuple[int, ...] = (), build_hf: Callable[[], object] | None = None) -> None:
         self.sp = sp
-        self.path = path  # the GGUF file: the `tokenizers` form is built from it on first use
+        self.path = path  # the GGUF file: the `tokenizers` form is built from it on first use, by build_hf
+        self._build_hf = build_hf
         self.stop_ids = tuple(stop_ids)
         self.chat_template: str | None = None
         self.bos_id, self._eos, self._unk = bos, eos, unk  # _eos: appended by encode (the file's add_eos_token)
@@ -62,9 +66,9 @@ class SPMTokenizer(HFTokenizer):
         if self._hf is None:
             with self._lock:
                 if self._hf is None:
-                    from .tokenizer_gguf import build_tokenizer
-
-                    self._hf = build_tokenizer(read_gguf(self.path))
+                    if self._build_hf is None:
+                        raise ConfigError(f"{self.path}: no `tokenizers` form of this SentencePiece tokenizer was given")
+                    self._hf = self._build_hf()
         return self._hf
 
     @property
@@ -124,9 +128,10 @@ class SPMTokenizer(HFTokenizer):
         return "".join(out)
 
 
-def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None) -> SPMTokenizer | None:
+def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None, build_hf: Callable[[], object] | None = None) -> SPMTokenizer | None:
     """The file's tokenizer on SentencePiece, or None where it is not a Gemma SentencePiece vocabulary SentencePiece
-    can run as transformers does (then the `tokenizers` one is built). `cache`: where the serialized model is kept."""
+    can run as transformers does (then the `tokenizers` one is built). `cache`: where the serialized model is kept;
+    build_hf: makes the same tokenizer as a `tokenizers.Tokenizer` (grammars, export), called on first use."""
     try:
         import sentencepiece
     except ImportError:
@@ -162,7 +167,7 @@ def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None) -> SPMTokenizer |
     byte_ids = {i: int(tokens[i][3:5], 16) for i in np.flatnonzero(types == BYTE).tolist()}
     special_ids = set(np.flatnonzero(types == CONTROL).tolist()) | set(special.values())
     return SPMTokenizer(sp, f.path, bos=special.get("bos") if add_bos else None, eos=special.get("eos") if add_eos else None,
-                        unk=special["unknown"], special_ids=special_ids, byte_ids=byte_ids)
+                        unk=special["unknown"], special_ids=special_ids, byte_ids=byte_ids, build_hf=build_hf)
 
 
 def _processor(sentencepiece, blob: bytes):
@@ -175,8 +180,6 @@ def _processor(sentencepiece, blob: bytes):
 def _plan(f: GGUFFile):
     """(tokens as SentencePiece spells them, llama.cpp types, which are transformers' added tokens, named special ids,
     add BOS, add EOS), or None."""
-    from .tokenizer_gguf import GEMMA_ARCHS
-
     md = f.metadata
     if md.get("tokenizer.ggml.model") != "llama" or f.architecture not in GEMMA_ARCHS or "tokenizer.ggml.merges" in md:
         return None
