@@ -89,17 +89,12 @@ def read_draft_vocab(directory: Path, vocab_size: int) -> TokenRanking | None:
     return TokenRanking(ids, max(1, min(size, ids.numel())))
 
 
-class DraftHead:
-    """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids."""
+class SubsetHead:
+    """Logits over a subset `ids` (N,) of a V-token vocabulary, what MTPDrafter drafts through: `logits` (the
+    subclass's) over the subset, their token ids, and the full-vocabulary logits (-inf outside)."""
 
-    def __init__(self, lm_head, ids: Tensor) -> None:
-        self.ids = ids.to(device_of(lm_head))  # (N,) beside the LM head (mtpspec.device)
-        self.vocab_size = lm_head.out_features
-        self.product = kernels.Product(lm_head.rows(ids))  # (N, H) a copy in the small-row kernel's layout (blocks: dequantized)
-
-    def logits(self, h: Tensor) -> Tensor:
-        """h (T, H) -> (T, N) float32 logits over the subset."""
-        return self.product(h, widen=True).float()
+    def __init__(self, ids: Tensor, vocab_size: int) -> None:
+        self.ids, self.vocab_size = ids, vocab_size
 
     def token(self, sub_index: Tensor) -> Tensor:
         return self.ids[sub_index]
@@ -109,6 +104,18 @@ class DraftHead:
         out = sub_logits.new_full((*sub_logits.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.ids] = sub_logits
         return out
+
+
+class DraftHead(SubsetHead):
+    """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids."""
+
+    def __init__(self, lm_head, ids: Tensor) -> None:
+        super().__init__(ids.to(device_of(lm_head)), lm_head.out_features)  # ids beside the LM head (mtpspec.device)
+        self.product = kernels.Product(lm_head.rows(ids))  # (N, H) a copy in the small-row kernel's layout (blocks: dequantized)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """h (T, H) -> (T, N) float32 logits over the subset."""
+        return self.product(h, widen=True).float()
 
 
 def make_draft_head(target, size: int | None) -> DraftHead | None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .common import Linear, RMSNorm, Rotary
 from .dense import Block, DenseConfig
+from .draft_vocab import SubsetHead
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -83,26 +84,16 @@ class Eagle3Module(nn.Module):
         return self.fc(layer_inputs.to(self.norm.weight.dtype))  # (the norm's: fc may hold GGUF blocks, heads.on_blocks)
 
 
-class Eagle3Vocab:
-    """The module's output head, in the interface of draft_vocab.DraftHead (what MTPDrafter drafts through): logits over
-    the draft vocabulary from a pre-norm output, their token ids, and the full-vocabulary logits (-inf outside)."""
+class Eagle3Vocab(SubsetHead):
+    """The module's own output head over its draft vocabulary, drafted through as a draft_vocab.DraftHead is."""
 
     def __init__(self, module: Eagle3Module, vocab_size: int) -> None:
-        self.module, self.vocab_size = module, vocab_size
-        self.ids = module.ids  # (N,)
+        super().__init__(module.ids, vocab_size)  # (N,)
+        self.module = module
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) pre-norm outputs -> (T, N) float32."""
         return self.module.lm_head(self.module.norm(h)).float()
-
-    def token(self, sub_index: Tensor) -> Tensor:
-        return self.ids[sub_index]
-
-    def full(self, sub_logits: Tensor) -> Tensor:
-        """(T, N) -> (T, V): -inf outside the draft vocabulary."""
-        out = sub_logits.new_full((*sub_logits.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., self.ids] = sub_logits
-        return out
 
 
 __all__ = ["Eagle3Module", "Eagle3Layer", "Eagle3Vocab", "default_layers"]
