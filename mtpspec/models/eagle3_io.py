@@ -55,7 +55,7 @@ def load_eagle3_hf(path: str | Path, dtype: torch.dtype = torch.float32):
     """An exported HF EAGLE-3 directory back as a DraftHead (strict: every missing or unexpected tensor named)."""
     from safetensors.torch import load_file
 
-    from .heads import DraftHead, DraftHeadConfig
+    from .heads import DraftHead, DraftHeadConfig, load_strict
 
     d = Path(path)
     try:
@@ -80,14 +80,7 @@ def load_eagle3_hf(path: str | Path, dtype: torch.dtype = torch.float32):
     except Exception as e:  # safetensors raises its own error types
         raise ModelLoadError(f"{d / 'model.safetensors'}: cannot read the head's weights ({e})") from None
     own = {("mtp." + k.replace("midlayer.", "layers.0.", 1)): v for k, v in state.items()}
-    want = head.state_dict()
-    missing, unexpected = sorted(set(want) - set(own)), sorted(set(own) - set(want))
-    if missing or unexpected:
-        raise ModelLoadError(f"{d}: EAGLE-3 tensors missing: {missing or 'none'}; unexpected: {unexpected or 'none'}")
-    try:
-        head.load_state_dict(own)
-    except RuntimeError as e:
-        raise ModelLoadError(f"{d}: EAGLE-3 tensors do not match config.json: {str(e).splitlines()[-1].strip()}") from None
+    load_strict(head, own, d, "EAGLE-3", "config.json")
     return head.to(dtype).eval()
 
 
@@ -97,7 +90,7 @@ def load_eagle3_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     """An exported EAGLE-3 GGUF back as a DraftHead (q / k rows permuted back, d2t back to offsets)."""
     import gguf
 
-    from .heads import DraftHead, DraftHeadConfig
+    from .heads import DraftHead, DraftHeadConfig, load_strict
 
     try:
         r = gguf.GGUFReader(str(path))
@@ -156,10 +149,7 @@ def load_eagle3_gguf(path: str | Path, dtype: torch.dtype = torch.float32):
     t2d[torch.arange(n_draft) + state.get("mtp.d2t", torch.zeros(n_draft, dtype=torch.long))] = True
     state["mtp.t2d"] = t2d
     state.setdefault("mtp.d2t", torch.zeros(n_draft, dtype=torch.long))
-    missing = sorted(set(head.state_dict()) - set(state))
-    if missing:
-        raise ModelLoadError(f"{path}: EAGLE-3 tensors missing: {missing}")
-    head.load_state_dict(state)
+    load_strict(head, state, path, "EAGLE-3", "the file's eagle3 metadata")  # (a wrong shape too: one line)
     return head.to(dtype).eval()
 
 

@@ -198,6 +198,19 @@ def is_head_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "head.json").exists()
 
 
+def load_strict(module: nn.Module, state: dict, where, what: str, config_name: str) -> None:
+    """module.load_state_dict(state), every tensor named and shaped as the module's, else one ModelLoadError naming
+    the missing / unexpected tensors or the first mismatched shape (against `config_name`)."""
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ModelLoadError(f"{where}: {what} tensors missing: {missing or 'none'}; unexpected: {unexpected or 'none'}")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise ModelLoadError(f"{where}: {what} tensors do not match {config_name}: {str(e).splitlines()[-1].strip()}") from None
+
+
 def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
     """Strict: every missing or unexpected tensor is named."""
     from safetensors.torch import load_file
@@ -222,14 +235,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead
         state = load_file(str(d / "head.safetensors"))
     except Exception as e:  # safetensors raises its own error types for a corrupt or missing file
         raise ModelLoadError(f"{d / 'head.safetensors'}: cannot read the head's weights ({e})") from None
-    own = head.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ModelLoadError(f"{d}: head tensors missing: {missing or 'none'}; unexpected: {unexpected or 'none'}")
-    try:
-        head.load_state_dict(state)
-    except RuntimeError as e:  # a tensor of the wrong shape
-        raise ModelLoadError(f"{d}: head tensors do not match head.json: {str(e).splitlines()[-1].strip()}") from None
+    load_strict(head, state, d, "head", "head.json")
     head.token_ranking = read_draft_vocab(d, cfg.vocab_size)
     return head.to(dtype).eval()
 
