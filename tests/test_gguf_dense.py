@@ -149,6 +149,47 @@ def test_blocks_greedy_equals_transformers_fp32(written):
     assert got == want.tolist(), kind
 
 
+def test_row_plan_is_the_grid_path_bitwise(written, monkeypatch):
+    """One sequence's rows in order on the row kernels take the flat RowPlan path (norm + rotation in one call, tables
+    shared by the layers): each logit bitwise what the general (B, W) grid path computes, past Gemma's window too."""
+    from mtpspec.models import forward
+
+    kind, _, _, q8 = written
+    module = load_gguf_model(q8)
+    assert module.config.row_kernels
+    ids = _ids(40, 2)
+    windows = ((0, 12), (12, 17), (17, 18), (18, 40))
+
+    def logits():
+        cache = module.new_cache()
+        return torch.cat([module.forward_tokens(ids[a:b], cache).logits for a, b in windows])
+
+    planned = logits()
+    monkeypatch.setattr(forward.RowPlan, "of", staticmethod(lambda fb: None))
+    assert torch.equal(planned, logits()), kind
+
+
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("normed", [True, False])
+def test_norm_rope_is_the_norm_then_rope_bitwise(zero_centred, rot, normed):
+    """attention.norm_rope on a column slice of a fused q|k|v product (partial rotation too): bitwise RMSNorm's row
+    kernel then rope, each op rounded as torch rounds it."""
+    from mtpspec.models.attention import norm_rope, rope
+    from mtpspec.models.common import RMSNorm
+
+    g = torch.Generator().manual_seed(rot)
+    n, h, d = 5, 3, 64
+    x = (torch.randn(n, 3 * h * d, generator=g) * 3)[:, h * d : 2 * h * d].view(n, h, d)
+    norm = RMSNorm(d, 1e-6, zero_centred, row_kernel=True) if normed else None
+    if normed:
+        norm.weight.data = torch.randn(d, generator=g)
+    cos, sin = torch.randn(n, rot, generator=g), torch.randn(n, rot, generator=g)
+    with torch.no_grad():
+        want = rope((x if norm is None else norm(x)).transpose(0, 1), cos, sin, rot).transpose(0, 1)
+        assert torch.equal(norm_rope(x, norm, cos, sin), want)
+
+
 @pytest.mark.parametrize("drafter,extra", [("ngram", {}), ("suffix", {}), ("ngram", {"tree": 5}), ("lookahead", {})])
 def test_drafting_is_lossless_on_quantized_blocks(written, drafter, extra):
     """Q8_0 blocks, 8-bit activations: every drafter's greedy output is the loaded model's own plain greedy output."""

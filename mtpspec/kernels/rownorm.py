@@ -12,6 +12,8 @@ from . import Extension
 
 def _ready() -> None:  # shapes for torch.compile's tracing
     torch.library.register_fake("mtpspec_rownorm::rms_norm")(lambda x, w, eps, zero_centred: torch.empty_like(x))
+    torch.library.register_fake("mtpspec_rownorm::norm_rope")(
+        lambda x, w, eps, zero_centred, cos, sin: x.new_empty(x.shape))
 
 
 _EXT = Extension("mtpspec_rownorm", "rownorm.cpp", "rownorm", "norms run on torch ops", _ready)
@@ -28,3 +30,4 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centred: bool = False) -> Te
         return torch.ops.mtpspec_rownorm.rms_norm(x, w, eps, zero_centred)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * (1.0 + w) if zero_centred else w * y
+

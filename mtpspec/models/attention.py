@@ -14,11 +14,13 @@ Every forward (models/forward.py) calls `attend` with its ForwardBatch, which sa
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import rownorm
 from ..kernels.attention import attend_rows
 from .batch import ForwardBatch
 
@@ -33,6 +35,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
+def norm_rope(x: Tensor, norm, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (N, h, hd) fp32 -> each head normed by `norm` (a row-kernel RMSNorm, or None) and rotated on its first rot dims
+    by its row's cos / sin (N, rot): bitwise the norm then rope, in one call where the kernel is built."""
+    if x.device.type == "cpu" and x.stride(-1) == 1 and rownorm.available():
+        w, eps, zc = (None, 0.0, False) if norm is None else (norm.weight, norm.eps, norm.zero_centred)
+        return torch.ops.mtpspec_rownorm.norm_rope(x, w, eps, zc, cos, sin)
+    y = x if norm is None else norm(x)
+    return rope(y.transpose(0, 1), cos, sin, cos.shape[-1]).transpose(0, 1)  # (N, h, hd)
+
+
 def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin (B, 1, T, rot) of a Rotary's tables at the rows' positions (padding rows past the table read its last).
     The tables grow to the positions the rows reach: known from `start` or `runs`; positions as tensors only (a
@@ -45,6 +57,43 @@ def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Ten
     cos, sin = rotary.tables(dtype, None if reach is None else reach + fb.w)  # a tree's rows sit below start + W
     pos = fb.pos.clamp(max=cos.shape[0] - 1)
     return cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What every attention layer shares in one sequence's forward over consecutive positions on the row kernels (a
+    block-quantized model's plain step, chain verify or prefill), made once per forward: the rows' positions (each
+    row's last key), each window's first keys, each rotary's cos / sin rows (filled by the first layer that asks)."""
+
+    start: int
+    hi: Tensor  # (N,) positions
+    seq: Tensor  # (N,) zeros: one sequence
+    lo: dict = field(default_factory=dict)  # window -> (N,) first keys
+    tables: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin) (N, rot)
+
+    @staticmethod
+    def of(fb: ForwardBatch) -> "RowPlan":
+        hi = fb.pos[0]
+        return RowPlan(fb.start, hi, torch.zeros_like(hi))
+
+    def rotary(self, rotary, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        got = self.tables.get(id(rotary))
+        if got is None:
+            end = self.start + self.hi.shape[0]
+            cos, sin = rotary.tables(dtype, end)
+            got = self.tables[id(rotary)] = (cos[self.start : end].to(dtype), sin[self.start : end].to(dtype))
+        return got
+
+    def write_attend(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, window: int) -> Tensor:
+        """Store k, v (N, nkv, hd) at the rows' positions of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by
+        the row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`."""
+        end = self.start + q.shape[0]
+        k_buf[0, :, self.start : end] = k.transpose(0, 1)
+        v_buf[0, :, self.start : end] = v.transpose(0, 1)
+        lo = self.lo.get(window)
+        if lo is None:
+            lo = self.lo[window] = first_keys(self.hi, window)
+        return attend_rows(q, k_buf[:, :, :end], v_buf[:, :, :end], self.seq, lo, self.hi)
 
 
 def first_keys(pos: Tensor, window: int) -> Tensor:

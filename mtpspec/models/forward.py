@@ -25,7 +25,7 @@ from ..device import on
 from ..errors import ConfigError
 from ..types import TargetOutput
 from ..weight_cache import weights_version
-from .attention import attend, rope, rotary_at, write
+from .attention import RowPlan, attend, norm_rope, rope, rotary_at, write
 from .batch import ForwardBatch
 from .common import Linear, SwiGLU, wide
 from .gated_deltanet import CHUNK, SHORT_MAX_T, _l2norm, causal_conv, chunked_delta_rule, piece_delta_rule, tree_conv, window_delta_rule
@@ -94,8 +94,19 @@ def _mlp(mlp, x: Tensor) -> Tensor:
     return mlp.down_proj(mlp.act(g) * u)
 
 
-def _dense_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch) -> Tensor:
-    """Llama / Qwen / Gemma attention: x (N, H) real rows -> (N, H); k_buf / v_buf (B, nkv, S, hd) written in place."""
+def _dense_attention(att, x: Tensor, k_buf: Tensor | None, v_buf: Tensor | None, fb: ForwardBatch,
+                     plan: RowPlan | None = None) -> Tensor:
+    """Llama / Qwen / Gemma attention: x (N, H) real rows -> (N, H); k_buf / v_buf (B, nkv, S, hd) written in place.
+    plan: one sequence's rows in order on the row kernels (RowPlan): the same values, bitwise, in fewer calls (rows
+    kept flat, norm and rotation in one call per tensor, the shared tables made once per forward)."""
+    if plan is not None:
+        n = x.shape[0]
+        q, k, v = _proj(x, att.q_proj, att.k_proj, att.v_proj)  # (N, nh hd), (N, nkv hd) x 2
+        cos, sin = plan.rotary(att.rotary[0], x.dtype)  # (N, rot)
+        q = norm_rope(q.view(n, att.nh, att.hd), att.q_norm if att.qk_norm else None, cos, sin)  # (N, nh, hd)
+        k = norm_rope(k.view(n, att.nkv, att.hd), att.k_norm if att.qk_norm else None, cos, sin)  # (N, nkv, hd)
+        y = plan.write_attend(q, k, v.view(n, att.nkv, att.hd), k_buf, v_buf, att.window)  # (N, nh, hd)
+        return att.o_proj(y.view(n, -1))
     b, t = fb.b, fb.w
     q, k, v = (fb.grid(y) for y in _proj(x, att.q_proj, att.k_proj, att.v_proj))  # (B, W, .) each
     q = q.reshape(b, t, att.nh, att.hd)
@@ -239,17 +250,21 @@ def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None
     when fb.logits is False), hidden (N, H) post final norm, prenorm (N, H) of the real rows. taps: {layer id: None}
     filled with the residual stream (N, H) entering each of those layers."""
     x = fb.real(model.embed(tokens))  # (N, H)
+    plan = None
+    if (model.config.row_kernels and fb.start is not None and fb.tree is None and k_bufs is not None
+            and x.dtype == torch.float32 and x.device.type == "cpu"):
+        plan = RowPlan.of(fb)
     for i, layer in enumerate(model.model.layers):
         if taps is not None and i in taps:
             taps[i] = x
-        x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb)
+        x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb, plan)
     hid = model.model.norm(x)
     return (model.head(hid) if fb.logits else None), hid, x
 
 
-def _dense_layer(layer, x: Tensor, k_buf, v_buf, fb: ForwardBatch) -> Tensor:
+def _dense_layer(layer, x: Tensor, k_buf, v_buf, fb: ForwardBatch, plan: RowPlan | None = None) -> Tensor:
     """One dense decoder layer (dense.Block): x (N, H) -> (N, H)."""
-    a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_buf, v_buf, fb)
+    a = _dense_attention(layer.self_attn, layer.input_layernorm(x), k_buf, v_buf, fb, plan)
     if layer.sandwich:  # Gemma 3: norms after attention and around the MLP
         x = x + layer.post_attention_layernorm(a)
         return x + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(x)))
