@@ -12,6 +12,7 @@ F.linear on the dequantized weight (kept after the first call).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import gguf
@@ -38,7 +39,9 @@ def _ready() -> None:
     torch.library.register_fake("mtpspec_gguf::linear")(lambda x, data, qtype, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("mtpspec_gguf::dequantize")(
         lambda data, qtype, n, k, ids: data.new_empty(n if ids is None else ids.shape[0], k, dtype=torch.float32))
+    torch.library.register_fake("mtpspec_gguf::linear_many")(lambda x, data, qtypes, ns: x.new_empty(x.shape[0], sum(ns)))
     _ops["linear"] = torch.ops.mtpspec_gguf.linear.default
+    _ops["linear_many"] = torch.ops.mtpspec_gguf.linear_many.default
 
 
 _EXT = Extension("mtpspec_gguf_blocks", "gguf_blocks.cpp", "gguf", "quantized linear layers run on dequantized weights "
@@ -164,6 +167,19 @@ def linear(x: Tensor, w: QuantizedWeight) -> Tensor:
             w.dense = dequantize(w)
         y = F.linear(flat, w.dense)
     return y.view(*x.shape[:-1], n)
+
+
+def linear_many(x: Tensor, weights: Sequence[QuantizedWeight]) -> Tensor:
+    """x (M, K) float32 -> (M, sum of the weights' N): linear(x, w) for each weight side by side, bitwise the same.
+    For weights that read one input (q, k, v; gate, up): on "panels16" weights one kernel call quantizes x once and
+    splits all their panels between the threads at once; otherwise (a "rows" weight, other x) torch.cat of linear()."""
+    if not weights:
+        raise ValueError("linear_many: no weights")
+    k = weights[0].shape[1]
+    if (x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
+            and all(w.layout == "panels16" and w.shape[1] == k for w in weights)):
+        return _ops["linear_many"](x, [w.data for w in weights], [w.qtype.value for w in weights], [w.shape[0] for w in weights])
+    return torch.cat([linear(x, w) for w in weights], dim=-1)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
