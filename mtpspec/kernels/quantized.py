@@ -176,9 +176,16 @@ def linear_many(x: Tensor, weights: Sequence[QuantizedWeight]) -> Tensor:
     if not weights:
         raise ValueError("linear_many: no weights")
     k = weights[0].shape[1]
-    if (x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous()
-            and all(w.layout == "panels16" and w.shape[1] == k for w in weights)):
-        return _ops["linear_many"](x, [w.data for w in weights], [w.qtype.value for w in weights], [w.shape[0] for w in weights])
+    if x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous():
+        data, qtypes, ns = [], [], []
+        for w in weights:  # one pass: this runs per layer per step
+            if w.layout != "panels16" or w.shape[1] != k:
+                break
+            data.append(w.data)
+            qtypes.append(w.qtype.value)
+            ns.append(w.shape[0])
+        else:
+            return _ops["linear_many"](x, data, qtypes, ns)
     return torch.cat([linear(x, w) for w in weights], dim=-1)
 
 
