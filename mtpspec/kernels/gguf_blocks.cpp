@@ -13,6 +13,9 @@
 // AVX-512 VNNI, AVX2 and scalar paths (built with -ffp-contract=off, no FMA), so an output is the same number whatever
 // the rows sharing the call, the thread count or the instruction set: row-invariant, bitwise.
 //
+// linear_many() runs several weights that read the same x (mixed block types) as one product: x quantized once, one
+// split of all their panels between the threads, outputs side by side; each output bitwise what linear() gives.
+//
 // dequantize() reads the panels back to fp32 with ggml's formulas in numpy's operation order (gguf.quants): exact.
 
 #include <ATen/ATen.h>

@@ -2,10 +2,11 @@
 
 gguf_blocks.cpp multiplies the blocks directly: from_gguf() re-lays a weight out once into panels of 16 outputs
 (layout "panels16"), and linear() streams them once per call whatever the number of rows, split between torch's
-threads. Activations are quantized to 8 bits per 32 inputs (scale max|x|/127) and multiplied in integers, as
-llama.cpp's CPU kernels do (slightly off a float product with the dequantized weight). Each output is the same
-operations whatever shares the call, so linear() is row-invariant bitwise; dequantize() and embedding() are exact
-(bit for bit gguf.quants.dequantize). Float types are widened to fp32 for the panel kernel (mtpspec.kernels).
+threads; linear_many() does several weights that read one input (q, k, v) in one such call. Activations are quantized
+to 8 bits per 32 inputs (scale max|x|/127) and multiplied in integers, as llama.cpp's CPU kernels do (slightly off a
+float product with the dequantized weight). Each output is the same operations whatever shares the call, so linear()
+is row-invariant bitwise; dequantize() and embedding() are exact (bit for bit gguf.quants.dequantize). Float types are
+widened to fp32 for the panel kernel (mtpspec.kernels).
 Without a compiler, or with MTPSPEC_KERNELS=0, every type keeps GGUF's row order (layout "rows") and linear() is
 F.linear on the dequantized weight (kept after the first call).
 """
