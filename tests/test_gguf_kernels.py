@@ -143,6 +143,89 @@ def test_strict_errors_name_the_problem():
         Q.embedding(w, torch.tensor([4]))
 
 
+MANY = {  # weights that read one input, mixed block types; n past a whole panel where the types allow
+    "qkv-q5_0-q5_0-q8_0": [(QT.Q5_0, 64), (QT.Q5_0, 16), (QT.Q8_0, 33)],
+    "q4_k-q6_k-q5_0": [(QT.Q4_K, 48), (QT.Q6_K, 7), (QT.Q5_0, 40)],
+}
+
+
+def _many(spec, k, layout="panels16"):
+    ws = []
+    for i, (qtype, n) in enumerate(spec):
+        raw = _random_blocks(qtype, n, k, seed=11 * i + n)
+        ws.append(Q.from_gguf(raw, qtype, (n, k)) if layout == "panels16"
+                  else Q.QuantizedWeight(qtype, (n, k), torch.from_numpy(raw.copy()).view(n, -1), "rows"))
+    return ws
+
+
+@pytest.mark.parametrize("name", list(MANY))
+def test_linear_many_is_bitwise_the_separate_linears_side_by_side(name):
+    k = 512
+    ws = _many(MANY[name], k)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(5)) * 2
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in list(range(1, 17)) + [20]:  # past 10 rows: a second pass over each panel
+                want = torch.cat([Q.linear(x[:m], w) for w in ws], dim=-1)  # (M, sum N)
+                got = Q.linear_many(x[:m], ws)
+                assert got.shape == (m, sum(n for _, n in MANY[name])) and torch.equal(got, want), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(Q.linear_many(x[:4], ws[1:2]), Q.linear(x[:4], ws[1]))  # one weight
+    assert Q.linear_many(x[:0], ws).shape == (0, sum(n for _, n in MANY[name]))
+
+
+def test_linear_many_falls_back_to_separate_linears():
+    k = 512
+    x = torch.randn(3, 2, k, generator=torch.Generator().manual_seed(6))
+    ws = _many(MANY["q4_k-q6_k-q5_0"], k)
+    rows = _many(MANY["q4_k-q6_k-q5_0"], k, layout="rows")  # the no-compiler layout
+    assert torch.equal(Q.linear_many(x, ws), torch.cat([Q.linear(x, w) for w in ws], dim=-1))  # leading dimensions
+    assert torch.equal(Q.linear_many(x[0], ws), Q.linear_many(x[0].contiguous(), ws))  # a strided x
+    mixed = [ws[0], rows[1], ws[2]]
+    assert torch.equal(Q.linear_many(x[0], mixed), torch.cat([Q.linear(x[0], w) for w in mixed], dim=-1))
+    dense = torch.cat([Q.dequantize(w) for w in rows])  # (sum N, K)
+    torch.testing.assert_close(Q.linear_many(x, rows), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_many_strict_errors_name_the_problem():
+    k = 512
+    ws = _many(MANY["q4_k-q6_k-q5_0"], k)
+    x = torch.randn(2, k)
+    op = torch.ops.mtpspec_gguf.linear_many
+    data, qtypes, ns = [w.data for w in ws], [w.qtype.value for w in ws], [w.shape[0] for w in ws]
+    with pytest.raises(RuntimeError, match=r"weight 1 data does not hold \(7, 512\)"):
+        op(x, [data[0], data[1][:-1], data[2]], qtypes, ns)
+    with pytest.raises(RuntimeError, match=r"weight 2 data does not hold \(49, 512\)"):
+        op(x, data, qtypes, ns[:2] + [49])  # a fourth panel
+    with pytest.raises(RuntimeError, match="weight 1 data does not hold"):
+        op(x, data, [qtypes[0], int(QT.Q8_0), qtypes[2]], ns)  # the wrong type for the bytes
+    with pytest.raises(RuntimeError, match="block type 3 is not one of"):
+        op(x, data, [qtypes[0], 3, qtypes[2]], ns)
+    with pytest.raises(RuntimeError, match="multiple of the block size 256 of weight 0"):
+        op(torch.randn(2, 128), data, qtypes, ns)
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        op(x.t().contiguous().t(), data, qtypes, ns)
+    with pytest.raises(RuntimeError, match="3 weights, 2 qtypes, 3 ns"):
+        op(x, data, qtypes[:2], ns)
+    with pytest.raises(ValueError, match="no weights"):
+        Q.linear_many(x, [])
+    with pytest.raises(ValueError, match="takes 512"):
+        Q.linear_many(torch.zeros(1, 256), ws)
+
+
+def test_linear_many_traces_with_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ws = _many(MANY["qkv-q5_0-q5_0-q8_0"], 512)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        y = torch.ops.mtpspec_gguf.linear_many(mode.from_tensor(torch.zeros(3, 512)), [w.data for w in ws],
+                                               [w.qtype.value for w in ws], [w.shape[0] for w in ws])
+    assert y.shape == (3, 113) and y.dtype == torch.float32
+
+
 def _attention_case(r, h, g, d, s, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(r, h, d, generator=gen)  # (R, H, D)

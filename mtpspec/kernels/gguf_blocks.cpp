@@ -13,6 +13,9 @@
 // AVX-512 VNNI, AVX2 and scalar paths (built with -ffp-contract=off, no FMA), so an output is the same number whatever
 // the rows sharing the call, the thread count or the instruction set: row-invariant, bitwise.
 //
+// linear_many() runs several weights that read the same x (mixed block types) as one product: x quantized once, one
+// split of all their panels between the threads, outputs side by side; each output bitwise what linear() gives.
+//
 // dequantize() reads the panels back to fp32 with ggml's formulas in numpy's operation order (gguf.quants): exact.
 
 #include <ATen/ATen.h>
@@ -24,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -469,11 +473,12 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 }
 #endif
 
-// Rows m0..m0+G-1 of x against panel p: per output lane, tiles in order, acc += float(isum) * scale (Q4_K/Q5_K:
-// then acc -= float(sum x) * min scale). G, the exact row count at compile time, lets the row loops unroll and the
-// accumulators stay in registers; the arithmetic of a row is the same whatever G.
+// Rows m0..m0+G-1 of x against panel p of an N-output weight, into y (row stride ldy, this weight's first column):
+// per output lane, tiles in order, acc += float(isum) * scale (Q4_K/Q5_K: then acc -= float(sum x) * min scale). G, the
+// exact row count at compile time, lets the row loops unroll and the accumulators stay in registers; the arithmetic
+// of a row is the same whatever G.
 template <int64_t T, int G>
-void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, int64_t m0) {
+void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy, int64_t p, int64_t m0) {
   constexpr Info I = info(T);
   constexpr bool KQ = T == T_Q4_K || T == T_Q5_K;
   const int64_t K = a.K, nb = K / I.bs, KB = K / 32;
@@ -524,36 +529,60 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, 
     }
   }
   const int64_t n0 = p * L, valid = std::min(L, N - n0);
-  for (int r = 0; r < G; ++r) std::memcpy(y + (m0 + r) * N + n0, &acc[r], valid * sizeof(float));
+  for (int r = 0; r < G; ++r) std::memcpy(y + (m0 + r) * ldy + n0, &acc[r], valid * sizeof(float));
 }
 
+// One weight of a product: its panels, block type, outputs, first column of y, first panel in the flat panel index
+struct Part {
+  const uint8_t* w;
+  int64_t t, n, col, first;
+  int64_t panels() const { return (n + L - 1) / L; }
+};
+
+// All M rows against panel p of one weight, in ceil(M / GROWS) passes of near-equal size (12 rows: 6 + 6), the panel
+// re-read from cache after the first
 template <int64_t T>
-void panel_group(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t p, int64_t m0, int g) {
-  switch (g) {
-    case 1: return panel_rows<T, 1>(a, w, y, N, p, m0);
-    case 2: return panel_rows<T, 2>(a, w, y, N, p, m0);
-    case 3: return panel_rows<T, 3>(a, w, y, N, p, m0);
-    case 4: return panel_rows<T, 4>(a, w, y, N, p, m0);
-    case 5: return panel_rows<T, 5>(a, w, y, N, p, m0);
-    case 6: return panel_rows<T, 6>(a, w, y, N, p, m0);
-    case 7: return panel_rows<T, 7>(a, w, y, N, p, m0);
-    case 8: return panel_rows<T, 8>(a, w, y, N, p, m0);
-    case 9: return panel_rows<T, 9>(a, w, y, N, p, m0);
-    default: return panel_rows<T, 10>(a, w, y, N, p, m0);
+void panel_passes(const Act& a, const Part& w, float* y, int64_t M, int64_t ldy, int64_t p) {
+  const int64_t passes = (M + GROWS - 1) / GROWS;
+  float* yw = y + w.col;
+  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+    const int g = static_cast<int>(M / passes + (i < M % passes ? 1 : 0));
+    switch (g) {
+      case 1: panel_rows<T, 1>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 2: panel_rows<T, 2>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 3: panel_rows<T, 3>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 4: panel_rows<T, 4>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 5: panel_rows<T, 5>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 6: panel_rows<T, 6>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 7: panel_rows<T, 7>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 8: panel_rows<T, 8>(a, w.w, yw, w.n, ldy, p, m0); break;
+      case 9: panel_rows<T, 9>(a, w.w, yw, w.n, ldy, p, m0); break;
+      default: panel_rows<T, 10>(a, w.w, yw, w.n, ldy, p, m0); break;
+    }
+    m0 += g;
   }
 }
 
-// M rows in ceil(M / GROWS) passes of near-equal size (12 rows: 6 + 6), the panel re-read from cache after the first
-template <int64_t T>
-void run(const Act& a, const uint8_t* w, float* y, int64_t M, int64_t N) {
-  const int64_t NP = (N + L - 1) / L, passes = (M + GROWS - 1) / GROWS;
-  at::parallel_for(0, NP, 2, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0, m0 = 0; i < passes; ++i) {
-        const int g = static_cast<int>(M / passes + (i < M % passes ? 1 : 0));
-        panel_group<T>(a, w, y, N, p, m0, g);
-        m0 += g;
+// y (M, ldy) = the weights' products side by side: one flat index over all their panels, split between torch's
+// threads. Each output is computed by panel_rows alone, so it is the same number whichever weights share the call.
+void run(const Act& a, const std::vector<Part>& parts, float* y, int64_t M, int64_t ldy) {
+  const int64_t total = parts.back().first + parts.back().panels();
+  at::parallel_for(0, total, 2, [&](int64_t f0, int64_t f1) {
+    size_t i = 0;
+    for (int64_t f = f0; f < f1; ++f) {
+      while (f >= parts[i].first + parts[i].panels()) ++i;  // parts in order of `first`
+      const Part& w = parts[i];
+      const int64_t p = f - w.first;
+      switch (w.t) {
+        case T_Q8_0: panel_passes<T_Q8_0>(a, w, y, M, ldy, p); break;
+        case T_Q4_0: panel_passes<T_Q4_0>(a, w, y, M, ldy, p); break;
+        case T_Q5_0: panel_passes<T_Q5_0>(a, w, y, M, ldy, p); break;
+        case T_Q4_K: panel_passes<T_Q4_K>(a, w, y, M, ldy, p); break;
+        case T_Q5_K: panel_passes<T_Q5_K>(a, w, y, M, ldy, p); break;
+        case T_Q6_K: panel_passes<T_Q6_K>(a, w, y, M, ldy, p); break;
+        default: break;
       }
+    }
   });
 }
 
@@ -572,36 +601,56 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   return {std::get<0>(r), std::get<1>(r)};
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t t, int64_t N) {
-  check_type(t);
-  const Info I = info(t);
-  const int64_t K = x.size(1), nb = K / I.bs;
-  TORCH_CHECK(K % I.bs == 0, "gguf linear: K=", K, " is not a multiple of the block size ", I.bs);
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == (N + L - 1) / L * nb * I.block(),
-              "gguf linear: weight data does not hold (", N, ", ", K, ") in packed blocks of this type");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && K % 32 == 0,
-              "gguf linear: x must be contiguous float32 (M, K) with K a multiple of 32");
-  const int64_t M = x.size(0);
-  static thread_local std::vector<int8_t> q;  // the calling thread's scratch: no allocation per call
+// x (M, K) contiguous fp32, K a multiple of 32 -> its 8-bit rows in the calling thread's scratch (no allocation per call)
+Act quantize_scratch(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0, "gguf ", op,
+              ": x must be contiguous float32 (M, K) with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  static thread_local std::vector<int8_t> q;
   static thread_local std::vector<float> d;
   static thread_local std::vector<int32_t> s;
   q.resize(M * K);
   d.resize(M * K / 32);
   s.resize(M * K / 16);
   quantize_rows(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
-  const Act a{q.data(), d.data(), s.data(), K};
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  const uint8_t* w = data.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (t) {
-    case T_Q8_0: run<T_Q8_0>(a, w, yp, M, N); break;
-    case T_Q4_0: run<T_Q4_0>(a, w, yp, M, N); break;
-    case T_Q5_0: run<T_Q5_0>(a, w, yp, M, N); break;
-    case T_Q4_K: run<T_Q4_K>(a, w, yp, M, N); break;
-    case T_Q5_K: run<T_Q5_K>(a, w, yp, M, N); break;
-    case T_Q6_K: run<T_Q6_K>(a, w, yp, M, N); break;
-    default: break;
+  return Act{q.data(), d.data(), s.data(), K};
+}
+
+// One weight's checks: a known type, K a multiple of its block, data exactly its packed (n, K) bytes
+Part part(const at::Tensor& data, int64_t t, int64_t N, int64_t K, const char* op, const std::string& name) {
+  check_type(t);
+  const Info I = info(t);
+  TORCH_CHECK(K % I.bs == 0, "gguf ", op, ": K=", K, " is not a multiple of the block size ", I.bs, " of ", name);
+  TORCH_CHECK(N >= 0 && data.scalar_type() == at::kByte && data.is_contiguous() && data.numel() == (N + L - 1) / L * (K / I.bs) * I.block(),
+              "gguf ", op, ": ", name, " data does not hold (", N, ", ", K, ") in packed blocks of type ", t);
+  return Part{data.data_ptr<uint8_t>(), t, N, 0, 0};
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t t, int64_t N) {
+  const Act a = quantize_scratch(x, "linear");
+  const std::vector<Part> parts{part(data, t, N, a.K, "linear", "weight")};
+  at::Tensor y = at::empty({x.size(0), N}, at::kFloat);
+  if (N > 0) run(a, parts, y.data_ptr<float>(), x.size(0), N);
+  return y;
+}
+
+// y (M, sum of ns): linear(x, data[i], qtypes[i], ns[i]) side by side, x quantized once, one split of all the panels
+at::Tensor linear_many(const at::Tensor& x, at::TensorList data, at::IntArrayRef qtypes, at::IntArrayRef ns) {
+  TORCH_CHECK(!data.empty() && data.size() == qtypes.size() && data.size() == ns.size(), "gguf linear_many: expected as many qtypes and ns as ",
+              "weights (at least one), got ", data.size(), " weights, ", qtypes.size(), " qtypes, ", ns.size(), " ns");
+  const Act a = quantize_scratch(x, "linear_many");
+  std::vector<Part> parts;
+  int64_t col = 0, first = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    Part w = part(data[i], qtypes[i], ns[i], a.K, "linear_many", "weight " + std::to_string(i));
+    w.col = col;
+    w.first = first;
+    col += w.n;
+    first += w.panels();
+    parts.push_back(w);
   }
+  at::Tensor y = at::empty({x.size(0), col}, at::kFloat);
+  if (first > 0) run(a, parts, y.data_ptr<float>(), x.size(0), col);
   return y;
 }
 
@@ -614,10 +663,12 @@ TORCH_LIBRARY(mtpspec_gguf, m) {
   m.def("dequantize(Tensor data, int qtype, int n, int k, Tensor? ids) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)", &quantize_activations);
   m.def("linear(Tensor x, Tensor data, int qtype, int n) -> Tensor");
+  m.def("linear_many(Tensor x, Tensor[] data, int[] qtypes, int[] ns) -> Tensor");
   m.def("isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(mtpspec_gguf, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("linear_many", &linear_many);
   m.impl("dequantize", &dequantize);
 }

@@ -2,16 +2,18 @@
 
 gguf_blocks.cpp multiplies the blocks directly: from_gguf() re-lays a weight out once into panels of 16 outputs
 (layout "panels16"), and linear() streams them once per call whatever the number of rows, split between torch's
-threads. Activations are quantized to 8 bits per 32 inputs (scale max|x|/127) and multiplied in integers, as
-llama.cpp's CPU kernels do (slightly off a float product with the dequantized weight). Each output is the same
-operations whatever shares the call, so linear() is row-invariant bitwise; dequantize() and embedding() are exact
-(bit for bit gguf.quants.dequantize). Float types are widened to fp32 for the panel kernel (mtpspec.kernels).
+threads; linear_many() does several weights that read one input (q, k, v) in one such call. Activations are quantized
+to 8 bits per 32 inputs (scale max|x|/127) and multiplied in integers, as llama.cpp's CPU kernels do (slightly off a
+float product with the dequantized weight). Each output is the same operations whatever shares the call, so linear()
+is row-invariant bitwise; dequantize() and embedding() are exact (bit for bit gguf.quants.dequantize). Float types are
+widened to fp32 for the panel kernel (mtpspec.kernels).
 Without a compiler, or with MTPSPEC_KERNELS=0, every type keeps GGUF's row order (layout "rows") and linear() is
 F.linear on the dequantized weight (kept after the first call).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import gguf
@@ -38,7 +40,9 @@ def _ready() -> None:
     torch.library.register_fake("mtpspec_gguf::linear")(lambda x, data, qtype, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("mtpspec_gguf::dequantize")(
         lambda data, qtype, n, k, ids: data.new_empty(n if ids is None else ids.shape[0], k, dtype=torch.float32))
+    torch.library.register_fake("mtpspec_gguf::linear_many")(lambda x, data, qtypes, ns: x.new_empty(x.shape[0], sum(ns)))
     _ops["linear"] = torch.ops.mtpspec_gguf.linear.default
+    _ops["linear_many"] = torch.ops.mtpspec_gguf.linear_many.default
 
 
 _EXT = Extension("mtpspec_gguf_blocks", "gguf_blocks.cpp", "gguf", "quantized linear layers run on dequantized weights "
@@ -164,6 +168,26 @@ def linear(x: Tensor, w: QuantizedWeight) -> Tensor:
             w.dense = dequantize(w)
         y = F.linear(flat, w.dense)
     return y.view(*x.shape[:-1], n)
+
+
+def linear_many(x: Tensor, weights: Sequence[QuantizedWeight]) -> Tensor:
+    """x (M, K) float32 -> (M, sum of the weights' N): linear(x, w) for each weight side by side, bitwise the same.
+    For weights that read one input (q, k, v; gate, up): on "panels16" weights one kernel call quantizes x once and
+    splits all their panels between the threads at once; otherwise (a "rows" weight, other x) torch.cat of linear()."""
+    if not weights:
+        raise ValueError("linear_many: no weights")
+    k = weights[0].shape[1]
+    if x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32 and x.is_contiguous():
+        data, qtypes, ns = [], [], []
+        for w in weights:  # one pass: this runs per layer per step
+            if w.layout != "panels16" or w.shape[1] != k:
+                break
+            data.append(w.data)
+            qtypes.append(w.qtype.value)
+            ns.append(w.shape[0])
+        else:
+            return _ops["linear_many"](x, data, qtypes, ns)
+    return torch.cat([linear(x, w) for w in weights], dim=-1)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
