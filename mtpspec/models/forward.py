@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import quantized
 from ..cache import check_room
 from ..device import on
 from ..errors import ConfigError
@@ -36,10 +37,14 @@ from .sparse_attention import IndexKeys, sparse_attend, window_sparse_attention
 def _proj(x: Tensor, *linears) -> list[Tensor]:
     """Several Linear of the same input as one product -> their outputs, split back.
 
-    The concatenated weight (and bias) is built once by `fuse_projections` and kept on the first module; layers that
-    were not fused run one by one."""
+    The concatenated weight (and bias) is built once by `fuse_projections` and kept on the first module. GGUF block
+    layers without biases share one kernel call on an fp32 input (quantized.linear_many: x quantized once, bitwise
+    each layer's own product); other layers run one by one."""
     fused = linears[0].__dict__.get("fused_with_next")
     if fused is None:
+        if x.dtype == torch.float32 and len(linears) > 1 and all("qweight" in lin.__dict__ and lin.bias is None for lin in linears):
+            y = quantized.linear_many(x, [lin.qweight for lin in linears])  # (N, sum of outputs)
+            return list(y.split([lin.out_features for lin in linears], dim=-1))
         return [lin(x) for lin in linears]
     w, b, panels = fused
     y = kernels.packed_linear(x, panels, w.shape[0], b) if panels is not None and kernels.usable(x, w) else F.linear(x, w, b)
