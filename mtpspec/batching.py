@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .cache import KVCache, lazy_zeros
 from .models.batch import ForwardBatch
-from .models.forward import dense_forward, hybrid_forward, record, tapped
+from .models.forward import dense_forward, hybrid_forward, record, tap_slots
 from .models.hybrid_cache import HybridCache
 from .types import TargetOutput
 
@@ -84,15 +84,17 @@ def stack_rows(rows: list[Tensor]) -> Tensor:
 
 
 def verify_pass(target, storage: SlotKV | None, caches: list, tokens: list[Tensor], trees: list, lazy: list[bool],
-                exact: bool) -> list[TargetOutput]:
+                taps: list[tuple[int, ...]], exact: bool) -> list[TargetOutput]:
     """A step's verify forward over every sequence's [last, drafts] (trees[b]: its TreeLayout or None; lazy[b]: its
-    logits left out): one batched forward. Each sequence alone when there is one, or no slot storage, in exact mode
-    (its width-one calls are a plain step's, per sequence) and with block-sparse attention (each sequence's block
-    selection is its own state)."""
+    logits left out; taps[b]: the layers whose inputs its drafter reads (layer_inputs)): one batched forward, tapping
+    the union of the batch's taps. Each sequence alone (with its own taps) when there is one, or no slot storage, in
+    exact mode (its width-one calls are a plain step's, per sequence) and with block-sparse attention (each
+    sequence's block selection is its own state)."""
     sparse = getattr(getattr(target, "config", None), "sparse_attention", None) is not None
     if len(caches) > 1 and storage is not None and not exact and not sparse:
-        return forward_batch(target, storage, caches, tokens, trees, lazy)
-    outs = [target.forward_tokens(t, c, exact, logits=not z, tree=tr) for t, c, tr, z in zip(tokens, caches, trees, lazy)]
+        return forward_batch(target, storage, caches, tokens, trees, lazy, taps=tuple(sorted(set().union(*taps))))
+    outs = [target.forward_tokens(t, c, exact, logits=not z, tree=tr, taps=tp)
+            for t, c, tr, z, tp in zip(tokens, caches, trees, lazy, taps)]
     for tr in trees:
         if tr is not None:
             tr.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
@@ -100,11 +102,12 @@ def verify_pass(target, storage: SlotKV | None, caches: list, tokens: list[Tenso
 
 
 def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], trees: list | None = None,
-                  lazy: list[bool] | None = None) -> list[TargetOutput]:
+                  lazy: list[bool] | None = None, taps: tuple[int, ...] = ()) -> list[TargetOutput]:
     """One forward of `target` over tokens[b] (T_b,) appended to caches[b], b = 0..B-1 in slots 0..B-1.
 
     trees[b]: sequence b's token tree (a TreeLayout over [last, nodes]) or None (a chain). lazy[b]: its logits are
-    left out (None: a greedy tree's verification runs the LM head only where its walk goes). Returns one TargetOutput
+    left out (None: a greedy tree's verification runs the LM head only where its walk goes). taps: the layers whose
+    inputs every sequence's output carries (layer_inputs; () leaves it None). Returns one TargetOutput
     per sequence (T_b rows each); each cache ends T_b positions further, with the per-position slots of its recurrent
     state kept for rollback (a tree's along each row's path, for keep()), as after forward_tokens.
     """
@@ -117,16 +120,16 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], t
     used = min(int(slots.max()) + 1, storage.max_len + 1)  # keys no query can see are not read
     k_bufs, v_bufs = storage.k[:, : fb.b, :, :used], storage.v[:, : fb.b, :, :used]  # (L, B, n_kv, S, hd) views
     fb = replace(fb, logits=False)  # the head runs once below, over the real rows
-    taps = tapped(target)  # {layer id: (N, H)} the layer inputs an EAGLE-3 drafter reads, or None
+    inputs = tap_slots(taps)  # {layer id: (N, H)} once the forward has run, or None
     if isinstance(caches[0], HybridCache):
         n = range(caches[0].n_linear)
         convs = [stack_rows([c.conv_window(i) for c in caches]) for i in n]  # (B, C, K-1)
         states = [stack_rows([c.start_state(i) for c in caches]) for i in n]  # (B, nv, dk, dv) (read, never written)
-        _, hid, pre, hists, recs = hybrid_forward(target, toks, fb, k_bufs, v_bufs, convs, states, taps=taps)
+        _, hid, pre, hists, recs = hybrid_forward(target, toks, fb, k_bufs, v_bufs, convs, states, taps=inputs)
         for b, c in enumerate(caches):
             record(c, hists, recs, b, lens[b])
     else:
-        _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs, taps)  # (N, H) each
+        _, hid, pre = dense_forward(target, toks, fb, k_bufs, v_bufs, inputs)  # (N, H) each
     for b, c in enumerate(caches):
         c.advance(lens[b])
     lazy = lazy or [False] * len(lens)
@@ -140,6 +143,6 @@ def forward_batch(target, storage: SlotKV, caches: list, tokens: list[Tensor], t
     for t, z in zip(lens, lazy):
         logits = None if z else head[j : j + t]
         outs.append(TargetOutput(logits=logits, hidden=hid[i : i + t], prenorm_hidden=pre[i : i + t],
-                                 layer_inputs=None if taps is None else {n: x[i : i + t] for n, x in taps.items()}))
+                                 layer_inputs=None if inputs is None else {n: x[i : i + t] for n, x in inputs.items()}))
         i, j = i + t, j + (0 if z else t)
     return outs

@@ -53,10 +53,12 @@ class Target(Protocol):
 
     def new_cache(self) -> Cache: ...
     def forward_tokens(self, tokens: Tensor, cache: Cache, exact: bool = False, logits: bool = True, tree=None,
-                       prefill: bool = False) -> TargetOutput:
+                       prefill: bool = False, taps: tuple[int, ...] = ()) -> TargetOutput:
         """tokens (T,) appended at cache.length -> TargetOutput (T rows) (models/forward.run): exact, one-position
         forwards; logits=False, the LM head may be skipped (None); tree, a token tree's rows; prefill, a prompt (never
-        cropped inside)."""
+        cropped inside); taps, the decoder layers whose inputs (the residual stream entering each) the output carries
+        as layer_inputs: the sequence's drafter's `taps`, passed on each of its forwards and kept nowhere (() leaves
+        layer_inputs None; only a forward that taps runs eagerly on a compiled model)."""
         ...
     def head(self, hidden: Tensor) -> Tensor: ...
 
@@ -144,8 +146,10 @@ class Sequence:
             # with a large vocabulary, a long prompt's logits are gigabytes and teraflops that nothing would use
             # nothing is cropped inside a prefill: a hybrid keeps its final state only
             logits = self.prompt_logprobs is not None or any(s.drafter.prefill_logits for s in [self, *self.copies])
+            # the layer inputs any of them reads (an EAGLE-3 drafter's features); none otherwise
+            taps = tuple(sorted(set().union(*(s.drafter.taps for s in [self, *self.copies]))))
             self.prefill_outs.append(target.forward_tokens(self.context[self.prefilled : end], self.cache, exact,
-                                                           logits=logits, prefill=True))
+                                                           logits=logits, prefill=True, taps=taps))
             self.prefilled = end
         if self.prefilled >= len(self.prompt) - 1:
             out = TargetOutput.cat(self.prefill_outs) if self.prefill_outs else None
@@ -299,7 +303,8 @@ def step(target: Target, seqs: list[Sequence], depths: list[int], exact: bool = 
         raise ConfigError("token trees are not available in exact mode (its verify pass is one-position forwards)")
     # a greedy tree leaves its LM head to verification, which runs it only where its walk goes
     heads_later = [d.is_tree and not s.trace and s.sampler.params.greedy and not s.sampler.reads_context for d, s in zip(drafts, seqs)]
-    outs = verify_pass(target, storage, [s.cache for s in seqs], tokens, layouts, heads_later, exact)  # 2. ONE pass
+    taps = [s.drafter.taps for s in seqs]  # the layer inputs each drafter reads from the pass (EAGLE-3's features)
+    outs = verify_pass(target, storage, [s.cache for s in seqs], tokens, layouts, heads_later, taps, exact)  # 2. ONE pass
     lazy: dict[int, Tensor] = {}  # sequence -> its tree's kept rows' logits
     if all(s.sampler.params.greedy and not s.sampler.reads_context for s in seqs) and not trees:  # 3. accept n_i + recovered/bonus
         verdicts = verify_greedy_many(drafts, torch.cat([o.logits.argmax(-1) for o in outs]))  # (one host sync)

@@ -68,8 +68,8 @@ class TargetOutput:
     logits: Tensor | None  # (T, V) float32, next-token logits at each position (None: a prefill asked for none)
     hidden: Tensor  # (T, H) last hidden state after the final norm (what MTP / EAGLE heads read)
     prenorm_hidden: Tensor | None = None  # (T, H) before the final norm, for heads trained on it
-    # layer id -> (T, H) the residual stream entering that decoder layer, for the layers the model taps
-    # (model.tapped_layers, set by an EAGLE-3 drafter: forward.tapped); None when it taps none
+    # layer id -> (T, H) the residual stream entering that decoder layer, for the layers the forward was asked to tap
+    # (forward_tokens(..., taps): an EAGLE-3 drafter's features); None when it taps none
     layer_inputs: dict[int, Tensor] | None = None
 
     def rows(self, rows: list[int]) -> "TargetOutput":

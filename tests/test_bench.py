@@ -245,12 +245,13 @@ def test_drafter_cost_counts_propose_and_commit_as_draft_time(stories, monkeypat
         def new_cache(self):
             return target.new_cache()
 
-        def forward_tokens(self, tokens, cache, exact=False, logits=True, tree=None, prefill=False):
+        def forward_tokens(self, tokens, cache, exact=False, logits=True, tree=None, prefill=False, taps=()):
             clock.work(0.010 + 0.001 * tokens.shape[0])
-            return target.forward_tokens(tokens, cache, exact, logits, tree, prefill)
+            return target.forward_tokens(tokens, cache, exact, logits, tree, prefill, taps)
 
     class Drafter:  # propose(d) costs 2 ms per draft (+ 4 ms of catch-up the first time), commit 0.5 ms
         prefill_logits = False
+        taps = ()
 
         def prefill(self, context, out, sampler):
             self.fresh = True

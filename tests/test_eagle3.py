@@ -97,10 +97,7 @@ def reference_drafts(target, head, context: list[int], k: int) -> list[int]:
     att = blk.self_attn
     nh, nkv, hd = att.nh, att.nkv, att.hd
     with torch.inference_mode():
-        before = getattr(target, "tapped_layers", ())
-        target.tapped_layers = LAYERS
-        out = target.forward_tokens(torch.tensor(context[:-1]), target.new_cache())
-        target.tapped_layers = before
+        out = target.forward_tokens(torch.tensor(context[:-1]), target.new_cache(), taps=LAYERS)
         feats = torch.cat([out.layer_inputs[i] for i in c.aux_layers], -1)  # (P, 3H) [low, mid, high]
         g_all = feats @ m.fc.weight.t()  # the encoder: fc_out
         tok_embd = target.model.embed_tokens.weight
@@ -150,7 +147,7 @@ def test_training_time_test_is_the_draft_chain(target):
     toks = torch.tensor([1, 4, 1, 5, 9, 2, 6, 3, 3, 7, 8, 1])
     src = attach(t64, h64)
     with torch.inference_mode():
-        out = t64.forward_tokens(toks, t64.new_cache())
+        out = t64.forward_tokens(toks, t64.new_cache(), taps=src.taps)
         outs = eagle3_chain(h64, t64, toks[None], torch.cat([out.layer_inputs[i] for i in LAYERS], -1)[None], 3)
         g = src.pair_hidden(out)
         for i in (0, 4, 8):
@@ -160,6 +157,80 @@ def test_training_time_test_is_the_draft_chain(target):
                 torch.testing.assert_close(o[0], outs[k][0, i], rtol=0, atol=1e-12)
                 if k < 2:  # step k + 1 reads step k's output and t_{i+k+2}
                     o = src.mtp_forward(o, toks[i + 2 + k : i + 3 + k], cache)
+
+
+def test_taps_are_passed_for_the_eagle3_sequence_only(target, head, monkeypatch):
+    """The EAGLE-3 drafter asks for its layers' inputs (`taps`) and the engine passes them to its own sequence's target
+    forwards (prefill, verify; exact mode's one-position forwards): attaching the head sets nothing on the target, and
+    other drafters' forwards of the same model, before, after and beside it, tap nothing. A batched verify pass taps
+    the union of its sequences' taps."""
+    import mtpspec.batching as batching
+    from mtpspec.engine import Engine
+
+    t64, h64 = _fp64(target, head)
+    before = dict(vars(t64))
+    d = make_drafter("eagle3", t64, draft_model=h64)
+    assert d.taps == (0, 1) and vars(t64) == before
+    assert make_drafter("ngram", t64).taps == () and make_drafter("none", t64).taps == ()
+    seen, unions = [], []  # (taps, the layers of layer_inputs or None) of every sequence's forward; each batch's taps
+    forward, batched = type(t64).forward_tokens, batching.forward_batch
+
+    def one(self, *args, **kw):
+        out = forward(self, *args, **kw)
+        seen.append((kw.get("taps", ()), None if out.layer_inputs is None else tuple(sorted(out.layer_inputs))))
+        return out
+
+    def many(*args, **kw):
+        outs = batched(*args, **kw)
+        unions.append(kw["taps"])
+        seen.extend((kw["taps"], None if o.layer_inputs is None else tuple(sorted(o.layer_inputs))) for o in outs)
+        return outs
+
+    monkeypatch.setattr(type(t64), "forward_tokens", one)
+    monkeypatch.setattr(batching, "forward_batch", many)
+    a, b = PROMPTS[1], PROMPTS[3]
+    refs = [run(t64, p, 1, None, drafter="none").tokens for p in (a, b)]
+    assert seen and set(seen) == {((), None)}
+    for exact in (False, True):
+        seen.clear()
+        r = generate_tokens(t64, a, make_drafter("eagle3", t64, draft_model=h64), 3, Sampler(SamplingParams(), 0), N, exact=exact)
+        assert r.tokens == refs[0] and r.stats.draft_tokens > 0
+        assert seen and set(seen) == {((0, 1), (0, 1))}
+    seen.clear()
+    assert run(t64, a, 3, None, drafter="ngram").tokens == refs[0]
+    assert seen and set(seen) == {((), None)}
+    seen.clear()
+    engine = Engine(t64, max_batch=2)
+    sids = [engine.add(a, make_drafter("eagle3", t64, draft_model=h64), Sampler(SamplingParams(), 0), 3, N),
+            engine.add(b, make_drafter("ngram", t64), Sampler(SamplingParams(), 0), 3, N)]
+    got = engine.run()
+    assert [got[s].tokens for s in sids] == refs
+    assert seen[:2] == [((0, 1), (0, 1)), ((), None)]  # each prompt's own prefill: its own drafter's taps
+    assert unions and set(unions) == {(0, 1)}  # the batch's verify passes, while both ran
+    assert set(seen[2:]) <= {((0, 1), (0, 1)), ((), None)}
+
+
+def test_a_plain_sequence_after_an_eagle3_one_takes_the_compiled_step(target, head):
+    """Only a forward that taps runs eagerly on a compiled model: the EAGLE-3 sequence's forwards skip the compiled
+    step, a plain sequence on the same model object after it takes it again."""
+    from mtpspec.models.forward import forward_tokens
+
+    t64, h64 = _fp64(target, head)
+
+    class Step:  # a compiled step that takes every window it is offered, run as the eager forward
+        calls = 0
+
+        def handles(self, t, cache):
+            return True
+
+        def __call__(self, tokens, cache):
+            self.calls += 1
+            return forward_tokens(t64, tokens, cache)
+
+    ref = run(t64, PROMPTS[1], 1, None, drafter="none").tokens
+    t64.compiled_step = step = Step()
+    assert run(t64, PROMPTS[1], 3, h64).tokens == ref and step.calls == 0
+    assert run(t64, PROMPTS[1], 1, None, drafter="none").tokens == ref and step.calls == N  # every step's forward
 
 
 @pytest.mark.slow
@@ -230,9 +301,9 @@ def test_training_lowers_the_loss(target):
             seqs.append((toks.clone(), target.forward_tokens(toks, target.new_cache()).hidden.clone()))
     for p in target.parameters():
         p.requires_grad_(False)
-    before = getattr(target, "tapped_layers", ())
+    before = dict(vars(target))
     one = layer_input_data(target, seqs[1:2], (1, 0, 1), progress_bar=False)[0][2]  # (T, 3H): layers 1, 0, 1's inputs
-    assert getattr(target, "tapped_layers", ()) == before  # put back as it was
+    assert vars(target) == before  # the taps were passed to the forward, nothing set on the target
     assert torch.equal(one[:, :32], one[:, 64:]) and not torch.equal(one[:, :32], one[:, 32:64])
     seqs = layer_input_data(target, seqs, LAYERS, progress_bar=False)
     cfg = HeadConfig(out="", kind="eagle3", depth=3, draft_vocab=12)

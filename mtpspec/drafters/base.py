@@ -41,6 +41,10 @@ class Drafter(Protocol):
     # whether prefill's `out` must carry the target's logits over the prompt (lookahead's Jacobi guesses read them);
     # when False, out.logits is None and the target skips its LM head over the prompt's rows
     prefill_logits: bool
+    # the target layers whose inputs every `out` of this sequence must carry (TargetOutput.layer_inputs: an EAGLE-3
+    # head's features); the engine passes them to each of its target forwards (forward_tokens(..., taps)). () for
+    # every other drafter: its sequence's forwards tap nothing
+    taps: tuple[int, ...]
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         """context (L,) the prompt; out: the target's prefill over context[:-1] (None if L == 1)."""
@@ -77,6 +81,7 @@ class NoDrafter:
 
     name = "none"
     prefill_logits = False
+    taps = ()
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         pass

@@ -31,6 +31,10 @@ class FixedDrafter:
     def prefill_logits(self) -> bool:
         return self.inner is not None and self.inner.prefill_logits
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.inner.taps if self.inner is not None else ()
+
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:
         if self.inner is not None:
             self.inner.prefill(context, out, sampler)

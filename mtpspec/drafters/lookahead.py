@@ -76,6 +76,7 @@ class NgramPool:
 
 class LookaheadDrafter:
     name = "lookahead"
+    taps = ()  # it reads no layer's inputs
 
     def __init__(self, n: int = 5, jacobi: bool = True) -> None:
         LookaheadOptions(n, jacobi)  # checked: integers, n >= 2

@@ -77,6 +77,7 @@ class MTPDrafter:
         # an EAGLE-3 head (models.heads.Eagle3Head): its pairs' hidden states come from the target's layer inputs, its
         # drafts from its own LM head over its draft vocabulary
         self.pair_hidden = getattr(target, "pair_hidden", None)
+        self.taps: tuple[int, ...] = getattr(target, "taps", ())  # the target layers whose inputs pair_hidden reads
         own = getattr(target, "own_head", None)
         if own is not None and draft_vocab:
             raise ConfigError("--draft-vocab does not apply to an eagle3 head: its draft vocabulary is its own (d2t)")

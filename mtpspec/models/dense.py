@@ -158,6 +158,7 @@ class DenseLM(CausalLM):
         return KVCache(c.num_layers, c.num_kv_heads, c.hd, max_len or c.max_seq_len, self.dtype, device=device_of(self))
 
     def forward_tokens(self, tokens: Tensor, cache: KVCache, exact: bool = False, logits: bool = True, tree=None,
-                       prefill: bool = False) -> TargetOutput:
-        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H): see forward.run."""
-        return run(self, tokens, cache, exact, logits, tree, prefill)
+                       prefill: bool = False, taps: tuple[int, ...] = ()) -> TargetOutput:
+        """tokens (T,) appended at positions cache.length.. -> logits (T, V), hidden (T, H), the inputs of layers
+        `taps`: see forward.run."""
+        return run(self, tokens, cache, exact, logits, tree, prefill, taps)

@@ -243,11 +243,10 @@ def _delta_net(dn, x: Tensor, conv_window: Tensor, s0: Tensor, fb: ForwardBatch)
     return out, hist, rec
 
 
-def tapped(model) -> dict | None:
-    """{layer id: None} for the layers whose input `model` taps (model.tapped_layers: an EAGLE-3 drafter's feature
-    layers), filled by the forward; None when it taps none."""
-    ids = getattr(model, "tapped_layers", ())
-    return dict.fromkeys(ids) if ids else None
+def tap_slots(taps: tuple[int, ...]) -> dict | None:
+    """{layer id: None} for the layers a forward is asked to tap (an EAGLE-3 drafter's feature layers), filled by
+    dense_forward / hybrid_forward; None when it taps none."""
+    return dict.fromkeys(taps) if taps else None
 
 
 def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None, v_bufs: Tensor | None, taps: dict | None = None):
@@ -346,48 +345,52 @@ def record(cache: HybridCache, hists: list[Tensor], recs: list, b: int = 0, t: i
 
 
 @torch.inference_mode()
-def forward_tokens(model, tokens: Tensor, cache, tree=None, prefill: bool = False, logits: bool = True) -> TargetOutput:
+def forward_tokens(model, tokens: Tensor, cache, tree=None, prefill: bool = False, logits: bool = True,
+                   taps: tuple[int, ...] = ()) -> TargetOutput:
     """One sequence: tokens (T,) appended at positions cache.length.. (a token tree's rows at start + depth) ->
-    logits (T, V) (None when logits=False), hidden (T, H) post final norm; the cache advances by T."""
+    logits (T, V) (None when logits=False), hidden (T, H) post final norm, and the residual stream (T, H) entering
+    each layer in `taps` (layer_inputs); the cache advances by T."""
     t, start = tokens.shape[0], cache.length
     check_room(start + t, cache.max_len)
     fb = ForwardBatch.one(start, t, tree, prefill, logits)
-    taps = tapped(model)
+    inputs = tap_slots(taps)  # {layer id: (T, H)} once the forward has run
     if isinstance(cache, HybridCache):
         kv, n = cache.kv, range(cache.n_linear)
         convs = [cache.conv_window(i) for i in n]  # (1, C, K-1)
         states = [cache.start_state(i) for i in n]  # (1, nv, dk, dv)
-        lg, hid, pre, hists, recs = hybrid_forward(model, tokens[None], fb, kv.k, kv.v, convs, states, kv, taps)
+        lg, hid, pre, hists, recs = hybrid_forward(model, tokens[None], fb, kv.k, kv.v, convs, states, kv, inputs)
         record(cache, hists, recs)
     else:
-        lg, hid, pre = dense_forward(model, tokens[None], fb, cache.k, cache.v, taps)
+        lg, hid, pre = dense_forward(model, tokens[None], fb, cache.k, cache.v, inputs)
     cache.advance(t)
-    return TargetOutput(logits=lg, hidden=hid, prenorm_hidden=pre, layer_inputs=taps)
+    return TargetOutput(logits=lg, hidden=hid, prenorm_hidden=pre, layer_inputs=inputs)
 
 
 @torch.inference_mode()
-def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, tree=None, prefill: bool = False) -> TargetOutput:
+def run(model, tokens: Tensor, cache, exact: bool = False, logits: bool = True, tree=None, prefill: bool = False,
+        taps: tuple[int, ...] = ()) -> TargetOutput:
     """model.forward_tokens: one sequence's forward over tokens (T,) appended to its cache.
 
     exact (outside a prefill): T one-position forwards (by_position). A window the model's compiled step handles
-    (compiled.compile_model: chains of a batch-1 fp32 / bf16 model) runs its graph. logits=False: the LM head is left
-    out (a prefill nobody reads; the compiled and exact paths return logits regardless). tree: a token tree's rows.
-    On a model off the CPU (mtpspec.device: its cache is there too) the tokens are moved there and what the forward
-    makes is made there."""
+    (compiled.compile_model: chains of a batch-1 fp32 / bf16 model) runs its graph, unless the forward taps layer
+    inputs (its graphs return none). logits=False: the LM head is left out (a prefill nobody reads; the compiled and
+    exact paths return logits regardless). tree: a token tree's rows. taps: the layers whose inputs the output
+    carries (TargetOutput.layer_inputs: an EAGLE-3 drafter's features). On a model off the CPU (mtpspec.device: its
+    cache is there too) the tokens are moved there and what the forward makes is made there."""
     dev = cache.kv.k.device
     if dev.type != "cpu" and (tokens.device != dev or torch.get_default_device() != dev):
         with on(dev):
-            return run(model, tokens.to(dev), cache, exact, logits, tree, prefill)
+            return run(model, tokens.to(dev), cache, exact, logits, tree, prefill, taps)
     if tree is None and not prefill:
         if exact and tokens.shape[0] > 1:
-            return by_position(model, tokens, cache)
-        step = model.compiled_step  # (a model tapping layer inputs runs eagerly: its graphs return none)
-        if step is not None and step.handles(tokens.shape[0], cache) and not getattr(model, "tapped_layers", ()):
+            return by_position(model, tokens, cache, taps)
+        step = model.compiled_step
+        if step is not None and not taps and step.handles(tokens.shape[0], cache):
             return step(tokens, cache)
-    return forward_tokens(model, tokens, cache, tree, prefill, logits)
+    return forward_tokens(model, tokens, cache, tree, prefill, logits, taps)
 
 
-def by_position(model, tokens: Tensor, cache) -> TargetOutput:
+def by_position(model, tokens: Tensor, cache, taps: tuple[int, ...] = ()) -> TargetOutput:
     """tokens (T,) as T one-position forwards: exact mode's verify pass.
 
     Each position is then computed by exactly the code and shapes of a plain decode step, so its logits are bitwise
@@ -398,7 +401,7 @@ def by_position(model, tokens: Tensor, cache) -> TargetOutput:
     stitch = cache.stitch_begin() if hybrid else None
     outs = []
     for j in range(tokens.shape[0]):
-        outs.append(run(model, tokens[j : j + 1], cache))
+        outs.append(run(model, tokens[j : j + 1], cache, taps=taps))
         if hybrid:
             cache.stitch_add(stitch)
     if hybrid:

@@ -310,8 +310,9 @@ class Eagle3Head(AttachedHead):
     hidden states are g = fc(the target's layer inputs) (`pair_hidden`), whose embedding is the target's raw rows, and
     whose logits are its own LM head's over its draft vocabulary (`own_head`, -inf elsewhere in `head`).
 
-    Attaching it makes the target tap the inputs of the head's layers (target.tapped_layers, every forward's
-    TargetOutput.layer_inputs; kept for the target's later forwards, a few copies of (T, H) rows each)."""
+    Attaching it sets nothing on the target: its `taps` (the head's layers, once each) are what its drafter asks the
+    engine to pass to every target forward of its sequence (forward_tokens(..., taps), TargetOutput.layer_inputs);
+    other sequences' forwards of the same target tap nothing."""
 
     def __init__(self, target, head: DraftHead) -> None:
         from .eagle3 import Eagle3Vocab
@@ -319,8 +320,8 @@ class Eagle3Head(AttachedHead):
         super().__init__(target, head)
         self.token_ranking = None  # its draft vocabulary is the head's own (d2t), not a ranking of the target's
         self.own_head = Eagle3Vocab(head.mtp, target.vocab_size)
-        self.layers = tuple(head.config.aux_layers)
-        target.tapped_layers = tuple(sorted(set(getattr(target, "tapped_layers", ())) | set(self.layers)))
+        self.layers = tuple(head.config.aux_layers)  # in fc's order (a layer may repeat)
+        self.taps = tuple(sorted(set(self.layers)))  # the target layers whose inputs pair_hidden reads
 
     def pair_hidden(self, out) -> Tensor:
         """A target forward's output (T rows) -> g (T, H), the hidden state of the pairs at those positions."""

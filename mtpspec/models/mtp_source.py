@@ -24,8 +24,9 @@ class MTPSource(Protocol):
     embedding of the token after it, and returns a hidden state (T, H) for the target's LM head.
     Besides the members below, the drafter reads `token_ranking` (a models.draft_vocab.TokenRanking,
     or None / absent when the checkpoint has no draft vocabulary) through getattr, and from an EAGLE-3 head
-    `pair_hidden(out)` (its pairs' hidden states from a target forward's layer inputs, in place of out.hidden) and
-    `own_head` (its own draft-vocabulary LM head, in place of the target's).
+    `pair_hidden(out)` (its pairs' hidden states from a target forward's layer inputs, in place of out.hidden), `taps`
+    (the target layers whose inputs pair_hidden reads: the drafter's own `taps`) and `own_head` (its own
+    draft-vocabulary LM head, in place of the target's).
     """
 
     mtp: nn.Module | None  # forward(hidden (T, H), emb (T, H), cache, start, layer) -> (T, H); None = the model has none

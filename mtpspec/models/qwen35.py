@@ -237,10 +237,10 @@ class HybridLM(CausalLM):
         return cache
 
     def forward_tokens(self, tokens: Tensor, cache: HybridCache, exact: bool = False, logits: bool = True, tree=None,
-                       prefill: bool = False) -> TargetOutput:
+                       prefill: bool = False, taps: tuple[int, ...] = ()) -> TargetOutput:
         """tokens (T,) appended at cache.length.. -> logits (T, V) (fp32, fp64 for an fp64 model), hidden (T, H) post
-        final norm: see forward.run."""
-        return run(self, tokens, cache, exact, logits, tree, prefill)
+        final norm, the inputs of layers `taps`: see forward.run."""
+        return run(self, tokens, cache, exact, logits, tree, prefill, taps)
 
     def mtp_forward(self, hidden: Tensor, tokens: Tensor, cache: KVCache, layer: int = 0, tree=None,
                     sparse: str = "recompute") -> Tensor:

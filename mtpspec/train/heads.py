@@ -338,16 +338,12 @@ def layer_input_data(target, seqs: list[tuple[Tensor, Tensor]], layers: tuple[in
 
     if path is not None and path.exists():
         return [(t, h, a) for (t, h), a in zip(seqs, torch.load(path))]
-    before = getattr(target, "tapped_layers", ())
-    target.tapped_layers = tuple(layers)
-    try:
-        feats = []
-        for t, _ in tqdm(seqs, desc="target layer inputs", disable=not progress_bar):
-            out = target.forward_tokens(t, target.new_cache(t.shape[0]), prefill=True, logits=False)
-            a = torch.cat([out.layer_inputs[i] for i in layers], dim=-1)  # (T, 3H)
-            feats.append(a.to(torch.bfloat16 if target.dtype == torch.float32 else target.dtype).clone())
-    finally:
-        target.tapped_layers = before
+    taps = tuple(sorted(set(layers)))
+    feats = []
+    for t, _ in tqdm(seqs, desc="target layer inputs", disable=not progress_bar):
+        out = target.forward_tokens(t, target.new_cache(t.shape[0]), prefill=True, logits=False, taps=taps)
+        a = torch.cat([out.layer_inputs[i] for i in layers], dim=-1)  # (T, 3H)
+        feats.append(a.to(torch.bfloat16 if target.dtype == torch.float32 else target.dtype).clone())
     if path is not None:
         torch.save(feats, path)
     return [(t, h, a) for (t, h), a in zip(seqs, feats)]
