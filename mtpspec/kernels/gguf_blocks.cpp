@@ -563,26 +563,56 @@ void panel_passes(const Act& a, const Part& w, float* y, int64_t M, int64_t ldy,
   }
 }
 
+// Panels [f0, f1) of the flat index over the weights' panels.
+void run_range(const Act& a, const std::vector<Part>& parts, float* y, int64_t M, int64_t ldy, int64_t f0, int64_t f1) {
+  size_t i = 0;
+  for (int64_t f = f0; f < f1; ++f) {
+    while (f >= parts[i].first + parts[i].panels()) ++i;  // parts in order of `first`
+    const Part& w = parts[i];
+    const int64_t p = f - w.first;
+    switch (w.t) {
+      case T_Q8_0: panel_passes<T_Q8_0>(a, w, y, M, ldy, p); break;
+      case T_Q4_0: panel_passes<T_Q4_0>(a, w, y, M, ldy, p); break;
+      case T_Q5_0: panel_passes<T_Q5_0>(a, w, y, M, ldy, p); break;
+      case T_Q4_K: panel_passes<T_Q4_K>(a, w, y, M, ldy, p); break;
+      case T_Q5_K: panel_passes<T_Q5_K>(a, w, y, M, ldy, p); break;
+      case T_Q6_K: panel_passes<T_Q6_K>(a, w, y, M, ldy, p); break;
+      default: break;
+    }
+  }
+}
+
 // y (M, ldy) = the weights' products side by side: one flat index over all their panels, split between torch's
-// threads. Each output is computed by panel_rows alone, so it is the same number whichever weights share the call.
+// threads; weights of several block types are split by bytes (a Q8_0 panel costs more than a Q5_0 one), one range
+// per thread. Each output is computed by panel_rows alone, so it is the same number whichever weights share the call
+// and however the panels are split.
 void run(const Act& a, const std::vector<Part>& parts, float* y, int64_t M, int64_t ldy) {
   const int64_t total = parts.back().first + parts.back().panels();
-  at::parallel_for(0, total, 2, [&](int64_t f0, int64_t f1) {
-    size_t i = 0;
-    for (int64_t f = f0; f < f1; ++f) {
-      while (f >= parts[i].first + parts[i].panels()) ++i;  // parts in order of `first`
-      const Part& w = parts[i];
-      const int64_t p = f - w.first;
-      switch (w.t) {
-        case T_Q8_0: panel_passes<T_Q8_0>(a, w, y, M, ldy, p); break;
-        case T_Q4_0: panel_passes<T_Q4_0>(a, w, y, M, ldy, p); break;
-        case T_Q5_0: panel_passes<T_Q5_0>(a, w, y, M, ldy, p); break;
-        case T_Q4_K: panel_passes<T_Q4_K>(a, w, y, M, ldy, p); break;
-        case T_Q5_K: panel_passes<T_Q5_K>(a, w, y, M, ldy, p); break;
-        case T_Q6_K: panel_passes<T_Q6_K>(a, w, y, M, ldy, p); break;
-        default: break;
-      }
+  bool mixed = false;
+  for (const Part& w : parts) mixed |= w.t != parts[0].t;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  if (!mixed || threads < 2) {
+    at::parallel_for(0, total, 2, [&](int64_t f0, int64_t f1) { run_range(a, parts, y, M, ldy, f0, f1); });
+    return;
+  }
+  std::vector<double> cost(parts.size());  // bytes of one panel of each weight
+  double all = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Info I = info(parts[i].t);
+    cost[i] = static_cast<double>(a.K / I.bs * I.block());
+    all += cost[i] * parts[i].panels();
+  }
+  std::vector<int64_t> bound(threads + 1, total);  // thread j runs panels [bound[j], bound[j + 1])
+  bound[0] = 0;
+  double sum = 0;
+  int64_t j = 1;
+  for (size_t i = 0; i < parts.size() && j < threads; ++i)
+    for (int64_t p = 0; p < parts[i].panels() && j < threads; ++p) {
+      sum += cost[i];
+      if (sum >= all * j / threads) bound[j++] = parts[i].first + p + 1;
     }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run_range(a, parts, y, M, ldy, bound[t], bound[t + 1]);
   });
 }
 
