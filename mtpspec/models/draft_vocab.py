@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import quantized
 from ..device import of as device_of
 from ..errors import ConfigError, ModelLoadError
 from ..weight_cache import weights_version
@@ -107,14 +108,22 @@ class SubsetHead:
 
 
 class DraftHead(SubsetHead):
-    """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids."""
+    """The target's LM head restricted to `ids`: logits over the subset, mapped back to token ids.
+
+    Its rows are copied once: for the small-row kernel (fp32 / bf16 heads), or, from a head kept in GGUF blocks, as
+    Q8_0 blocks on the block kernel (bit for bit a Q8_0 head's rows; other block types re-quantized): a draft step
+    reads a quarter of the bytes of fp32 rows. Only what is drafted changes; verification reads the target's head."""
 
     def __init__(self, lm_head, ids: Tensor) -> None:
         super().__init__(ids.to(device_of(lm_head)), lm_head.out_features)  # ids beside the LM head (mtpspec.device)
-        self.product = kernels.Product(lm_head.rows(ids))  # (N, H) a copy in the small-row kernel's layout (blocks: dequantized)
+        rows = lm_head.rows(ids)  # (N, H) in the model's dtype (blocks: dequantized)
+        self.blocks = quantized.q8_0(rows) if "qweight" in lm_head.__dict__ and rows.device.type == "cpu" and quantized.available() else None
+        self.product = None if self.blocks is not None else kernels.Product(rows)
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
+        if self.blocks is not None:
+            return quantized.linear(h.float().contiguous(), self.blocks)
         return self.product(h, widen=True).float()
 
 
