@@ -44,7 +44,7 @@ PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", 
 def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
     """The file's tokenizer with the HFTokenizer interface (encode / decode / stream / stop_ids / chat_template)."""
     f = source if isinstance(source, GGUFFile) else read_gguf(source)
-    out = load_spm_tokenizer(f, _spm_cache_path(f), lambda path=f.path: build_tokenizer(read_gguf(path)))  # Gemma's vocabulary: SentencePiece, half the memory
+    out = load_spm_tokenizer(f, lambda path=f.path: build_tokenizer(read_gguf(path)))  # Gemma's vocabulary: CompactBPE, a tenth the memory
     tok = None if out is not None else build_tokenizer(f)
     md = f.metadata
     eos = md.get("tokenizer.ggml.eos_token_id")
@@ -125,17 +125,6 @@ def _cache_path(f: GGUFFile) -> Path | None:
     import tokenizers
 
     return _cache_entry(f, f"{tokenizers.__version__} {BUILDER_VERSION}", "merges.npy")
-
-
-def _spm_cache_path(f: GGUFFile) -> Path | None:
-    """Where the file's serialized SentencePiece model is kept (tokenizer_spm.py), keyed as the merges are."""
-    try:
-        import sentencepiece
-    except ImportError:
-        return None
-    from . import tokenizer_spm
-
-    return _cache_entry(f, f"sentencepiece {sentencepiece.__version__} {tokenizer_spm.BUILDER_VERSION}", "spm.model")
 
 
 def _cache_entry(f: GGUFFile, versions: str, suffix: str) -> Path:

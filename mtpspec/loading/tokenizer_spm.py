@@ -21,7 +21,6 @@ built from the file on first use.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import struct
 import threading
@@ -32,17 +31,16 @@ import numpy as np
 
 from ..errors import ConfigError
 from .gguf import GGUFFile
+from .tokenizer_bpe import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, CompactBPE  # types: llama.cpp's are SentencePiece's
 from .tokenizer_hf import HFTokenizer
 
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # SentencePiece vocabularies run as transformers' Gemma tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte pieces
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's and SentencePiece's token types
-BUILDER_VERSION = 1  # bump when the model written changes: cached models of older builds are then not read
 
 
 class SPMTokenizer(HFTokenizer):
-    """HFTokenizer's interface over a `sentencepiece.SentencePieceProcessor`."""
+    """HFTokenizer's interface over a CompactBPE (SentencePiece's BPE; `sp`, named as the processor it stands in for)."""
 
     def __init__(self, sp, path: Path, *, bos: int | None, eos: int | None, unk: int, special_ids, byte_ids: dict[int, int],
                  stop_ids: tuple[int, ...] = (), build_hf: Callable[[], object] | None = None) -> None:
@@ -128,53 +126,24 @@ class SPMTokenizer(HFTokenizer):
         return "".join(out)
 
 
-def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None, build_hf: Callable[[], object] | None = None) -> SPMTokenizer | None:
-    """The file's tokenizer on SentencePiece, or None where it is not a Gemma SentencePiece vocabulary SentencePiece
-    can run as transformers does (then the `tokenizers` one is built). `cache`: where the serialized model is kept;
-    build_hf: makes the same tokenizer as a `tokenizers.Tokenizer` (grammars, export), called on first use."""
-    try:
-        import sentencepiece
-    except ImportError:
-        return None
+def load_spm_tokenizer(f: GGUFFile, build_hf: Callable[[], object] | None = None) -> SPMTokenizer | None:
+    """The file's tokenizer on CompactBPE, or None where it is not a Gemma SentencePiece vocabulary that SentencePiece's
+    BPE runs as transformers does (then the `tokenizers` one is built). build_hf: makes the same tokenizer as a
+    `tokenizers.Tokenizer` (grammars, export), called on first use."""
     plan = _plan(f)
     if plan is None:
         return None
     tokens, types, added, special, add_bos, add_eos = plan
-    blob = None
-    if cache is not None and cache.is_file():
-        try:
-            blob = cache.read_bytes()
-        except OSError:
-            blob = None
-    sp = _processor(sentencepiece, blob) if blob is not None else None
-    if sp is None:
-        blob = model_proto(tokens, types, added, special["unknown"])
-        sp = _processor(sentencepiece, blob)
-        if sp is None:
-            return None
-        if cache is not None:
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-                tmp.write_bytes(blob)
-                os.replace(tmp, cache)  # readers see no file or a whole one
-            except OSError:
-                pass  # a read-only cache: written again next time
-    del blob
-    if sp.get_piece_size() != len(tokens) or any(sp.encode(tokens[i]) != [i] for i in np.flatnonzero(added).tolist()
-                                                 if i != special["unknown"]):
+    try:
+        sp = CompactBPE(tokens, piece_types(types, added, special["unknown"]), special["unknown"])
+    except ValueError:
+        return None  # a vocabulary SentencePiece would refuse
+    if any(sp.encode(tokens[i]) != [i] for i in np.flatnonzero(added).tolist() if i != special["unknown"]):
         return None  # each added token must come out of the text as itself, as transformers splits it out
     byte_ids = {i: int(tokens[i][3:5], 16) for i in np.flatnonzero(types == BYTE).tolist()}
     special_ids = set(np.flatnonzero(types == CONTROL).tolist()) | set(special.values())
     return SPMTokenizer(sp, f.path, bos=special.get("bos") if add_bos else None, eos=special.get("eos") if add_eos else None,
                         unk=special["unknown"], special_ids=special_ids, byte_ids=byte_ids, build_hf=build_hf)
-
-
-def _processor(sentencepiece, blob: bytes):
-    try:
-        return sentencepiece.SentencePieceProcessor(model_proto=blob)
-    except Exception:  # noqa: BLE001 - a model SentencePiece refuses (or a damaged cache entry): None, built again or not used
-        return None
 
 
 def _plan(f: GGUFFile):
@@ -219,14 +188,20 @@ def _plan(f: GGUFFile):
     return spelled, types, added, special, add_bos, add_eos
 
 
+def piece_types(types: np.ndarray, added: np.ndarray, unk: int) -> np.ndarray:
+    """SentencePiece's type of each piece (uint8): `added` (transformers' added tokens) USER_DEFINED, `unk` UNKNOWN,
+    byte pieces BYTE, the rest NORMAL (transformers' BPE vocabulary)."""
+    out = np.where(added, USER_DEFINED, np.where(types == BYTE, BYTE, NORMAL)).astype(np.uint8)
+    out[unk] = UNKNOWN
+    return out
+
+
 def model_proto(tokens: list[str], types: np.ndarray, added: np.ndarray, unk: int) -> bytes:
-    """A serialized sentencepiece ModelProto: BPE over `tokens` scored by position; `added` (transformers' added
-    tokens) USER_DEFINED, `unk` the unknown piece, byte pieces BYTE, the rest NORMAL (transformers' BPE vocabulary);
-    identity normalizer, no dummy prefix, byte fallback."""
+    """The model CompactBPE runs as a serialized sentencepiece ModelProto (the reference its tests hold it to): BPE
+    over `tokens` scored by position, typed as piece_types; identity normalizer, no dummy prefix, byte fallback."""
     parts = []
-    for i, (t, ty, a) in enumerate(zip(tokens, types.tolist(), added.tolist())):
-        typ = UNKNOWN if i == unk else USER_DEFINED if a else BYTE if ty == BYTE else NORMAL
-        body = _bytes(1, t.encode("utf-8")) + _key(2, 5) + struct.pack("<f", -float(i))  # piece, score
+    for t, typ in zip(tokens, piece_types(types, added, unk).tolist()):
+        body = _bytes(1, t.encode("utf-8")) + _key(2, 5) + struct.pack("<f", -float(len(parts)))  # piece, score
         body += b"" if typ == NORMAL else _int(3, typ)  # type (NORMAL: the default, left out)
         parts.append(_bytes(1, body))
     unk_text = tokens[unk].encode("utf-8")
