@@ -12,7 +12,7 @@ model tokenizer_spm.model_proto writes). Gemma's 262k pieces take about 8 MB her
   between them, a heap of adjacent pairs whose concatenation is a NORMAL or USER_DEFINED piece, best score (lowest
   id) first, then leftmost; popped pairs whose symbols changed since are skipped; each merge pushes its new
   neighbour pairs. A final symbol that is no piece (a character outside the vocabulary) becomes its UTF-8 bytes'
-  `<0xNN>` pieces (the unknown id for a byte with none).
+  `<0xNN>` pieces (SentencePiece, like this class, takes byte fallback only with all 256).
 - decoding: U+2581 as a space (all but the unknown piece, which is its own text), control pieces as nothing, a run of
   byte pieces as UTF-8 with each invalid byte one U+FFFD.
 """
@@ -35,7 +35,7 @@ class CompactBPE:
     """SentencePiece's BPE encode / decode over `pieces` (spelled as SentencePiece holds them, U+2581 for a space)
     of SentencePiece types `kinds`, scored by -position, `unk` the unknown piece's id. The method names are
     SentencePieceProcessor's. ValueError where SentencePiece refuses such a model (an empty or repeated piece, a byte
-    piece not named <0xNN>)."""
+    piece not named <0xNN>, other than 256 of them)."""
 
     def __init__(self, pieces: list[str], kinds: np.ndarray, unk: int) -> None:
         n = len(pieces)
@@ -62,14 +62,17 @@ class CompactBPE:
             raise ValueError("a piece is repeated in the vocabulary")
         self._kinds = kinds
         self._n, self._unk = n, unk
-        self._byte_ids = [unk] * 256  # byte -> its <0xNN> piece (the unknown piece where there is none)
         self._byte_of: dict[int, int] = {}  # the <0xNN> piece's id -> its byte
         for i in np.flatnonzero(kinds == BYTE).tolist():
             m = _BYTE_PIECE.fullmatch(pieces[i])
             if m is None:
                 raise ValueError(f"byte piece {i} is not named <0xNN>")
-            self._byte_ids[int(m.group(1), 16)] = i
             self._byte_of[i] = int(m.group(1), 16)
+        if len(self._byte_of) != 256:
+            raise ValueError(f"{len(self._byte_of)} byte pieces, not 256")
+        self._byte_ids = [0] * 256  # byte -> its <0xNN> piece
+        for i, b in self._byte_of.items():
+            self._byte_ids[b] = i
         self._user = frozenset(pieces[i] for i in np.flatnonzero(kinds == USER_DEFINED).tolist())
         lengths_by_first: dict[str, set[int]] = {}
         for p in self._user:
@@ -109,19 +112,37 @@ class CompactBPE:
             k += 1
         return -1
 
+    def _merge_id(self, piece: str) -> int:
+        """The id of `piece` if a merge may form it (SentencePiece's NORMAL, USER_DEFINED, UNUSED), else -1."""
+        i = self._find(piece)
+        return i if i >= 0 and self._kindv[i] in _MERGEABLE else -1
+
+    def _find_many(self, pieces: list[str]) -> list[int]:
+        """_find of each piece, the misses settled by one vectorized search of their hashes."""
+        h = np.fromiter(map(hash, pieces), dtype=np.int64, count=len(pieces))
+        k = np.minimum(np.searchsorted(self._hashes, h), self._n - 1)
+        out = [-1] * len(pieces)
+        for j in np.flatnonzero(self._hashes[k] == h).tolist():
+            out[j] = self._find(pieces[j])
+        return out
+
     def encode(self, text: str) -> list[int]:
         """The text's ids, as SentencePieceProcessor.encode."""
         text = text.replace(" ", "\u2581")  # the normalizer: identity, spaces escaped
+        pairs = list({text[i:i + 2] for i in range(len(text) - 1)})  # looked up at once, then each merge's new pairs
+        kind = self._kindv
+        merge_ids = {p: i if i >= 0 and kind[i] in _MERGEABLE else -1 for p, i in zip(pairs, self._find_many(pairs))}
+        chars = list(set(text))
+        char_ids = dict(zip(chars, self._find_many(chars)))
         out: list[int] = []
-        merge_ids: dict[str, int] = {}  # this text's lookups: piece -> id a merge may form, -1 for none
         start = 0
         for i, length in self._user_matches(text):
             if i > start:
-                self._merge(text[start:i], out, merge_ids)
+                self._merge(text[start:i], out, merge_ids, char_ids)
             out.append(self._find(text[i:i + length]))
             start = i + length
         if start < len(text):
-            self._merge(text[start:], out, merge_ids)
+            self._merge(text[start:], out, merge_ids, char_ids)
         return out
 
     def _user_matches(self, text: str):
@@ -141,19 +162,11 @@ class CompactBPE:
                     break
             m = search(text, pos)
 
-    def _merge(self, seg: str, out: list[int], merge_ids: dict[str, int]) -> None:
-        """Appends the ids of `seg` (text with no user-defined piece in it) after SentencePiece's BPE merges."""
-        find, kind = self._find, self._kindv
-
-        def merge_id(piece: str) -> int:
-            i = merge_ids.get(piece)
-            if i is None:
-                i = find(piece)
-                if i >= 0 and kind[i] not in _MERGEABLE:
-                    i = -1
-                merge_ids[piece] = i
-            return i
-
+    def _merge(self, seg: str, out: list[int], merge_ids: dict[str, int], char_ids: dict[str, int]) -> None:
+        """Appends the ids of `seg` (text with no user-defined piece in it) after SentencePiece's BPE merges.
+        merge_ids: piece -> the id a merge forms (-1: none), filled in as pieces are met; char_ids: each character's
+        piece (any type), -1 for none."""
+        known = merge_ids.get
         n = len(seg)
         sym = list(seg)  # symbol i's text; "" once merged into its left neighbour
         ids = [-1] * n  # symbol i's id once formed by a merge
@@ -161,8 +174,7 @@ class CompactBPE:
         nxt[-1] = -1
         heap = []  # (id of the concatenation: lower scores higher, left, right, its length)
         for i in range(n - 1):
-            p = seg[i:i + 2]
-            pid = merge_id(p)
+            pid = merge_ids[seg[i:i + 2]]
             if pid >= 0:
                 heap.append((pid, i, i + 1, 2))
         heapq.heapify(heap)
@@ -181,12 +193,16 @@ class CompactBPE:
             p = prev[left]
             if p >= 0:
                 c = sym[p] + s
-                cid = merge_id(c)
+                cid = known(c)
+                if cid is None:
+                    cid = merge_ids[c] = self._merge_id(c)
                 if cid >= 0:
                     push(heap, (cid, p, left, len(c)))
             if r >= 0:
                 c = s + sym[r]
-                cid = merge_id(c)
+                cid = known(c)
+                if cid is None:
+                    cid = merge_ids[c] = self._merge_id(c)
                 if cid >= 0:
                     push(heap, (cid, left, r, len(c)))
         i = 0
@@ -195,7 +211,7 @@ class CompactBPE:
                 out.append(ids[i])
             else:  # a single character: its piece, else its bytes' pieces (byte fallback)
                 c = sym[i]
-                cid = find(c)
+                cid = char_ids[c]
                 if cid >= 0 and cid != self._unk:
                     out.append(cid)
                 else:
