@@ -4,14 +4,14 @@
 by -position, with an identity normalizer, no dummy prefix, spaces kept and escaped to U+2581, and byte fallback (the
 model tokenizer_spm.model_proto writes). Gemma's 262k pieces take about 8 MB here, against 46 MB in SentencePiece:
 
-- storage: every piece's UTF-8 in one bytes blob with int64 offsets; the pieces' `hash()` sorted, with their ids
+- storage: every piece's UTF-8 in one bytes blob with int32 offsets; the pieces' `hash()` sorted, with their ids
   beside them (a lookup bisects the hashes and checks the candidate's bytes in the blob, so a collision cannot match);
-  piece types as uint8; the user-defined pieces (a few thousand) as a set.
+  piece types as uint8.
 - encoding (bpe_model.cc Model::Encode, no sampling): the text split into characters, except that a user-defined
-  piece is matched at each position, longest first (SentencePiece's PrefixMatcher) and kept whole, never merged;
-  between them, a heap of adjacent pairs whose concatenation is a NORMAL or USER_DEFINED piece, best score (lowest
-  id) first, then leftmost; popped pairs whose symbols changed since are skipped; each merge pushes its new
-  neighbour pairs. A final symbol that is no piece (a character outside the vocabulary) becomes its UTF-8 bytes'
+  piece is matched at each position, longest first (SentencePiece's PrefixMatcher; here one regex of their trie) and
+  kept whole, never merged; between them, a heap of adjacent pairs whose concatenation is a NORMAL or USER_DEFINED
+  piece, best score (lowest id) first, then leftmost; popped pairs whose symbols changed since are skipped; each
+  merge pushes its new neighbour pairs. A final symbol that is no piece (a character outside the vocabulary) becomes its UTF-8 bytes'
   `<0xNN>` pieces (SentencePiece, like this class, takes byte fallback only with all 256).
 - decoding: U+2581 as a space (all but the unknown piece, which is its own text), control pieces as nothing, a run of
   byte pieces as UTF-8 with each invalid byte one U+FFFD.
@@ -42,14 +42,12 @@ class CompactBPE:
         kinds = np.asarray(kinds, dtype=np.uint8)
         if n == 0 or kinds.shape != (n,) or not 0 <= unk < n or kinds[unk] != UNKNOWN:
             raise ValueError("the vocabulary is empty or its types do not name its unknown piece")
-        raw = [p.encode("utf-8") for p in pieces]
-        lengths = np.fromiter(map(len, raw), dtype=np.int64, count=n)
+        lengths = np.fromiter((len(p.encode("utf-8")) for p in pieces), dtype=np.int64, count=n)
         if lengths.min() == 0:
             raise ValueError(f"piece {int(lengths.argmin())} is empty")
-        self._blob = b"".join(raw)  # every piece's UTF-8, in id order
-        del raw
-        self._offsets = np.zeros(n + 1, dtype=np.int64)  # piece i: blob[offsets[i]:offsets[i + 1]]
-        np.cumsum(lengths, out=self._offsets[1:])
+        self._blob = "".join(pieces).encode("utf-8")  # every piece's UTF-8, in id order
+        self._offsets = np.zeros(n + 1, dtype=np.int32 if len(self._blob) < 2**31 else np.int64)
+        np.cumsum(lengths, out=self._offsets[1:])  # piece i: blob[offsets[i]:offsets[i + 1]]
         hashes = np.fromiter(map(hash, pieces), dtype=np.int64, count=n)
         order = np.argsort(hashes, kind="stable")
         self._hashes = hashes[order]  # sorted; ids[k] is the piece of hashes[k]
@@ -73,13 +71,11 @@ class CompactBPE:
         self._byte_ids = [0] * 256  # byte -> its <0xNN> piece
         for i, b in self._byte_of.items():
             self._byte_ids[b] = i
-        self._user = frozenset(pieces[i] for i in np.flatnonzero(kinds == USER_DEFINED).tolist())
-        lengths_by_first: dict[str, set[int]] = {}
-        for p in self._user:
-            lengths_by_first.setdefault(p[0], set()).add(len(p))
-        self._user_lengths = {c: sorted(ls, reverse=True) for c, ls in lengths_by_first.items()}  # longest first
-        firsts = "".join(sorted(self._user_lengths))
-        self._user_start = re.compile(f"[{re.escape(firsts)}]") if firsts else None  # where a user-defined piece may begin
+        user = [pieces[i] for i in np.flatnonzero(kinds == USER_DEFINED).tolist()]
+        try:
+            self._user_re = re.compile(_trie_pattern(user)) if user else None  # the user-defined pieces, longest first
+        except (RecursionError, re.error) as e:
+            raise ValueError(f"the user-defined pieces make no pattern: {e}") from None
         # scalar views: indexing them is a Python int, as fast as a list's
         self._hv, self._idv, self._offv, self._kindv = (memoryview(self._hashes), memoryview(self._ids),
                                                        memoryview(self._offsets), memoryview(self._kinds))
@@ -148,19 +144,9 @@ class CompactBPE:
     def _user_matches(self, text: str):
         """(start, length) of the user-defined pieces SentencePiece's PrefixMatcher finds: left to right, the longest
         at each position, none overlapping."""
-        if self._user_start is None:
-            return
-        search, user, lengths = self._user_start.search, self._user, self._user_lengths
-        m = search(text)
-        while m is not None:
-            i = m.start()
-            pos = i + 1
-            for length in lengths[text[i]]:
-                if text[i:i + length] in user:
-                    yield i, length
-                    pos = i + length
-                    break
-            m = search(text, pos)
+        if self._user_re is not None:
+            for m in self._user_re.finditer(text):
+                yield m.start(), m.end() - m.start()
 
     def _merge(self, seg: str, out: list[int], merge_ids: dict[str, int], char_ids: dict[str, int]) -> None:
         """Appends the ids of `seg` (text with no user-defined piece in it) after SentencePiece's BPE merges.
@@ -239,3 +225,21 @@ class CompactBPE:
         if run:
             out.append(_ESCAPED.sub("\ufffd", run.decode("utf-8", "surrogateescape")))
         return "".join(out)
+
+
+def _trie_pattern(words: list[str]) -> str:
+    """A regex matching the longest of `words` that starts where it is tried: their trie, each word's end an optional
+    group that tries the longer words first (a group per node: matching costs the text's length, not the words')."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for c in w:
+            node = node.setdefault(c, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:
+        alts = [re.escape(c) + emit(child) for c, child in sorted(node.items()) if c]
+        body = "" if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node and body else body
+
+    return emit(trie)

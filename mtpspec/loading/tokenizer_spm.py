@@ -1,14 +1,15 @@
-"""A Gemma GGUF file's tokenizer run by SentencePiece: the ids of transformers' GGUF tokenizer, in 40% less memory.
+"""A Gemma GGUF file's tokenizer as a SentencePiece BPE model run by CompactBPE: the ids of transformers' GGUF tokenizer.
 
 transformers turns Gemma's SentencePiece vocabulary into a `tokenizers` BPE whose merges rank each token by its file
-position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). A SentencePiece BPE model
-over the same pieces, scored by file position, merges the same pairs, so it encodes the same ids while holding 50 MB. The model is written as a ModelProto (hand-encoded protobuf: the package's pb2 module needs
-protobuf) and mirrors transformers' tokenizer:
+position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). SentencePiece's BPE over the
+same pieces, scored by file position, merges the same pairs, so it encodes the same ids; tokenizer_bpe.CompactBPE runs
+that algorithm over the vocabulary held as arrays (about 8 MB; sentencepiece's processor of the model held 46 MB, and
+is now only the tests' reference, over `model_proto`). The model mirrors transformers' tokenizer:
 
 - pieces: normal tokens scored -position; whitespace-only tokens holding a space respelled as that many U+2581;
-  control and user-defined tokens (transformers' added tokens, matched in raw text) USER_DEFINED, so SentencePiece
-  matches them in the text too and decodes them as their text; the named unknown token UNKNOWN (SentencePiece matches
-  no UNKNOWN piece in text, so `encode` splits the text on it first); `<0xNN>` byte pieces BYTE.
+  control and user-defined tokens (transformers' added tokens, matched in raw text) USER_DEFINED, so they are matched
+  in the text too and decode as their text; the named unknown token UNKNOWN (SentencePiece matches no UNKNOWN piece in
+  text, so `encode` splits the text on it first); `<0xNN>` byte pieces BYTE.
 - normalizer: none (identity), no dummy prefix, spaces kept and written as U+2581; byte fallback.
 - decoding: runs of byte pieces decode as `tokenizers`' ByteFallback does (a run that is not UTF-8 is one U+FFFD per
   byte), ids outside the vocabulary are skipped.
