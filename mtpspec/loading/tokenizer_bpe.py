@@ -42,12 +42,20 @@ class CompactBPE:
         kinds = np.asarray(kinds, dtype=np.uint8)
         if n == 0 or kinds.shape != (n,) or not 0 <= unk < n or kinds[unk] != UNKNOWN:
             raise ValueError("the vocabulary is empty or its types do not name its unknown piece")
-        lengths = np.fromiter((len(p.encode("utf-8")) for p in pieces), dtype=np.int64, count=n)
-        if lengths.min() == 0:
-            raise ValueError(f"piece {int(lengths.argmin())} is empty")
-        self._blob = "".join(pieces).encode("utf-8")  # every piece's UTF-8, in id order
-        self._offsets = np.zeros(n + 1, dtype=np.int32 if len(self._blob) < 2**31 else np.int64)
-        np.cumsum(lengths, out=self._offsets[1:])  # piece i: blob[offsets[i]:offsets[i + 1]]
+        chars = np.zeros(n + 1, dtype=np.int64)  # piece i: characters chars[i]:chars[i + 1] of them all
+        np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=n), out=chars[1:])
+        if (chars[1:] == chars[:-1]).any():
+            raise ValueError(f"piece {int(np.argmax(chars[1:] == chars[:-1]))} is empty")
+        text = "".join(pieces)
+        self._blob = text.encode("utf-8")  # every piece's UTF-8, in id order
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        del text
+        width = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)  # UTF-8 bytes
+        del points
+        ends = np.concatenate([[0], np.cumsum(width)])
+        del width
+        self._offsets = ends[chars].astype(np.int32 if len(self._blob) < 2**31 else np.int64)  # piece i: blob[o[i]:o[i + 1]]
+        del ends, chars
         hashes = np.fromiter(map(hash, pieces), dtype=np.int64, count=n)
         order = np.argsort(hashes, kind="stable")
         self._hashes = hashes[order]  # sorted; ids[k] is the piece of hashes[k]
@@ -125,11 +133,14 @@ class CompactBPE:
     def encode(self, text: str) -> list[int]:
         """The text's ids, as SentencePieceProcessor.encode."""
         text = text.replace(" ", "\u2581")  # the normalizer: identity, spaces escaped
-        pairs = list({text[i:i + 2] for i in range(len(text) - 1)})  # looked up at once, then each merge's new pairs
-        kind = self._kindv
-        merge_ids = {p: i if i >= 0 and kind[i] in _MERGEABLE else -1 for p, i in zip(pairs, self._find_many(pairs))}
-        chars = list(set(text))
-        char_ids = dict(zip(chars, self._find_many(chars)))
+        merge_ids: dict[str, int] = {}  # piece -> the id a merge forms (-1: none); filled in as pieces are met
+        char_ids: dict[str, int] = {}  # character -> its piece (any type), -1 for none
+        if len(text) > 32:  # the pairs of characters, and the characters, looked up at once
+            kind = self._kindv
+            pairs = list({text[i:i + 2] for i in range(len(text) - 1)})
+            merge_ids.update((p, i if i >= 0 and kind[i] in _MERGEABLE else -1) for p, i in zip(pairs, self._find_many(pairs)))
+            chars = list(set(text))
+            char_ids.update(zip(chars, self._find_many(chars)))
         out: list[int] = []
         start = 0
         for i, length in self._user_matches(text):
@@ -150,8 +161,7 @@ class CompactBPE:
 
     def _merge(self, seg: str, out: list[int], merge_ids: dict[str, int], char_ids: dict[str, int]) -> None:
         """Appends the ids of `seg` (text with no user-defined piece in it) after SentencePiece's BPE merges.
-        merge_ids: piece -> the id a merge forms (-1: none), filled in as pieces are met; char_ids: each character's
-        piece (any type), -1 for none."""
+        merge_ids, char_ids: encode's lookups, filled in here as pieces are met."""
         known = merge_ids.get
         n = len(seg)
         sym = list(seg)  # symbol i's text; "" once merged into its left neighbour
@@ -160,7 +170,10 @@ class CompactBPE:
         nxt[-1] = -1
         heap = []  # (id of the concatenation: lower scores higher, left, right, its length)
         for i in range(n - 1):
-            pid = merge_ids[seg[i:i + 2]]
+            c = seg[i:i + 2]
+            pid = known(c)
+            if pid is None:
+                pid = merge_ids[c] = self._merge_id(c)
             if pid >= 0:
                 heap.append((pid, i, i + 1, 2))
         heapq.heapify(heap)
@@ -197,7 +210,9 @@ class CompactBPE:
                 out.append(ids[i])
             else:  # a single character: its piece, else its bytes' pieces (byte fallback)
                 c = sym[i]
-                cid = char_ids[c]
+                cid = char_ids.get(c)
+                if cid is None:
+                    cid = char_ids[c] = self._find(c)
                 if cid >= 0 and cid != self._unk:
                     out.append(cid)
                 else:
