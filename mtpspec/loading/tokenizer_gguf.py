@@ -1,7 +1,7 @@
 """The tokenizer a GGUF file describes (`tokenizer.ggml.*` keys), as a `tokenizers.Tokenizer` in an HFTokenizer.
 
 Gemma's SentencePiece vocabularies run on SentencePiece's BPE over compact arrays instead (tokenizer_spm.py and
-tokenizer_bpe.py: the same ids in about 8 MB); this builder stays for the others, where a check of those fails, and for
+tokenizer_bpe.py: the same ids in about 7 MB); this builder stays for the others, where a check of those fails, and for
 that tokenizer's `.tokenizer`.
 Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:

@@ -3,7 +3,7 @@
 transformers turns Gemma's SentencePiece vocabulary into a `tokenizers` BPE whose merges rank each token by its file
 position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). SentencePiece's BPE over the
 same pieces, scored by file position, merges the same pairs, so it encodes the same ids; tokenizer_bpe.CompactBPE runs
-that algorithm over the vocabulary held as arrays (about 8 MB; sentencepiece's processor of the model held 46 MB, and
+that algorithm over the vocabulary held as arrays (about 7 MB; sentencepiece's processor of the model held 46 MB, and
 is now only the tests' reference, over `model_proto`). The model mirrors transformers' tokenizer:
 
 - pieces: normal tokens scored -position; whitespace-only tokens holding a space respelled as that many U+2581;
