@@ -53,17 +53,19 @@ class CompactBPE:
         self._blob = text.encode("utf-8")  # every piece's UTF-8, in id order
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         del text
-        width = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)  # UTF-8 bytes
         within = np.ones(max(len(points) - 1, 0), dtype=bool)  # adjacent characters of one piece
         within[chars[1:-1] - 1] = False
         held = np.zeros(1 << _PAIR_BITS, dtype=bool)
         held[_pair_keys(points[:-1][within], points[1:][within])] = True
         self._pairs = np.packbits(held)  # bit k: some piece holds two adjacent characters of key k (or one colliding)
-        del points, within, held
-        ends = np.concatenate([[0], np.cumsum(width)])
-        del width
-        self._offsets = ends[chars].astype(np.int32 if len(self._blob) < 2**31 else np.int64)  # piece i: blob[o[i]:o[i + 1]]
-        del ends, chars
+        del within, held
+        width = np.ones(len(points), dtype=np.uint8)  # each character's UTF-8 bytes
+        for edge in (0x80, 0x800, 0x10000):
+            width += points >= edge
+        del points
+        self._offsets = np.zeros(n + 1, dtype=np.int32 if len(self._blob) < 2**31 else np.int64)
+        np.cumsum(np.add.reduceat(width, chars[:-1], dtype=np.int64), out=self._offsets[1:])  # piece i: blob[o[i]:o[i + 1]]
+        del width, chars
         hashes = np.fromiter(map(hash, pieces), dtype=np.int64, count=n)
         order = np.argsort(hashes, kind="stable")
         self._hashes = hashes[order]  # sorted; ids[k] is the piece of hashes[k]
