@@ -1,7 +1,8 @@
 """The tokenizer a GGUF file describes (`tokenizer.ggml.*` keys), as a `tokenizers.Tokenizer` in an HFTokenizer.
 
-Gemma's SentencePiece vocabularies run on SentencePiece instead (tokenizer_spm.py: the same ids in about 35 MB less);
-this builder stays for the others, where a SentencePiece check fails, and for that tokenizer's `.tokenizer`.
+Gemma's SentencePiece vocabularies run on SentencePiece's BPE over compact arrays instead (tokenizer_spm.py and
+tokenizer_bpe.py: the same ids in about 7 MB); this builder stays for the others, where a check of those fails, and for
+that tokenizer's `.tokenizer`.
 Built as transformers 5.24's GGUF converter builds it, so the ids are those of
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
@@ -44,7 +45,7 @@ PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", 
 def load_gguf_tokenizer(source: str | Path | GGUFFile) -> HFTokenizer:
     """The file's tokenizer with the HFTokenizer interface (encode / decode / stream / stop_ids / chat_template)."""
     f = source if isinstance(source, GGUFFile) else read_gguf(source)
-    out = load_spm_tokenizer(f, _spm_cache_path(f), lambda path=f.path: build_tokenizer(read_gguf(path)))  # Gemma's vocabulary: SentencePiece, half the memory
+    out = load_spm_tokenizer(f, lambda path=f.path: build_tokenizer(read_gguf(path)))  # Gemma's vocabulary: CompactBPE, a tenth the memory
     tok = None if out is not None else build_tokenizer(f)
     md = f.metadata
     eos = md.get("tokenizer.ggml.eos_token_id")
@@ -125,17 +126,6 @@ def _cache_path(f: GGUFFile) -> Path | None:
     import tokenizers
 
     return _cache_entry(f, f"{tokenizers.__version__} {BUILDER_VERSION}", "merges.npy")
-
-
-def _spm_cache_path(f: GGUFFile) -> Path | None:
-    """Where the file's serialized SentencePiece model is kept (tokenizer_spm.py), keyed as the merges are."""
-    try:
-        import sentencepiece
-    except ImportError:
-        return None
-    from . import tokenizer_spm
-
-    return _cache_entry(f, f"sentencepiece {sentencepiece.__version__} {tokenizer_spm.BUILDER_VERSION}", "spm.model")
 
 
 def _cache_entry(f: GGUFFile, versions: str, suffix: str) -> Path:

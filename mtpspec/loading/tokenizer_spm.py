@@ -1,14 +1,15 @@
-"""A Gemma GGUF file's tokenizer run by SentencePiece: the ids of transformers' GGUF tokenizer, in 40% less memory.
+"""A Gemma GGUF file's tokenizer as a SentencePiece BPE model run by CompactBPE: the ids of transformers' GGUF tokenizer.
 
 transformers turns Gemma's SentencePiece vocabulary into a `tokenizers` BPE whose merges rank each token by its file
-position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). A SentencePiece BPE model
-over the same pieces, scored by file position, merges the same pairs, so it encodes the same ids while holding 50 MB. The model is written as a ModelProto (hand-encoded protobuf: the package's pb2 module needs
-protobuf) and mirrors transformers' tokenizer:
+position (tokenizer_gguf.py builds the same; 262k tokens, 515k merges: 86 MB resident). SentencePiece's BPE over the
+same pieces, scored by file position, merges the same pairs, so it encodes the same ids; tokenizer_bpe.CompactBPE runs
+that algorithm over the vocabulary held as arrays (about 7 MB; sentencepiece's processor of the model held 46 MB, and
+is now only the tests' reference, over `model_proto`). The model mirrors transformers' tokenizer:
 
 - pieces: normal tokens scored -position; whitespace-only tokens holding a space respelled as that many U+2581;
-  control and user-defined tokens (transformers' added tokens, matched in raw text) USER_DEFINED, so SentencePiece
-  matches them in the text too and decodes them as their text; the named unknown token UNKNOWN (SentencePiece matches
-  no UNKNOWN piece in text, so `encode` splits the text on it first); `<0xNN>` byte pieces BYTE.
+  control and user-defined tokens (transformers' added tokens, matched in raw text) USER_DEFINED, so they are matched
+  in the text too and decode as their text; the named unknown token UNKNOWN (SentencePiece matches no UNKNOWN piece in
+  text, so `encode` splits the text on it first); `<0xNN>` byte pieces BYTE.
 - normalizer: none (identity), no dummy prefix, spaces kept and written as U+2581; byte fallback.
 - decoding: runs of byte pieces decode as `tokenizers`' ByteFallback does (a run that is not UTF-8 is one U+FFFD per
   byte), ids outside the vocabulary are skipped.
@@ -21,7 +22,6 @@ built from the file on first use.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import struct
 import threading
@@ -32,17 +32,16 @@ import numpy as np
 
 from ..errors import ConfigError
 from .gguf import GGUFFile
+from .tokenizer_bpe import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, CompactBPE  # types: llama.cpp's are SentencePiece's
 from .tokenizer_hf import HFTokenizer
 
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # SentencePiece vocabularies run as transformers' Gemma tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte pieces
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's and SentencePiece's token types
-BUILDER_VERSION = 1  # bump when the model written changes: cached models of older builds are then not read
 
 
 class SPMTokenizer(HFTokenizer):
-    """HFTokenizer's interface over a `sentencepiece.SentencePieceProcessor`."""
+    """HFTokenizer's interface over a CompactBPE (SentencePiece's BPE; `sp`, named as the processor it stands in for)."""
 
     def __init__(self, sp, path: Path, *, bos: int | None, eos: int | None, unk: int, special_ids, byte_ids: dict[int, int],
                  stop_ids: tuple[int, ...] = (), build_hf: Callable[[], object] | None = None) -> None:
@@ -128,53 +127,24 @@ class SPMTokenizer(HFTokenizer):
         return "".join(out)
 
 
-def load_spm_tokenizer(f: GGUFFile, cache: Path | None = None, build_hf: Callable[[], object] | None = None) -> SPMTokenizer | None:
-    """The file's tokenizer on SentencePiece, or None where it is not a Gemma SentencePiece vocabulary SentencePiece
-    can run as transformers does (then the `tokenizers` one is built). `cache`: where the serialized model is kept;
-    build_hf: makes the same tokenizer as a `tokenizers.Tokenizer` (grammars, export), called on first use."""
-    try:
-        import sentencepiece
-    except ImportError:
-        return None
+def load_spm_tokenizer(f: GGUFFile, build_hf: Callable[[], object] | None = None) -> SPMTokenizer | None:
+    """The file's tokenizer on CompactBPE, or None where it is not a Gemma SentencePiece vocabulary that SentencePiece's
+    BPE runs as transformers does (then the `tokenizers` one is built). build_hf: makes the same tokenizer as a
+    `tokenizers.Tokenizer` (grammars, export), called on first use."""
     plan = _plan(f)
     if plan is None:
         return None
     tokens, types, added, special, add_bos, add_eos = plan
-    blob = None
-    if cache is not None and cache.is_file():
-        try:
-            blob = cache.read_bytes()
-        except OSError:
-            blob = None
-    sp = _processor(sentencepiece, blob) if blob is not None else None
-    if sp is None:
-        blob = model_proto(tokens, types, added, special["unknown"])
-        sp = _processor(sentencepiece, blob)
-        if sp is None:
-            return None
-        if cache is not None:
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-                tmp.write_bytes(blob)
-                os.replace(tmp, cache)  # readers see no file or a whole one
-            except OSError:
-                pass  # a read-only cache: written again next time
-    del blob
-    if sp.get_piece_size() != len(tokens) or any(sp.encode(tokens[i]) != [i] for i in np.flatnonzero(added).tolist()
-                                                 if i != special["unknown"]):
+    try:
+        sp = CompactBPE(tokens, piece_types(types, added, special["unknown"]), special["unknown"])
+    except ValueError:
+        return None  # a vocabulary SentencePiece would refuse
+    if any(sp.encode(tokens[i]) != [i] for i in np.flatnonzero(added).tolist() if i != special["unknown"]):
         return None  # each added token must come out of the text as itself, as transformers splits it out
     byte_ids = {i: int(tokens[i][3:5], 16) for i in np.flatnonzero(types == BYTE).tolist()}
     special_ids = set(np.flatnonzero(types == CONTROL).tolist()) | set(special.values())
     return SPMTokenizer(sp, f.path, bos=special.get("bos") if add_bos else None, eos=special.get("eos") if add_eos else None,
                         unk=special["unknown"], special_ids=special_ids, byte_ids=byte_ids, build_hf=build_hf)
-
-
-def _processor(sentencepiece, blob: bytes):
-    try:
-        return sentencepiece.SentencePieceProcessor(model_proto=blob)
-    except Exception:  # noqa: BLE001 - a model SentencePiece refuses (or a damaged cache entry): None, built again or not used
-        return None
 
 
 def _plan(f: GGUFFile):
@@ -219,14 +189,20 @@ def _plan(f: GGUFFile):
     return spelled, types, added, special, add_bos, add_eos
 
 
+def piece_types(types: np.ndarray, added: np.ndarray, unk: int) -> np.ndarray:
+    """SentencePiece's type of each piece (uint8): `added` (transformers' added tokens) USER_DEFINED, `unk` UNKNOWN,
+    byte pieces BYTE, the rest NORMAL (transformers' BPE vocabulary)."""
+    out = np.where(added, USER_DEFINED, np.where(types == BYTE, BYTE, NORMAL)).astype(np.uint8)
+    out[unk] = UNKNOWN
+    return out
+
+
 def model_proto(tokens: list[str], types: np.ndarray, added: np.ndarray, unk: int) -> bytes:
-    """A serialized sentencepiece ModelProto: BPE over `tokens` scored by position; `added` (transformers' added
-    tokens) USER_DEFINED, `unk` the unknown piece, byte pieces BYTE, the rest NORMAL (transformers' BPE vocabulary);
-    identity normalizer, no dummy prefix, byte fallback."""
+    """The model CompactBPE runs as a serialized sentencepiece ModelProto (the reference its tests hold it to): BPE
+    over `tokens` scored by position, typed as piece_types; identity normalizer, no dummy prefix, byte fallback."""
     parts = []
-    for i, (t, ty, a) in enumerate(zip(tokens, types.tolist(), added.tolist())):
-        typ = UNKNOWN if i == unk else USER_DEFINED if a else BYTE if ty == BYTE else NORMAL
-        body = _bytes(1, t.encode("utf-8")) + _key(2, 5) + struct.pack("<f", -float(i))  # piece, score
+    for t, typ in zip(tokens, piece_types(types, added, unk).tolist()):
+        body = _bytes(1, t.encode("utf-8")) + _key(2, 5) + struct.pack("<f", -float(len(parts)))  # piece, score
         body += b"" if typ == NORMAL else _int(3, typ)  # type (NORMAL: the default, left out)
         parts.append(_bytes(1, body))
     unk_text = tokens[unk].encode("utf-8")
