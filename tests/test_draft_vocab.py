@@ -115,3 +115,22 @@ def test_bad_inputs_are_named(tmp_path, model):
     (tmp_path / FILE).write_text("{not json")
     with pytest.raises(ModelLoadError, match="not a draft vocabulary file"):
         read_draft_vocab(tmp_path, V)
+
+
+def test_draft_head_of_block_weights_is_q8_0_blocks_of_the_same_rows():
+    """A GGUF block LM head's draft head keeps its rows as Q8_0 blocks on the block kernel (a quarter of the bytes of
+    fp32 rows): a Q8_0 head's rows bit for bit (re-quantizing Q8_0 values is exact), logits the block product."""
+    from mtpspec.kernels import quantized as Q
+    from mtpspec.models.common import Linear
+    from mtpspec.models.draft_vocab import DraftHead
+
+    if not Q.available():
+        pytest.skip("the block kernel could not be built here")
+    g = torch.Generator().manual_seed(0)
+    head = Linear.of_blocks(Q.q8_0(torch.randn(96, 64, generator=g)))
+    ids = torch.tensor([5, 0, 77, 31, 95, 12])
+    draft = DraftHead(head, ids)
+    assert draft.blocks is not None and torch.equal(Q.dequantize(draft.blocks), head.rows(ids))
+    h = torch.randn(3, 64, generator=g)
+    assert torch.equal(draft.logits(h), Q.linear(h, draft.blocks))
+    assert torch.equal(draft.logits(h), head(h)[:, ids])  # each output the head's own product of that row
