@@ -261,6 +261,25 @@ def test_attend_rows_is_bitwise_per_row_whatever_shares_the_call(h, g, d):
         torch.set_num_threads(threads)
 
 
+def test_the_softmax_exp_is_within_one_ulp_of_exp():
+    """The kernel's 16-lane exp (attention.cpp, exp16) against fp64 exp on every 256th float of [-110, 0] (the
+    softmax's range: scores minus their max), results below FLT_MIN (gradual underflow) included, and a stretch of
+    positive x; the tail of a call (not a multiple of 16 long) goes through the same function."""
+    from mtpspec.kernels import attention as A
+
+    if not A.available():
+        pytest.skip("the attention kernel could not be built here")
+    bits = torch.arange(0, torch.tensor(-110.0).view(torch.int32).item() & 0x7FFFFFFF, 256, dtype=torch.int32)
+    x = torch.cat([-bits.view(torch.float32), torch.linspace(0, 88.5, 100_003)])  # (n,), n % 16 != 0
+    got = torch.ops.mtpspec_attention.exp_lanes(x).double()
+    exact = torch.exp(x.double())
+    ulp = torch.ldexp(torch.ones_like(exact), (torch.frexp(exact).exponent - 24).clamp(min=-149))  # fp32 spacing at exact
+    assert ((got - exact).abs() <= ulp).all(), float(((got - exact).abs() / ulp).max())
+    special = torch.tensor([-float("inf"), -1000.0, -104.0, -0.0, 0.0, 89.0, float("inf"), float("nan")])
+    assert torch.equal(torch.ops.mtpspec_attention.exp_lanes(special)[:7], torch.tensor([0, 0, 0, 1, 1, float("inf"), float("inf")]))
+    assert torch.ops.mtpspec_attention.exp_lanes(special)[7].isnan()
+
+
 @pytest.mark.parametrize("h,g,d", [(4, 1, 256), (8, 2, 72), (6, 3, 20)], ids=["gemma3-270m", "gqa-72", "odd-20"])
 def test_attend_rows_is_within_the_fp32_bound_of_fp64_attention(h, g, d):
     """Bound: each score q.k takes d products and d sums in fp32 (gamma_(d+1) * |q|.|k|, times the scale exactly up to

@@ -6,7 +6,8 @@
 // a fixed tree, the softmax's max and sum run in key order, and the output accumulates the values in key order:
 // so a row's output depends only on the keys it sees, not on the other rows of the call, the padding of the cache,
 // the thread count, or the instruction set (built with -ffp-contract=off: no fused multiply-adds; the 16 lanes are
-// a GCC vector, lowered to AVX-512, AVX2 or scalar code with the same per-lane operations). A verify row and the
+// a GCC vector, lowered to AVX-512, AVX2 or scalar code with the same per-lane operations). The softmax's exp is
+// exp16 below, 16 scores at a time, the same per-lane arithmetic on every instruction set. A verify row and the
 // plain step at the same position (the same keys, in the same order) give the same bits.
 //
 // Work item: one row and one KV head, its query heads together (each key read once for all of them), the value
@@ -29,6 +30,7 @@
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int HEADS = 4;    // query heads of one KV head per pass over the keys
 constexpr int CHUNK = 8;    // 16-float vectors of the output accumulated in registers per pass over the keys
 
@@ -38,6 +40,46 @@ inline v16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
+
+inline v16 splat(float a) { return v16{} + a; }
+
+// exp of 16 lanes, Cephes' expf: x = n ln2 + r (n the nearest integer to x log2(e), ln2 in two parts so n * ln2_hi is
+// exact), exp(r) by its degree-7 polynomial on |r| <= ln2 / 2, times 2^n as two power-of-two factors, so that a
+// result below FLT_MIN is rounded once (gradual underflow) and x < -104 (and -inf) gives 0. Within 1 ulp of exp
+// on every float up to 88.7 (checked exhaustively on x <= 0, the softmax's range); NaN stays NaN. Plain mul and add:
+// the same bits on AVX-512, AVX2 and scalar builds.
+inline v16 exp16(v16 x) {
+  x = x < splat(-110.0f) ? splat(-110.0f) : x;  // keeps n in range; exp is 0 in fp32 below -104
+  x = x > splat(89.0f) ? splat(89.0f) : x;      // and inf above 88.73
+  const v16 shift = splat(12582912.0f);          // 1.5 * 2^23: adding it rounds to an integer, held in the low bits
+  const v16 t = x * splat(1.44269504088896341f) + shift;
+  const v16 n = t - shift;
+  const i16 ni = (i16)t - (i16)shift;
+  v16 r = x - n * splat(0.693359375f);  // exact: 9 significant bits times |n| <= 160
+  r = r - n * splat(-2.12194440e-4f);
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const v16 y = p * (r * r) + r + splat(1.0f);
+  const i16 n1 = ni >> 1, n2 = ni - n1;  // 2^n = 2^n1 * 2^n2, each a normal float for n in [-159, 128]
+  const i16 e1 = (n1 + 127) << 23, e2 = (n2 + 127) << 23;
+  return y * (v16)e1 * (v16)e2;  // GCC vector casts reinterpret the bits
+}
+
+// exp(w[t] - mx) for t < n in place, 16 at a time (the tail padded with -inf, whose exp is 0)
+inline void exp_shifted(float* w, int64_t n, float mx) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) store16(w + t, exp16(load16(w + t) - splat(mx)));
+  if (t < n) {
+    float tail[16];
+    for (int l = 0; l < 16; ++l) tail[l] = t + l < n ? w[t + l] : -std::numeric_limits<float>::infinity();
+    const v16 e = exp16(load16(tail) - splat(mx));
+    for (int64_t l = 0; t + l < n; ++l) w[t + l] = e[l];
+  }
+}
 
 // the 16 lanes summed by the fixed tree: l += l + 8, then l + 4, l + 2, l + 1
 inline float tree_sum(v16 a) {
@@ -171,11 +213,9 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           float mx = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < nk; ++t) mx = wi[t] > mx ? wi[t] : mx;
           if (mx == -std::numeric_limits<float>::infinity()) continue;  // every score -inf: zeros
+          exp_shifted(wi, nk, mx);
           float total = 0.0f;
-          for (int64_t t = 0; t < nk; ++t) {
-            wi[t] = std::exp(wi[t] - mx);
-            total += wi[t];
-          }
+          for (int64_t t = 0; t < nk; ++t) total += wi[t];
           float* o = op + (r * H + g * per_kv + h0 + i) * D;
           for (int64_t d0 = 0; d0 < DV; d0 += 16 * CHUNK)
             accumulate_any(wi, keys.data(), nk, vbase + d0, vs, std::min<int64_t>(16 * CHUNK, DV - d0), o + d0);
@@ -193,12 +233,26 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+// exp16 of every element of a float32 tensor, the softmax's exp (for the tests)
+at::Tensor exp_lanes(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "exp_lanes: a float32 tensor");
+  auto y = x.contiguous().clone();
+  float* p = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(p + i, exp16(load16(p + i)));
+  for (; i < n; ++i) p[i] = exp16(splat(p[i]))[0];
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtpspec_attention, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor seq, Tensor lo, Tensor hi, Tensor? mask, float scale) -> Tensor");
+  m.def("exp_lanes(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpspec_attention, CPU, m) {
   m.impl("attend_rows", &attend_rows);
+  m.impl("exp_lanes", &exp_lanes);
 }
