@@ -11,10 +11,11 @@
 // plain step at the same position (the same keys, in the same order) give the same bits.
 //
 // Work item: the rows of one sequence (all, or a share of them so that every thread has work) and one KV head. Each
-// key is read once for all of them: its dots with every row that sees it (the row's query heads together), then
-// each row's softmax, then the values KEYS keys at a time for every row and head, the accumulators in registers
-// VCHUNK vectors a head at a time and back in the output between blocks (stores and loads are exact). A row's
-// arithmetic, and its order, is what it is alone; which rows share its item changes nothing.
+// key is read once for all of them: its dots with every row that sees it (the row's query heads together, and the
+// row's keys among SIDE consecutive ones side by side, sharing the loads of the queries), then each row's softmax,
+// then the values KEYS keys at a time for every row and head, the accumulators in registers VCHUNK vectors a head
+// at a time and back in the output between blocks (stores and loads are exact). A row's arithmetic, and its order,
+// is what it is alone; which rows share its item changes nothing.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,9 +37,11 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int HEADS = 4;  // query heads of one KV head per pass over the keys
 #if defined(__AVX512F__)
+constexpr int SIDE = 4;    // keys whose dots run side by side, sharing the query loads (4 heads: 16 accumulators)
 constexpr int VCHUNK = 4;  // 16-float output vectors a head accumulated in registers (4 heads: 16 of 32 registers)
 #else
-constexpr int VCHUNK = 1;  // AVX2 and below: a 16-float vector takes two of 16 registers
+constexpr int SIDE = 1;    // AVX2 and below: a 16-float vector takes two of 16 registers
+constexpr int VCHUNK = 1;
 #endif
 constexpr int64_t KEYS = 64;  // keys per block of the value pass: their value vectors stay in L1 for every row
 
@@ -112,19 +115,27 @@ inline float tree_sum(v16 a) {
 #endif
 }
 
-// nh query dots against one key: per query, lane l sums q[i] * k[i] over i = l mod 16 in order, then tree_sum
-template <int NH>
-inline void dots(const float* const* q, const float* __restrict k, int64_t D, float* out) {
-  v16 acc[NH];
-  for (int h = 0; h < NH; ++h) acc[h] = v16{};
+// NH query dots against NK keys: per query and key, lane l sums q[i] * k[i] over i = l mod 16 in order, then
+// tree_sum (the keys side by side share the loads of the queries; each dot is the same arithmetic alone)
+template <int NH, int NK>
+inline void dots(const float* const* q, const float* const* k, int64_t D, float (*out)[HEADS]) {
+  v16 acc[NK][NH];
+  for (int n = 0; n < NK; ++n)
+    for (int h = 0; h < NH; ++h) acc[n][h] = v16{};
   int64_t i = 0;
   for (; i + 16 <= D; i += 16) {
-    const v16 kv = load16(k + i);
-    for (int h = 0; h < NH; ++h) acc[h] = acc[h] + load16(q[h] + i) * kv;
+    v16 kv[NK];
+    for (int n = 0; n < NK; ++n) kv[n] = load16(k[n] + i);
+    for (int h = 0; h < NH; ++h) {
+      const v16 qv = load16(q[h] + i);
+      for (int n = 0; n < NK; ++n) acc[n][h] = acc[n][h] + qv * kv[n];
+    }
   }
   for (; i < D; ++i)
-    for (int h = 0; h < NH; ++h) acc[h][i & 15] += q[h][i] * k[i];
-  for (int h = 0; h < NH; ++h) out[h] = tree_sum(acc[h]);
+    for (int n = 0; n < NK; ++n)
+      for (int h = 0; h < NH; ++h) acc[n][h][i & 15] += q[h][i] * k[n][i];
+  for (int n = 0; n < NK; ++n)
+    for (int h = 0; h < NH; ++h) out[n][h] = tree_sum(acc[n][h]);
 }
 
 // o[h][0:16 NV) += p[h][t] * v[key t][0:16 NV) for the nh heads, over positions t0 <= t < t1 of a row's key list in
@@ -167,12 +178,24 @@ void accumulate_any(const float* const* p, const int64_t* keys, int64_t t0, int6
   }
 }
 
-void dots_any(const float* const* q, const float* k, int64_t D, int nh, float* out) {
+template <int NH>
+void dots_nk(const float* const* q, const float* const* k, int64_t D, int nk, float (*out)[HEADS]) {
+  switch (nk) {
+#if defined(__AVX512F__)
+    case 4: return dots<NH, 4>(q, k, D, out);
+    case 3: return dots<NH, 3>(q, k, D, out);
+    case 2: return dots<NH, 2>(q, k, D, out);
+#endif
+    default: return dots<NH, 1>(q, k, D, out);
+  }
+}
+
+void dots_any(const float* const* q, const float* const* k, int64_t D, int nh, int nk, float (*out)[HEADS]) {
   switch (nh) {
-    case 4: return dots<4>(q, k, D, out);
-    case 3: return dots<3>(q, k, D, out);
-    case 2: return dots<2>(q, k, D, out);
-    default: return dots<1>(q, k, D, out);
+    case 4: return dots_nk<4>(q, k, D, nk, out);
+    case 3: return dots_nk<3>(q, k, D, nk, out);
+    case 2: return dots_nk<2>(q, k, D, nk, out);
+    default: return dots_nk<1>(q, k, D, nk, out);
   }
 }
 
@@ -264,20 +287,23 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       auto qrow = [&](int64_t i, int64_t h) { return qp + (grp.rows[i] * H + grp.g * per_kv + h) * D; };
       auto orow = [&](int64_t i, int64_t h) { return op + (grp.rows[i] * H + grp.g * per_kv + h) * D; };
       auto wrow = [&](int64_t i, int64_t h) { return s.w.data() + s.woff[i] + h * nk(i); };
-      // scores: each key once, for every row that sees it
+      // scores: each key once, for every row that sees it; a row's keys among SIDE consecutive ones side by side
       s.cur.assign(s.koff.begin(), s.koff.end() - 1);
-      for (int64_t j = first; j <= last; ++j) {
-        const float* kr = kbase + j * ks;
+      for (int64_t j = first; j <= last; j += SIDE) {
         for (int64_t i = 0; i < n; ++i) {
-          if (s.cur[i] == s.koff[i + 1] || s.keys[s.cur[i]] != j) continue;
-          const int64_t t = s.cur[i]++ - s.koff[i];
+          const int64_t c = s.cur[i], t = c - s.koff[i];
+          const float* kj[SIDE];
+          int nk_side = 0;
+          while (s.cur[i] < s.koff[i + 1] && s.keys[s.cur[i]] < j + SIDE) kj[nk_side++] = kbase + s.keys[s.cur[i]++] * ks;
+          if (nk_side == 0) continue;
           for (int64_t h0 = 0; h0 < per_kv; h0 += HEADS) {
             const int nh = static_cast<int>(std::min<int64_t>(HEADS, per_kv - h0));
             const float* qh[HEADS];
-            float sv[HEADS];
+            float sv[SIDE][HEADS];
             for (int h = 0; h < nh; ++h) qh[h] = qrow(i, h0 + h);
-            dots_any(qh, kr, D, nh, sv);
-            for (int h = 0; h < nh; ++h) wrow(i, h0 + h)[t] = sv[h] * sc;
+            dots_any(qh, kj, D, nh, nk_side, sv);
+            for (int h = 0; h < nh; ++h)
+              for (int m = 0; m < nk_side; ++m) wrow(i, h0 + h)[t + m] = sv[m][h] * sc;
           }
         }
       }
