@@ -234,31 +234,71 @@ def _attention_case(r, h, g, d, s, seed):
     return q, k, v, torch.zeros(r, dtype=torch.long), torch.zeros(r, dtype=torch.long), hi
 
 
+def _verify_rows(r, h, g, d, s, seed):
+    """r rows of two sequences interleaved (row i reads sequence i % 2), each sequence's rows a verify window at the
+    end of its keys (sequence 1's ends 20 keys earlier), every third row a sliding window of 41 keys."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(r, h, d, generator=gen)  # (R, H, D)
+    k, v = torch.randn(2, 2, g, s, d, generator=gen) * 2  # (B, G, S, D) each
+    i = torch.arange(r)
+    seq = i % 2
+    hi = s - 1 - 20 * seq - (r - 1 - i) // 2
+    lo = torch.where(i % 3 == 0, hi - 40, 0)
+    return q, k, v, seq, lo, hi
+
+
 @pytest.mark.parametrize("h,g,d", [(4, 1, 256), (8, 2, 72), (6, 3, 20)], ids=["gemma3-270m", "gqa-72", "odd-20"])
 def test_attend_rows_is_bitwise_per_row_whatever_shares_the_call(h, g, d):
+    """Each row alone (one thread) against the rows together: any number of them (one sequence's window of 9 and of
+    16, two sequences' rows interleaved), in another order, on one thread or two, with keys past each row's last."""
     from mtpspec.kernels import attention as A
 
     if not A.available():
         pytest.skip("the attention kernel could not be built here")
-    q, k, v, seq, lo, hi = _attention_case(9, h, g, d, 140, seed=d)
-    mask = torch.rand(9, 140, generator=torch.Generator().manual_seed(1)) > 0.3
-    mask[torch.arange(9), hi] = True  # a tree row sees itself
+    n, s = 16, 140
+    mask = torch.rand(n, s, generator=torch.Generator().manual_seed(1)) > 0.3
     threads = torch.get_num_threads()
     try:
-        for m in (None, mask):
-            torch.set_num_threads(1)
-            alone = torch.cat([A.attend_rows(q[i : i + 1], k, v, seq[i : i + 1], lo[i : i + 1], hi[i : i + 1],
-                                             None if m is None else m[i : i + 1]) for i in range(9)])  # (9, H, D)
-            for t in (1, 2):
-                torch.set_num_threads(t)
-                for r in range(1, 10):
-                    got = A.attend_rows(q[:r], k, v, seq[:r], lo[:r], hi[:r], None if m is None else m[:r])
-                    assert torch.equal(got, alone[:r]), (t, r)
-            padded = torch.cat([k, torch.randn(1, g, 60, d)], 2), torch.cat([v, torch.randn(1, g, 60, d)], 2)
-            got = A.attend_rows(q, *padded, seq, lo, hi, None if m is None else torch.cat([m, torch.ones(9, 60, dtype=torch.bool)], 1))
-            assert torch.equal(got, alone)  # keys past a row's last one change nothing
+        for q, k, v, seq, lo, hi in (_attention_case(n, h, g, d, s, seed=d), _verify_rows(n, h, g, d, s, seed=d)):
+            m_tree = mask.clone()
+            m_tree[torch.arange(n), hi] = True  # a tree row sees itself
+            for m in (None, m_tree):
+                def call(rows):
+                    return A.attend_rows(q[rows], k, v, seq[rows], lo[rows], hi[rows], None if m is None else m[rows])
+
+                torch.set_num_threads(1)
+                alone = torch.cat([call([i]) for i in range(n)])  # (n, H, D)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for r in (1, 2, 5, 9, 16):
+                        assert torch.equal(call(list(range(r))), alone[:r]), (t, r)
+                    order = torch.randperm(n, generator=torch.Generator().manual_seed(t)).tolist()
+                    assert torch.equal(call(order), alone[order]), t
+                pad = torch.randn(*k.shape[:2], 60, d)
+                got = A.attend_rows(q, torch.cat([k, pad], 2), torch.cat([v, pad], 2), seq, lo, hi,
+                                    None if m is None else torch.cat([m, torch.ones(n, 60, dtype=torch.bool)], 1))
+                assert torch.equal(got, alone)  # keys past a row's last one change nothing
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_softmax_exp_is_within_one_ulp_of_exp():
+    """The kernel's 16-lane exp (attention.cpp, exp16) against fp64 exp on every 256th float of [-110, 0] (the
+    softmax's range: scores minus their max), results below FLT_MIN (gradual underflow) included, and a stretch of
+    positive x; the tail of a call (not a multiple of 16 long) goes through the same function."""
+    from mtpspec.kernels import attention as A
+
+    if not A.available():
+        pytest.skip("the attention kernel could not be built here")
+    bits = torch.arange(0, torch.tensor(-110.0).view(torch.int32).item() & 0x7FFFFFFF, 256, dtype=torch.int32)
+    x = torch.cat([-bits.view(torch.float32), torch.linspace(0, 88.5, 100_003)])  # (n,), n % 16 != 0
+    got = torch.ops.mtpspec_attention.exp_lanes(x).double()
+    exact = torch.exp(x.double())
+    ulp = torch.ldexp(torch.ones_like(exact), (torch.frexp(exact).exponent - 24).clamp(min=-149))  # fp32 spacing at exact
+    assert ((got - exact).abs() <= ulp).all(), float(((got - exact).abs() / ulp).max())
+    special = torch.tensor([-float("inf"), -1000.0, -104.0, -0.0, 0.0, 89.0, float("inf"), float("nan")])
+    assert torch.equal(torch.ops.mtpspec_attention.exp_lanes(special)[:7], torch.tensor([0, 0, 0, 1, 1, float("inf"), float("inf")]))
+    assert torch.ops.mtpspec_attention.exp_lanes(special)[7].isnan()
 
 
 @pytest.mark.parametrize("h,g,d", [(4, 1, 256), (8, 2, 72), (6, 3, 20)], ids=["gemma3-270m", "gqa-72", "odd-20"])
