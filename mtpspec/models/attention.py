@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import rownorm
-from ..kernels.attention import attend_rows
+from ..kernels.attention import attend_rows, available as kernels_available
 from .batch import ForwardBatch
 
 SHORT_ATTENTION = 64  # query rows up to which bf16 attention is computed in fp32 (_attention_fp32: a decode or verify window)
@@ -113,8 +113,9 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         v_buf[:, :, fb.start : end] = v
         return k_buf[:, :, :end], v_buf[:, :, :end]
     pos = fb.pos if fb.slots is None else fb.slots  # (B, T) buffer indices
-    if pos.shape[0] == 1 and torch.compiler.is_compiling():
-        torch.ops.mtpspec_kv.write_rows(k_buf, v_buf, pos[0], k, v)
+    if pos.shape[0] == 1 and torch.compiler.is_compiling() and kernels_available():
+        # in place: an ATen write to these views of the graph's cache input would copy the span (kernels/attention.cpp)
+        torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, pos[0], k, v)
     elif pos.shape[0] == 1:
         k_buf.index_copy_(2, pos[0], k)
         v_buf.index_copy_(2, pos[0], v)
@@ -123,22 +124,6 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         k_buf[rows, :, pos] = k.transpose(1, 2)  # advanced indices first: (B, T, nkv, hd)
         v_buf[rows, :, pos] = v.transpose(1, 2)
     return k_buf, v_buf
-
-
-# Inside a compiled graph the buffers are views of a graph input (one layer's of the (L, B, nkv, S, hd) cache span).
-# An in-place ATen write to such a view is functionalized into a copy of the whole span written out of place and
-# copied back (inductor re-inplaces neither), per layer and step: MBs per step on a real model. Declared as mutating
-# its buffers, this op stays one in-place call in the graph (auto_functionalized, re-inplaced on the graph input).
-@torch.library.custom_op("mtpspec_kv::write_rows", mutates_args=("k_buf", "v_buf"))
-def _write_rows(k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-    """k, v (B, nkv, T, hd) into the buffers (B, nkv, S, hd) at positions pos (T,), in place."""
-    k_buf.index_copy_(2, pos, k)
-    v_buf.index_copy_(2, pos, v)
-
-
-@_write_rows.register_fake
-def _(k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-    return None
 
 
 def attend(q: Tensor, keys: Tensor, vals: Tensor, fb: ForwardBatch, window: int = 0, by_row: bool = False,
