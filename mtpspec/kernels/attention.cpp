@@ -205,8 +205,10 @@ void write_rows(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tens
   for (int i = 0; i < 2; ++i) {
     const at::Tensor& buf = i ? v_buf : k_buf;
     const at::Tensor& x = i ? v : k;
-    TORCH_CHECK(buf.dim() == 4 && x.dim() == 4 && x.size(2) == p.size(0), "write_rows: buffers (B, nkv, S, hd), rows (B, nkv, T, hd)");
-    TORCH_CHECK(x.size(0) == buf.size(0) && x.size(1) == buf.size(1) && x.size(3) == buf.size(3), "write_rows: rows and buffer differ in shape");
+    TORCH_CHECK(buf.dim() == 4 && x.dim() == 4 && x.size(2) == p.size(0),
+                "write_rows: buffers (B, nkv, S, hd), rows (B, nkv, T, hd)");
+    TORCH_CHECK(x.size(0) == buf.size(0) && x.size(1) == buf.size(1) && x.size(3) == buf.size(3),
+                "write_rows: rows and buffer differ in shape");
     if (buf.scalar_type() != x.scalar_type() || buf.stride(3) != 1 || x.stride(3) != 1) {
       buf.index_copy_(2, p, x);  // another layout: ATen's write
       continue;

@@ -113,7 +113,7 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         v_buf[:, :, fb.start : end] = v
         return k_buf[:, :, :end], v_buf[:, :, :end]
     pos = fb.pos if fb.slots is None else fb.slots  # (B, T) buffer indices
-    if pos.shape[0] == 1 and torch.compiler.is_compiling() and kernels_available():
+    if pos.shape[0] == 1 and torch.compiler.is_compiling() and k_buf.device.type == "cpu" and kernels_available():
         # in place: an ATen write to these views of the graph's cache input would copy the span (kernels/attention.cpp)
         torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, pos[0], k, v)
     elif pos.shape[0] == 1:
