@@ -334,3 +334,29 @@ def test_attend_rows_is_within_the_fp32_bound_of_fp64_attention(h, g, d):
     # the torch fallback (no compiler) computes the same function
     torch.testing.assert_close(A.attend_rows(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, seq, lo, hi, mask, scale),
                                A.attend_rows(q, k, v, seq, lo, hi, mask, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_is_index_copy_in_place(dtype):
+    """The compiled step's KV write (attention.cpp write_rows) stores each row where index_copy_ does, in the buffers
+    themselves (views of a larger cache, as a graph's span is), for rows in a graph's transposed layout and in one it
+    does not take (last dim strided: ATen's write); a position outside the buffer is an error."""
+    from mtpspec.kernels import attention as A
+
+    if not A.available():
+        pytest.skip("the attention kernel could not be built here")
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(3, 1, 2, 16, 8, generator=gen).to(dtype)  # (L, B, nkv, max_len, hd)
+    pos = torch.tensor([5, 6, 7])
+    rows = torch.randn(1, 3, 2, 8, generator=gen).to(dtype).transpose(1, 2)  # (B, nkv, T, hd) from (B, T, nkv, hd)
+    for k in (rows, rows.transpose(2, 3).contiguous().transpose(2, 3)):
+        span = cache.clone()
+        k_buf, v_buf = span[1, ..., :12, :], span[2, ..., :12, :]  # (B, nkv, S, hd) views of the span
+        ptr = k_buf.data_ptr()
+        torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, pos, k, 2 * k)
+        want = cache.clone()
+        want[1, ..., :12, :].index_copy_(2, pos, k)
+        want[2, ..., :12, :].index_copy_(2, pos, 2 * k)
+        assert torch.equal(span, want) and k_buf.data_ptr() == ptr
+    with pytest.raises(RuntimeError, match="outside the buffer"):
+        torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, torch.tensor([5, 6, 12]), rows, rows)

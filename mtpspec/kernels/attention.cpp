@@ -378,14 +378,51 @@ at::Tensor exp_lanes(const at::Tensor& x) {
   return y;
 }
 
+// The KV write of a compiled step: buf[b, h, pos[t]] = x[b, h, t] for k into k_buf and v into v_buf (B, nkv, S, hd),
+// in place. Inside a graph the buffers are views of the cache input; this op is declared as mutating them, so
+// inductor keeps it one in-place call (an in-place ATen write to a view of an input is functionalized into a copy of
+// the whole span written out of place and copied back).
+void write_rows(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& pos, const at::Tensor& k,
+                const at::Tensor& v) {
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong, "write_rows: pos must be (T,) int64");
+  const at::Tensor p = pos.contiguous();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& buf = i ? v_buf : k_buf;
+    const at::Tensor& x = i ? v : k;
+    TORCH_CHECK(buf.dim() == 4 && x.dim() == 4 && x.size(2) == p.size(0),
+                "write_rows: buffers (B, nkv, S, hd), rows (B, nkv, T, hd)");
+    TORCH_CHECK(x.size(0) == buf.size(0) && x.size(1) == buf.size(1) && x.size(3) == buf.size(3),
+                "write_rows: rows and buffer differ in shape");
+    if (buf.scalar_type() != x.scalar_type() || buf.stride(3) != 1 || x.stride(3) != 1) {
+      buf.index_copy_(2, p, x);  // another layout: ATen's write
+      continue;
+    }
+    const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), S = buf.size(2);
+    const int64_t es = x.element_size();
+    char* bp = static_cast<char*>(buf.data_ptr());
+    const char* xp = static_cast<const char*>(x.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = pp[t];
+      TORCH_CHECK(s >= 0 && s < S, "write_rows: position ", s, " outside the buffer's ", S);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(bp + (b * buf.stride(0) + h * buf.stride(1) + s * buf.stride(2)) * es,
+                      xp + (b * x.stride(0) + h * x.stride(1) + t * x.stride(2)) * es, D * es);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtpspec_attention, m) {
   m.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor seq, Tensor lo, Tensor hi, Tensor? mask, float scale) -> Tensor");
   m.def("exp_lanes(Tensor x) -> Tensor");
+  m.def("write_rows(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor pos, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mtpspec_attention, CPU, m) {
   m.impl("attend_rows", &attend_rows);
   m.impl("exp_lanes", &exp_lanes);
+  m.impl("write_rows", &write_rows);
 }

@@ -18,6 +18,7 @@ from . import Extension
 
 def _ready() -> None:  # shapes for torch.compile's tracing
     torch.library.register_fake("mtpspec_attention::attend_rows")(lambda q, k, v, seq, lo, hi, mask, scale: torch.empty_like(q))
+    torch.library.register_fake("mtpspec_attention::write_rows")(lambda k_buf, v_buf, pos, k, v: None)
 
 
 _EXT = Extension("mtpspec_attention", "attention.cpp", "attention", "attention runs one row at a time through torch", _ready)

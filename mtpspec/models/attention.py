@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import rownorm
-from ..kernels.attention import attend_rows
+from ..kernels.attention import attend_rows, available as kernels_available
 from .batch import ForwardBatch
 
 SHORT_ATTENTION = 64  # query rows up to which bf16 attention is computed in fp32 (_attention_fp32: a decode or verify window)
@@ -113,7 +113,10 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         v_buf[:, :, fb.start : end] = v
         return k_buf[:, :, :end], v_buf[:, :, :end]
     pos = fb.pos if fb.slots is None else fb.slots  # (B, T) buffer indices
-    if pos.shape[0] == 1:
+    if pos.shape[0] == 1 and torch.compiler.is_compiling() and k_buf.device.type == "cpu" and kernels_available():
+        # in place: an ATen write to these views of the graph's cache input would copy the span (kernels/attention.cpp)
+        torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, pos[0], k, v)
+    elif pos.shape[0] == 1:
         k_buf.index_copy_(2, pos[0], k)
         v_buf.index_copy_(2, pos[0], v)
     else:  # each sequence at its own positions

@@ -90,7 +90,10 @@ class _Compiled:
     def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=(), model=None) -> None:
         import torch._dynamo
 
+        from ..kernels import attention as attention_kernels
         from ..threads import SMALL_BYTES, parameter_bytes
+
+        attention_kernels.available()  # built before tracing: the graphs write the KV cache with its op (attention.write)
 
         self.module, self.max_width, self.backend = module, max_width, backend
         # serial graphs (SERIAL) for a small model: one graph for every thread count (keyed as 1); else torch's count
