@@ -1,4 +1,5 @@
-// RMSNorm of a few rows in one call (and, for attention, with the rotary embedding after it): y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w), zero-centred norms).
+// RMSNorm of a few rows in one call (and, for attention, with the rotary embedding after it):
+// y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w), zero-centred norms).
 //
 // One torch call in place of the six a norm takes in eager torch (the decode step of a small quantized model is
 // dispatch-bound), and row-invariant by construction: each row's sum of squares accumulates in 16 fixed lanes (a GCC

@@ -30,4 +30,3 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, zero_centred: bool = False) -> Te
         return torch.ops.mtpspec_rownorm.rms_norm(x, w, eps, zero_centred)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * (1.0 + w) if zero_centred else w * y
-

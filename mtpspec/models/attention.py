@@ -62,38 +62,34 @@ def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Ten
 @dataclass(frozen=True)
 class RowPlan:
     """What every attention layer shares in one sequence's forward over consecutive positions on the row kernels (a
-    block-quantized model's plain step, chain verify or prefill), made once per forward: the rows' positions (each
-    row's last key), each window's first keys, each rotary's cos / sin rows (filled by the first layer that asks)."""
+    block-quantized model's plain step, chain verify or prefill: fb.start set, no tree), made once per forward: each
+    rotary's cos / sin rows and each window's first keys (filled by the first layer that asks)."""
 
-    start: int
-    hi: Tensor  # (N,) positions
+    fb: ForwardBatch
     seq: Tensor  # (N,) zeros: one sequence
     lo: dict = field(default_factory=dict)  # window -> (N,) first keys
     tables: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin) (N, rot)
 
     @staticmethod
     def of(fb: ForwardBatch) -> "RowPlan":
-        hi = fb.pos[0]
-        return RowPlan(fb.start, hi, torch.zeros_like(hi))
+        return RowPlan(fb, torch.zeros_like(fb.pos[0]))
 
     def rotary(self, rotary, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         got = self.tables.get(id(rotary))
         if got is None:
-            end = self.start + self.hi.shape[0]
-            cos, sin = rotary.tables(dtype, end)
-            got = self.tables[id(rotary)] = (cos[self.start : end].to(dtype), sin[self.start : end].to(dtype))
+            cos, sin = rotary_at(rotary, self.fb, dtype)  # (1, 1, N, rot)
+            got = self.tables[id(rotary)] = (cos[0, 0], sin[0, 0])
         return got
 
     def write_attend(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, window: int) -> Tensor:
         """Store k, v (N, nkv, hd) at the rows' positions of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by
-        the row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`."""
-        end = self.start + q.shape[0]
-        k_buf[0, :, self.start : end] = k.transpose(0, 1)
-        v_buf[0, :, self.start : end] = v.transpose(0, 1)
+        the row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`, without the (B, nh, W, hd) grid."""
+        keys, vals = write(k_buf, v_buf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.fb)
+        hi = self.fb.pos[0]  # (N,) each row's own position: its last key
         lo = self.lo.get(window)
         if lo is None:
-            lo = self.lo[window] = first_keys(self.hi, window)
-        return attend_rows(q, k_buf[:, :, :end], v_buf[:, :, :end], self.seq, lo, self.hi)
+            lo = self.lo[window] = first_keys(hi, window)
+        return attend_rows(q, keys, vals, self.seq, lo, hi)
 
 
 def first_keys(pos: Tensor, window: int) -> Tensor:

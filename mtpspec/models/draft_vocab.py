@@ -31,6 +31,7 @@ from ..kernels import quantized
 from ..device import of as device_of
 from ..errors import ConfigError, ModelLoadError
 from ..weight_cache import weights_version
+from .blocks import holds_blocks
 
 FILE = "draft_vocab.json"
 DEFAULT_COVERAGE = 0.9  # default_size: the fewest tokens (a multiple of 256) covering 90% of the training text
@@ -117,13 +118,13 @@ class DraftHead(SubsetHead):
     def __init__(self, lm_head, ids: Tensor) -> None:
         super().__init__(ids.to(device_of(lm_head)), lm_head.out_features)  # ids beside the LM head (mtpspec.device)
         rows = lm_head.rows(ids)  # (N, H) in the model's dtype (blocks: dequantized)
-        self.blocks = quantized.q8_0(rows) if "qweight" in lm_head.__dict__ and rows.device.type == "cpu" and quantized.available() else None
+        self.blocks = quantized.q8_0(rows) if holds_blocks(lm_head) and rows.device.type == "cpu" and quantized.available() else None
         self.product = None if self.blocks is not None else kernels.Product(rows)
 
     def logits(self, h: Tensor) -> Tensor:
         """h (T, H) -> (T, N) float32 logits over the subset."""
         if self.blocks is not None:
-            return quantized.linear(h.float().contiguous(), self.blocks)
+            return quantized.linear(h.float(), self.blocks)
         return self.product(h, widen=True).float()
 
 

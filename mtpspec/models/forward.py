@@ -28,6 +28,7 @@ from ..types import TargetOutput
 from ..weight_cache import weights_version
 from .attention import RowPlan, attend, norm_rope, rope, rotary_at, write
 from .batch import ForwardBatch
+from .blocks import holds_blocks
 from .common import Linear, SwiGLU, wide
 from .gated_deltanet import CHUNK, SHORT_MAX_T, _l2norm, causal_conv, chunked_delta_rule, piece_delta_rule, tree_conv, window_delta_rule
 from .hybrid_cache import HybridCache, Window
@@ -42,7 +43,7 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
     each layer's own product); other layers run one by one."""
     fused = linears[0].__dict__.get("fused_with_next")
     if fused is None:
-        if x.dtype == torch.float32 and len(linears) > 1 and all("qweight" in lin.__dict__ and lin.bias is None for lin in linears):
+        if x.dtype == torch.float32 and len(linears) > 1 and all(holds_blocks(lin) and lin.bias is None for lin in linears):
             y = quantized.linear_many(x, [lin.qweight for lin in linears])  # (N, sum of outputs)
             return list(y.split([lin.out_features for lin in linears], dim=-1))
         return [lin(x) for lin in linears]
@@ -54,7 +55,7 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
 def _fuse(*linears) -> bool:
     """Concatenate the weights (and biases) of linears that read the same input; stored on the first. False when they
     stay apart (quantized layers keep their own kernels)."""
-    if not all(isinstance(lin, torch.nn.Linear) and "qweight" not in lin.__dict__ for lin in linears):
+    if not all(isinstance(lin, torch.nn.Linear) and not holds_blocks(lin) for lin in linears):
         return False  # block weights keep their own kernel (and their row invariance)
     with torch.no_grad():
         w = torch.cat([lin.weight for lin in linears])
@@ -77,7 +78,7 @@ def fuse_projections(module) -> None:
         if group and _fuse(*group):
             fused.update(id(lin) for lin in group)
     for m in module.modules():
-        if (isinstance(m, Linear) and id(m) not in fused and "qweight" not in m.__dict__ and m.weight.dtype in kernels.DTYPES
+        if (isinstance(m, Linear) and id(m) not in fused and not holds_blocks(m) and m.weight.dtype in kernels.DTYPES
                 and m.weight.device.type == "cpu" and kernels.available()):
             kernels.panels_of(m.__dict__, m.weight)
 
