@@ -169,6 +169,25 @@ def test_row_plan_is_the_grid_path_bitwise(written, monkeypatch):
     assert torch.equal(planned, logits()), kind
 
 
+def test_row_stack_is_the_row_plan_bitwise(written):
+    """A dense stack on block weights runs all its layers in one kernel call (kernels/rowstack.cpp): each logit and each
+    tapped layer input bitwise what the row path computes layer by layer, past Gemma's window too."""
+    kind, _, _, q8 = written
+    module = load_gguf_model(q8)
+    ids = _ids(40, 3)
+    windows = ((0, 12), (12, 13), (13, 18), (18, 40))
+
+    def run():
+        cache = module.new_cache()
+        outs = [module.forward_tokens(ids[a:b], cache, taps=(0, 1)) for a, b in windows]
+        return [o.logits for o in outs] + [o.layer_inputs[i] for o in outs for i in (0, 1)]
+
+    stacked = run()
+    assert (module.row_stack is not False) == (kind != "qwen2"), kind  # Qwen2's q / k / v biases keep the Python path
+    module.row_stack = False
+    assert all(torch.equal(a, b) for a, b in zip(stacked, run())), kind
+
+
 @pytest.mark.parametrize("zero_centred", [False, True])
 @pytest.mark.parametrize("rot", [64, 32])
 @pytest.mark.parametrize("normed", [True, False])

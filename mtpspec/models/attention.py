@@ -81,15 +81,19 @@ class RowPlan:
             got = self.tables[id(rotary)] = (cos[0, 0], sin[0, 0])
         return got
 
+    def first_keys(self, window: int) -> Tensor:
+        """(N,) each row's oldest visible key under a sliding window (0: none), made once per window."""
+        lo = self.lo.get(window)
+        if lo is None:
+            lo = self.lo[window] = first_keys(self.fb.pos[0], window)
+        return lo
+
     def write_attend(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, window: int) -> Tensor:
         """Store k, v (N, nkv, hd) at the rows' positions of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by
         the row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`, without the (B, nh, W, hd) grid."""
         keys, vals = write(k_buf, v_buf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.fb)
         hi = self.fb.pos[0]  # (N,) each row's own position: its last key
-        lo = self.lo.get(window)
-        if lo is None:
-            lo = self.lo[window] = first_keys(hi, window)
-        return attend_rows(q, keys, vals, self.seq, lo, hi)
+        return attend_rows(q, keys, vals, self.seq, self.first_keys(window), hi)
 
 
 def first_keys(pos: Tensor, window: int) -> Tensor:

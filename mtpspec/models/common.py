@@ -20,6 +20,7 @@ class CausalLM(nn.Module):
     `lm_head`; subclasses add new_cache() and forward_tokens(tokens, cache) -> TargetOutput (forward.run)."""
 
     compiled_step = None  # its compiled decode step (compiled.compile_model), or None: eager
+    row_stack = None  # forward.RowStack once built (False: its layers do not fit the kernel), or None: not yet
     default_head = None  # the folder of a head trained for this model's file (loading.default_head), or None
 
     @property

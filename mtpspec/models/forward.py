@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
-from ..kernels import quantized
+from ..kernels import quantized, rowstack
 from ..cache import check_room
 from ..device import on
 from ..errors import ConfigError
@@ -29,7 +29,7 @@ from ..weight_cache import weights_version
 from .attention import RowPlan, attend, norm_rope, rope, rotary_at, write
 from .batch import ForwardBatch
 from .blocks import holds_blocks
-from .common import Linear, SwiGLU, wide
+from .common import ACTIVATIONS, Linear, RMSNorm, SwiGLU, wide
 from .gated_deltanet import CHUNK, SHORT_MAX_T, _l2norm, causal_conv, chunked_delta_rule, piece_delta_rule, tree_conv, window_delta_rule
 from .hybrid_cache import HybridCache, Window
 from .sparse_attention import IndexKeys, sparse_attend, window_sparse_attention
@@ -259,12 +259,110 @@ def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None
     if (model.config.row_kernels and fb.start is not None and fb.tree is None and k_bufs is not None
             and x.dtype == torch.float32 and x.device.type == "cpu"):
         plan = RowPlan.of(fb)
-    for i, layer in enumerate(model.model.layers):
-        if taps is not None and i in taps:
-            taps[i] = x
-        x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb, plan)
+    stack = row_stack(model) if plan is not None and not torch.is_grad_enabled() else None
+    if stack is not None:
+        x = stack.run(x.contiguous(), k_bufs, v_bufs, plan, taps)
+    else:
+        for i, layer in enumerate(model.model.layers):
+            if taps is not None and i in taps:
+                taps[i] = x
+            x = _dense_layer(layer, x, None if k_bufs is None else k_bufs[i], None if v_bufs is None else v_bufs[i], fb, plan)
     hid = model.model.norm(x)
     return (model.head(hid) if fb.logits else None), hid, x
+
+
+class RowStack:
+    """A dense model's layers as kernels/rowstack.cpp takes them, for the row path (RowPlan): the same ops in the same
+    order as _dense_layer, bitwise its outputs, in one call per forward. Holds references to the weights (updates in
+    place are seen); a model whose layers are replaced sets its `row_stack` back to None."""
+
+    W = 7  # weights per layer: q, k, v, o, gate, up, down
+
+    def __init__(self, model) -> None:
+        layers = model.model.layers
+        att0 = layers[0].self_attn
+        self.weights, self.qtypes, self.ns, self.norms = [], [], [], []
+        self.rotaries, self.windows = [], []
+        for layer in layers:
+            att, mlp = layer.self_attn, layer.mlp
+            for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                q = lin.qweight
+                self.weights.append(q.data)
+                self.qtypes.append(q.qtype.value)
+                self.ns.append(q.shape[0])
+            self.norms += _stack_norms(layer)
+            self.rotaries.append(att.rotary[0])
+            self.windows.append(att.window)
+        norm = layers[0].input_layernorm
+        self.eps, self.zero_centred = norm.eps, norm.zero_centred
+        act = 1 if layers[0].mlp.act is ACTIVATIONS["gelu_tanh"] else 0
+        self.dims = [att0.nh, att0.nkv, att0.hd, int(att0.qk_norm), int(layers[0].sandwich), act]
+        self.per_norms = len(self.norms) // len(layers)
+        self.scale = att0.hd ** -0.5  # attend_rows' default, as RowPlan.write_attend calls it
+
+    @staticmethod
+    def fits(model) -> bool:
+        """Whether every layer is one the kernel computes: block weights without biases in the panel layout, q / k / v
+        reading one input, row-kernel norms sharing one eps, silu or gelu-tanh, one shape, no sparse attention."""
+        layers = getattr(model.model, "layers", None)
+        if not layers or not rowstack.available():
+            return False
+        first = layers[0]
+        if not hasattr(first, "sandwich") or not isinstance(first.mlp, SwiGLU):
+            return False
+        att0, norm0 = first.self_attn, first.input_layernorm
+        for layer in layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, SwiGLU) or not (mlp.act is ACTIVATIONS["silu"] or mlp.act is ACTIVATIONS["gelu_tanh"]):
+                return False
+            if ((att.nh, att.nkv, att.hd, att.qk_norm, layer.sandwich, mlp.act) !=
+                    (att0.nh, att0.nkv, att0.hd, att0.qk_norm, first.sandwich, first.mlp.act)):
+                return False
+            lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if not all(holds_blocks(lin) and lin.bias is None and lin.qweight.layout == "panels16" for lin in lins):
+                return False
+            if not (att.q_proj.qweight.shape[1] == att.k_proj.qweight.shape[1] == att.v_proj.qweight.shape[1]):
+                return False
+            norms = _stack_norms(layer, modules=True)
+            if not all(isinstance(n, RMSNorm) and n.row_kernel and n.weight.dtype == torch.float32
+                       and (n.eps, n.zero_centred) == (norm0.eps, norm0.zero_centred) for n in norms):
+                return False
+        return True
+
+    def run(self, x: Tensor, k_bufs: Tensor, v_bufs: Tensor, plan: RowPlan, taps: dict | None) -> Tensor:
+        """x (N, H) the embedded rows -> the stream after the last layer; taps filled as dense_forward's."""
+        rot, lo = [], []
+        for rotary, window in zip(self.rotaries, self.windows):
+            rot += plan.rotary(rotary, x.dtype)
+            lo.append(plan.first_keys(window))
+        cuts = sorted(i for i in taps if 0 <= i < len(self.windows)) if taps else []
+        bounds = [0] + [c for c in cuts if c > 0] + [len(self.windows)]
+        for a, b in zip(bounds, bounds[1:]):
+            if taps is not None and a in taps:
+                taps[a] = x
+            w, p = self.W, self.per_norms
+            x = rowstack.dense_stack(x, self.weights[a * w : b * w], self.qtypes[a * w : b * w], self.ns[a * w : b * w],
+                                     self.norms[a * p : b * p], k_bufs, v_bufs, a, rot[2 * a : 2 * b], lo[a:b], plan.seq,
+                                     plan.fb.pos[0], plan.fb.start, self.dims, self.eps, self.zero_centred, self.scale)
+        return x
+
+
+def _stack_norms(layer, modules: bool = False) -> list:
+    """A layer's norms in the kernel's order: input, [q, k,] post-attention, [pre-, post-feedforward]; their weights
+    (or the modules)."""
+    att = layer.self_attn
+    norms = [layer.input_layernorm] + ([att.q_norm, att.k_norm] if att.qk_norm else []) + [layer.post_attention_layernorm]
+    if layer.sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    return norms if modules else [n.weight for n in norms]
+
+
+def row_stack(model) -> RowStack | None:
+    """The model's RowStack (built on first use, kept as model.row_stack), or None when its layers do not fit it."""
+    stack = model.row_stack
+    if stack is None:
+        stack = model.row_stack = RowStack(model) if RowStack.fits(model) else False
+    return stack or None
 
 
 def _dense_layer(layer, x: Tensor, k_buf, v_buf, fb: ForwardBatch, plan: RowPlan | None = None) -> Tensor:

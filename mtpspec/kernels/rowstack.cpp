@@ -1,0 +1,116 @@
+// A dense decoder stack (Llama / Qwen3 / Gemma 3 layers on GGUF block weights) over one sequence's rows in order, in
+// one call. Each layer runs the ops of models/forward.py's row path (RowPlan) in its order with its arguments: the
+// block products (mtpspec_gguf), the row norms and norm + rotation (mtpspec_rownorm), the row attention
+// (mtpspec_attention), ATen's activation, product and sums; so every output is bitwise that path's. What goes is the
+// Python between the ops, most of a small quantized model's decode step.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using LinearMany = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef);
+using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double, bool);
+using NormRope = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&, double, bool, const at::Tensor&,
+                            const at::Tensor&);
+using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const c10::optional<at::Tensor>&, double);
+
+template <typename F>
+c10::TypedOperatorHandle<F> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<F>();
+}
+
+// The ops, looked up once (their extensions are loaded before this one is called).
+struct Ops {
+  c10::TypedOperatorHandle<Linear> linear = find<Linear>("mtpspec_gguf::linear");
+  c10::TypedOperatorHandle<LinearMany> linear_many = find<LinearMany>("mtpspec_gguf::linear_many");
+  c10::TypedOperatorHandle<Norm> norm = find<Norm>("mtpspec_rownorm::rms_norm");
+  c10::TypedOperatorHandle<NormRope> norm_rope = find<NormRope>("mtpspec_rownorm::norm_rope");
+  c10::TypedOperatorHandle<Attend> attend = find<Attend>("mtpspec_attention::attend_rows");
+};
+
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+constexpr int64_t W = 7;  // weights per layer: q, k, v, o, gate, up, down
+
+// x (N, H) fp32, the residual stream entering layer `first` -> the stream after the layers given. Per layer: its 7
+// weights' block data, types and output counts; its norms (input, [q, k,] post-attention, [pre-, post-feedforward]);
+// its rotary rows cos, sin (N, rot); the first key lo (N,) each row sees. k_bufs / v_bufs (L, 1, nkv, S, hd), layer
+// first + i's buffers written at positions start.. ; seq (N,) zeros, hi (N,) the rows' positions. dims: nh, nkv, hd,
+// qk_norm, sandwich, activation (0 silu, 1 gelu tanh).
+at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef ns,
+                       at::TensorList norms, const at::Tensor& k_bufs, const at::Tensor& v_bufs, int64_t first,
+                       at::TensorList rotary, at::TensorList lo, const at::Tensor& seq, const at::Tensor& hi,
+                       int64_t start, at::IntArrayRef dims, double eps, bool zero_centred, double scale) {
+  TORCH_CHECK(dims.size() == 6, "dense_stack: dims (nh, nkv, hd, qk_norm, sandwich, act)");
+  const int64_t nh = dims[0], nkv = dims[1], hd = dims[2];
+  const bool qk_norm = dims[3] != 0, sandwich = dims[4] != 0, gelu = dims[5] != 0;
+  const int64_t per_norms = 2 + (qk_norm ? 2 : 0) + (sandwich ? 2 : 0);
+  const int64_t layers = static_cast<int64_t>(weights.size()) / W;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * W && static_cast<int64_t>(qtypes.size()) == layers * W &&
+                  static_cast<int64_t>(ns.size()) == layers * W && static_cast<int64_t>(norms.size()) == layers * per_norms &&
+                  static_cast<int64_t>(rotary.size()) == 2 * layers && static_cast<int64_t>(lo.size()) == layers,
+              "dense_stack: per layer 7 weights, ", per_norms, " norms, cos and sin, and lo");
+  TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "dense_stack: x (N, H) contiguous fp32");
+  TORCH_CHECK(first >= 0 && first + layers <= k_bufs.size(0) && first + layers <= v_bufs.size(0), "dense_stack: layers outside the buffers");
+  const Ops& o = ops();
+  const int64_t n = x0.size(0), end = start + n;
+  const c10::optional<at::Tensor> none;
+  at::Tensor x = x0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * W;
+    const int64_t* t = qtypes.data() + l * W;
+    const int64_t* m = ns.data() + l * W;
+    const at::Tensor* nm = norms.data() + l * per_norms;
+    const at::Tensor &cos = rotary[2 * l], &sin = rotary[2 * l + 1];
+    // attention: norm, q | k | v in one product, each head normed and rotated, the KV write, the row attention
+    const at::Tensor h = o.norm.call(x, nm[0], eps, zero_centred);
+    const at::Tensor qkv = o.linear_many.call(h, at::TensorList(w, 3), at::IntArrayRef(t, 3), at::IntArrayRef(m, 3));
+    const at::Tensor q = o.norm_rope.call(qkv.narrow(1, 0, m[0]).view({n, nh, hd}),
+                                          qk_norm ? c10::optional<at::Tensor>(nm[1]) : none, qk_norm ? eps : 0.0,
+                                          qk_norm && zero_centred, cos, sin);
+    const at::Tensor k = o.norm_rope.call(qkv.narrow(1, m[0], m[1]).view({n, nkv, hd}),
+                                          qk_norm ? c10::optional<at::Tensor>(nm[2]) : none, qk_norm ? eps : 0.0,
+                                          qk_norm && zero_centred, cos, sin);
+    const at::Tensor v = qkv.narrow(1, m[0] + m[1], m[2]).view({n, nkv, hd});
+    const at::Tensor kb = k_bufs.select(0, first + l), vb = v_bufs.select(0, first + l);
+    kb.slice(2, start, end).copy_(k.transpose(0, 1).unsqueeze(0));
+    vb.slice(2, start, end).copy_(v.transpose(0, 1).unsqueeze(0));
+    const at::Tensor y = o.attend.call(q, kb.slice(2, 0, end), vb.slice(2, 0, end), seq, lo[l], hi, none, scale);
+    const at::Tensor a = o.linear.call(y.view({n, -1}), w[3], t[3], m[3]);
+    const int64_t next = qk_norm ? 3 : 1;  // the post-attention norm's index
+    at::Tensor f;  // the MLP's input
+    if (sandwich) {
+      x = at::add(x, o.norm.call(a, nm[next], eps, zero_centred));
+      f = o.norm.call(x, nm[next + 1], eps, zero_centred);
+    } else {
+      x = at::add(x, a);
+      f = o.norm.call(x, nm[next], eps, zero_centred);
+    }
+    // the gated MLP: gate | up in one product, act(gate) * up, down
+    const at::Tensor gu = o.linear_many.call(f, at::TensorList(w + 4, 2), at::IntArrayRef(t + 4, 2), at::IntArrayRef(m + 4, 2));
+    const at::Tensor g = gu.narrow(1, 0, m[4]), u = gu.narrow(1, m[4], m[5]);
+    const at::Tensor d = o.linear.call(at::mul(gelu ? at::gelu(g, "tanh") : at::silu(g), u), w[6], t[6], m[6]);
+    x = at::add(x, sandwich ? o.norm.call(d, nm[next + 2], eps, zero_centred) : d);
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mtpspec_rowstack, m) {
+  m.def("dense_stack(Tensor x, Tensor[] weights, int[] qtypes, int[] ns, Tensor[] norms, Tensor(a!) k_bufs, "
+        "Tensor(b!) v_bufs, int first, Tensor[] rotary, Tensor[] lo, Tensor seq, Tensor hi, int start, int[] dims, "
+        "float eps, bool zero_centred, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpspec_rowstack, CPU, m) { m.impl("dense_stack", &dense_stack); }
