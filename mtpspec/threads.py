@@ -1,8 +1,9 @@
 """How many torch threads a model runs with by default: one rule for the API, every command and the server.
 
 A batch-1 step is a chain of small matrix-vector products, and splitting one across threads pays a fork/join per
-op (far more when another job holds the other core): an eager model under SMALL_BYTES runs 1 thread; a larger or
-compiled one, one thread per idle physical core. The rule is applied once, at load (the load average counts this
+op (far more when another job holds the other core): an eager model under SMALL_BYTES runs 1 thread; a larger one,
+a compiled one or one on the row kernels (GGUF block weights: its step is the kernels' products, the layers one call),
+one thread per idle physical core. The rule is applied once, at load (the load average counts this
 process once it runs), and torch.set_num_threads is process-wide: Model.generate applies its model's count at the
 start of each call. Measurements: docs/decisions.md#default-thread-count.
 """
@@ -62,11 +63,12 @@ def machine_load() -> float:
 
 
 def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None, compiled: bool | None = None) -> int:
-    """1 thread under SMALL_BYTES of weights unless compiled; else cores - round(load), at least 1. cores / load:
-    this machine's by default; compiled None: whether compile_model has been applied."""
+    """1 thread under SMALL_BYTES of weights unless compiled or on the row kernels; else cores - round(load), at least
+    1. cores / load: this machine's by default; compiled None: whether compile_model has been applied."""
     if compiled is None:
         compiled = getattr(module, "compiled_step", None) is not None
-    if parameter_bytes(module) < SMALL_BYTES and not compiled:
+    rows = bool(getattr(getattr(module, "config", None), "row_kernels", False))
+    if parameter_bytes(module) < SMALL_BYTES and not compiled and not rows:
         return 1
     cores = physical_cores() if cores is None else cores
     load = machine_load() if load is None else load

@@ -46,6 +46,16 @@ def test_compiled_small_models_get_the_idle_cores():
     assert th.resolve_threads(None, small, compiled=False) == 1 and th.resolve_threads(3, small) == 3
 
 
+def test_models_on_the_row_kernels_get_the_idle_cores():
+    """A GGUF block model's step is the kernels' products (its layers one call): split like a compiled step's."""
+    from types import SimpleNamespace
+
+    small = nn.Linear(64, 64, bias=False, device="meta")
+    small.config = SimpleNamespace(row_kernels=True)
+    assert th.default_threads(small, cores=2, load=0.0) == 2
+    assert th.default_threads(small, cores=2, load=1.2) == 1  # a busy machine: still one
+
+
 def test_parameter_bytes_counts_a_tied_head_once(stories):
     params = {id(p): p for p in stories.module.parameters()}  # parameters() already yields a tied weight once
     assert th.parameter_bytes(stories.module) == sum(p.numel() * p.element_size() for p in params.values())
