@@ -2,8 +2,8 @@
 
 A batch-1 step is a chain of small matrix-vector products, and splitting one across threads pays a fork/join per
 op (far more when another job holds the other core): an eager model under SMALL_BYTES runs 1 thread; a larger one,
-a compiled one or one on the row kernels (GGUF block weights: its step is the kernels' products, the layers one call),
-one thread per idle physical core. The rule is applied once, at load (the load average counts this
+a compiled one or one on the row kernels from ROW_BYTES (GGUF block weights: its step is the kernels' products, the
+layers one call), one thread per idle physical core. The rule is applied once, at load (the load average counts this
 process once it runs), and torch.set_num_threads is process-wide: Model.generate applies its model's count at the
 start of each call. Measurements: docs/decisions.md#default-thread-count.
 """
@@ -19,6 +19,7 @@ from torch import nn
 from .errors import ConfigError
 
 SMALL_BYTES = 256 * 2**20  # below this an eager model gains nothing from a second thread
+ROW_BYTES = 16 * 2**20  # from this size a model on the row kernels does (its products are worth splitting)
 
 
 def parameter_bytes(module: nn.Module) -> int:
@@ -63,12 +64,14 @@ def machine_load() -> float:
 
 
 def default_threads(module: nn.Module, cores: int | None = None, load: float | None = None, compiled: bool | None = None) -> int:
-    """1 thread under SMALL_BYTES of weights unless compiled or on the row kernels; else cores - round(load), at least
-    1. cores / load: this machine's by default; compiled None: whether compile_model has been applied."""
+    """1 thread under SMALL_BYTES of weights unless compiled or on the row kernels (from ROW_BYTES); else cores -
+    round(load), at least 1. cores / load: this machine's by default; compiled None: whether compile_model has been
+    applied."""
     if compiled is None:
         compiled = getattr(module, "compiled_step", None) is not None
-    rows = bool(getattr(getattr(module, "config", None), "row_kernels", False))
-    if parameter_bytes(module) < SMALL_BYTES and not compiled and not rows:
+    size = parameter_bytes(module)
+    rows = bool(getattr(getattr(module, "config", None), "row_kernels", False)) and size >= ROW_BYTES
+    if size < SMALL_BYTES and not compiled and not rows:
         return 1
     cores = physical_cores() if cores is None else cores
     load = machine_load() if load is None else load
@@ -99,5 +102,5 @@ def apply_threads(n: int) -> int:
     return n
 
 
-__all__ = ["SMALL_BYTES", "parameter_bytes", "physical_cores", "machine_load", "default_threads", "check_threads",
+__all__ = ["SMALL_BYTES", "ROW_BYTES", "parameter_bytes", "physical_cores", "machine_load", "default_threads", "check_threads",
            "resolve_threads", "apply_threads"]

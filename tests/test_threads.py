@@ -47,13 +47,18 @@ def test_compiled_small_models_get_the_idle_cores():
 
 
 def test_models_on_the_row_kernels_get_the_idle_cores():
-    """A GGUF block model's step is the kernels' products (its layers one call): split like a compiled step's."""
+    """A GGUF block model's step is the kernels' products (its layers one call): split like a compiled step's, from
+    ROW_BYTES (a tiny file's products are not worth a fork)."""
     from types import SimpleNamespace
 
-    small = nn.Linear(64, 64, bias=False, device="meta")
-    small.config = SimpleNamespace(row_kernels=True)
-    assert th.default_threads(small, cores=2, load=0.0) == 2
-    assert th.default_threads(small, cores=2, load=1.2) == 1  # a busy machine: still one
+    mid = nn.Linear(4096, 4096, bias=False, device="meta")  # 64 MiB: between ROW_BYTES and SMALL_BYTES
+    tiny = nn.Linear(64, 64, bias=False, device="meta")
+    for m in (mid, tiny):
+        m.config = SimpleNamespace(row_kernels=True)
+    assert th.ROW_BYTES <= th.parameter_bytes(mid) < th.SMALL_BYTES
+    assert th.default_threads(mid, cores=2, load=0.0) == 2
+    assert th.default_threads(mid, cores=2, load=1.2) == 1  # a busy machine: still one
+    assert th.default_threads(tiny, cores=2, load=0.0) == 1
 
 
 def test_parameter_bytes_counts_a_tied_head_once(stories):
