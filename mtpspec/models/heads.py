@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import ConfigError, ModelLoadError
-from .common import Linear, Rotary
+from .common import Linear, RMSNorm, Rotary
 from .dense import DenseMTPModule, layer_rotary
 from .draft_vocab import read_draft_vocab, write_ranking
 from .mtp_source import MTPSource
@@ -180,8 +180,9 @@ def save_head(head: DraftHead, directory: str | Path, dtype: torch.dtype | None 
 
 
 def on_blocks(head: DraftHead) -> DraftHead:
-    """A copy of `head` whose matrices are Q8_0 blocks on the block kernel (a head drafting for a GGUF-block target:
-    a quarter of fp32's bytes per draft step; drafts only propose, the target's verify pass decides)."""
+    """A copy of `head` whose matrices are Q8_0 blocks on the block kernel and whose fp32 norms take the row kernel (a
+    head drafting for a GGUF-block target: a quarter of fp32's bytes and one call per norm in a draft step; drafts
+    only propose, the target's verify pass decides)."""
     from ..kernels.quantized import q8_0
 
     q = copy.deepcopy(head)
@@ -190,6 +191,8 @@ def on_blocks(head: DraftHead) -> DraftHead:
             parent, _, attr = name.rpartition(".")
             bias = None if m.bias is None else m.bias.detach()
             setattr(q.get_submodule(parent), attr, Linear.of_blocks(q8_0(m.weight), bias, m.weight.dtype))
+        elif isinstance(m, RMSNorm) and m.weight.dtype == torch.float32:
+            m.row_kernel = True
     return q
 
 
