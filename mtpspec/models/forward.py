@@ -284,8 +284,8 @@ class RowStack:
         self.weights, self.qtypes, self.ns, self.norms = [], [], [], []
         self.rotaries, self.windows = [], []
         for layer in layers:
-            att, mlp = layer.self_attn, layer.mlp
-            for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            att = layer.self_attn
+            for lin in _stack_linears(layer):
                 q = lin.qweight
                 self.weights.append(q.data)
                 self.qtypes.append(q.qtype.value)
@@ -303,7 +303,7 @@ class RowStack:
     @staticmethod
     def fits(model) -> bool:
         """Whether every layer is one the kernel computes: block weights without biases in the panel layout, q / k / v
-        reading one input, row-kernel norms sharing one eps, silu or gelu-tanh, one shape, no sparse attention."""
+        reading one input, row-kernel norms sharing one eps, silu or gelu-tanh, one shape."""
         layers = getattr(model.model, "layers", None)
         if not layers or not rowstack.available():
             return False
@@ -318,8 +318,7 @@ class RowStack:
             if ((att.nh, att.nkv, att.hd, att.qk_norm, layer.sandwich, mlp.act) !=
                     (att0.nh, att0.nkv, att0.hd, att0.qk_norm, first.sandwich, first.mlp.act)):
                 return False
-            lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if not all(holds_blocks(lin) and lin.bias is None and lin.qweight.layout == "panels16" for lin in lins):
+            if not all(holds_blocks(lin) and lin.bias is None and lin.qweight.layout == "panels16" for lin in _stack_linears(layer)):
                 return False
             if not (att.q_proj.qweight.shape[1] == att.k_proj.qweight.shape[1] == att.v_proj.qweight.shape[1]):
                 return False
@@ -345,6 +344,12 @@ class RowStack:
                                      self.norms[a * p : b * p], k_bufs, v_bufs, a, rot[2 * a : 2 * b], lo[a:b], plan.seq,
                                      plan.fb.pos[0], plan.fb.start, self.dims, self.eps, self.zero_centred, self.scale)
         return x
+
+
+def _stack_linears(layer) -> tuple:
+    """A layer's 7 linears in the kernel's order: q, k, v, o, gate, up, down."""
+    att, mlp = layer.self_attn, layer.mlp
+    return att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
 def _stack_norms(layer, modules: bool = False) -> list:
