@@ -55,7 +55,7 @@ def _static_step(model, tokens, cache, window_form: bool = False):
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_graph if step.hybrid else dense_graph)
-    step.run = lambda t, length, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
+    step.run = lambda t, keys, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
     return step(tokens, cache)
 
 
@@ -122,7 +122,7 @@ def test_compiled_generation_equals_plain_greedy(kind):
         assert gen(*r) == ref[r], r
     assert step.built and {key[0] for key in step.built} <= set(range(1, 6))
     assert step.stats.graphs == len(step.built)
-    assert any(key[3:] == ("window",) for key in step.built) == (kind == "hybrid-window")
+    assert any(key[2:] == ("window",) for key in step.built) == (kind == "hybrid-window")
     if kind.startswith("hybrid"):
         drafts = model.mtp.compiled_step
         assert drafts.built, "the MTP drafter went through its compiled step"
@@ -165,7 +165,7 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
     for k in (1, 3, 4):
         (out_c, drafts_c), (out_s, drafts_s) = run(True, k), run(False, k)
         assert out_c == out_s == ref and drafts_c == drafts_s, k
-        assert any(key[3:5] == ("chain", k) for key in step.built), k
+        assert any(key[2:4] == ("chain", k) for key in step.built), k
     assert all(g.__code__.co_name.startswith(("draft_chain_graph", "module_graph")) for g in step.graphs.values())
     assert _direct(lambda: None) is None  # a function dynamo never compiled: no entry, the guarded call serves
 
@@ -201,9 +201,9 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
     step = compile_model(model, max_width=3, backend="eager")
     prepare(model, range(1, 4), len(prompt), len(prompt) + 40 + 2, chains=(1, 2))  # (1: the last round, short of room)
     built, drafts = step.built, model.mtp.compiled_step.built
-    assert {(t, s) for t, s, _ in built} == {(t, s) for t in range(1, 4) for s in (64, 128)}
-    assert {key[:2] for key in drafts} == {(t, s) for t in range(1, 4) for s in (64, 128)}
-    assert {(key[1], key[4]) for key in drafts if len(key) > 3} == {(64, 1), (64, 2), (128, 2)}  # chains of depth 1 and 2
+    assert sorted(t for t, _ in built) == [1, 2, 3]  # one graph per width for both spans (64 and 128): its length symbolic
+    assert sorted(key[0] for key in drafts if len(key) == 2) == [1, 2, 3]
+    assert sorted(key[3] for key in drafts if len(key) > 2) == [1, 2]  # chains of depth 1 and 2
     assert gen() == ref and step.built == built and model.mtp.compiled_step.built == drafts
     assert span(len(prompt) + 40, model.max_seq_len) == 128
 

@@ -123,6 +123,8 @@ def write(k_buf: Tensor | None, v_buf: Tensor | None, k: Tensor, v: Tensor, fb: 
         rows = torch.arange(pos.shape[0])[:, None].expand_as(pos)  # (B, T)
         k_buf[rows, :, pos] = k.transpose(1, 2)  # advanced indices first: (B, T, nkv, hd)
         v_buf[rows, :, pos] = v.transpose(1, 2)
+    if fb.keys is not None:  # a compiled graph's span: the first S positions
+        return k_buf[:, :, : fb.keys.shape[0]], v_buf[:, :, : fb.keys.shape[0]]
     return k_buf, v_buf
 
 

@@ -30,6 +30,7 @@ class ForwardBatch:
     sparse: str = "recompute"  # how block-sparse layers choose their blocks (sparse_attention.SELECTIONS)
     steps: bool = False  # a Gated DeltaNet window position by position, returning each state (compiled graphs of small states)
     logits: bool = True  # False: the LM head is left out (a prefill nobody reads, a tree verified lazily)
+    keys: Tensor | None = None  # (S,) a compiled graph's KV span: rows read buffer positions 0..S-1 (S symbolic); None: all
 
     @property
     def b(self) -> int:

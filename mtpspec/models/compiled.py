@@ -1,10 +1,10 @@
-"""The compiled decode step: the model's one forward (forward.py) over T <= k+1 new positions, with static shapes.
+"""The compiled decode step: the model's one forward (forward.py) over T <= k+1 new positions.
 
 At batch 1 on CPU an eager step is dispatch-bound: hundreds of small ATen calls, each paying Python and dispatcher
 overhead for a few thousand multiply-adds. The graph entries of forward.py take positions as a tensor (the
-ForwardBatch has no start), the KV cache as the preallocated buffer read under a mask, and no Python branch depends on
-a position, so torch.compile (inductor, CPU) traces the same forward once per width T and fuses it into a few C++
-kernels.
+ForwardBatch has no start), the KV cache as the preallocated buffer whose span in use (its length symbolic) is read
+under a mask, and no Python branch depends on a position, so torch.compile (inductor, CPU) traces the same forward once
+per width T and fuses it into a few C++ kernels.
 
 What stays outside the graph is the cache's bookkeeping (hybrid_cache.py): the graph takes each Gated DeltaNet
 layer's conv window and incoming state and returns the widened conv window and what rebuilds the state after each
@@ -52,7 +52,7 @@ def use_cache_dir() -> None:
 
 @dataclass
 class CompileStats:
-    """What compiling cost: graphs built (one per width T and thread count) and the seconds their first calls took."""
+    """What compiling cost: graphs built and the seconds their first calls took."""
 
     graphs: int = 0
     seconds: float = 0.0
@@ -84,7 +84,7 @@ DIRECT = True
 
 
 class _Compiled:
-    """What both compiled steps share: one graph per (width, KV length, threads), built on first use and timed; the
+    """What both compiled steps share: one graph per (width, threads), built on first use and timed; the
     concatenated projections rebuilt when the weights change; the cache's positions as a tensor."""
 
     def __init__(self, fn, module, max_width: int, backend: str = "inductor", also=(), model=None) -> None:
@@ -98,7 +98,7 @@ class _Compiled:
         self.module, self.max_width, self.backend = module, max_width, backend
         # serial graphs (SERIAL) for a small model: one graph for every thread count (keyed as 1); else torch's count
         self.serial = parameter_bytes(model if model is not None else module) < SMALL_BYTES
-        # one graph per width: never fall back to eager silently for lack of room in dynamo's cache
+        # a graph per key: never fall back to eager silently for lack of room in dynamo's cache
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * max_width)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 64 * max_width)
         # a built graph's guards: the model's modules are checked by their dicts' tags, not tensor by tensor (a check
@@ -111,7 +111,7 @@ class _Compiled:
             r.whole()
         self.version = weights_version(self.params)  # changes when a weight is updated in place or replaced
         self._fuse()
-        self.graphs: dict[tuple, object] = {}  # (width, KV span, threads, *extra) -> its compiled function
+        self.graphs: dict[tuple, object] = {}  # (width, threads, *extra) -> its compiled function
         self.seen = lambda: None  # the cache of the last call (a weak reference)
         self.stats = CompileStats()
 
@@ -124,26 +124,27 @@ class _Compiled:
             fuse_projections(m)
 
     def _compile(self, key: tuple, fn=None):
-        """fn compiled for one (width, span, threads), from a copy of fn's code object: dynamo keeps compiled graphs per
+        """fn compiled for one key (width, threads, ...), from a copy of fn's code object: dynamo keeps compiled graphs per
         code object and walks them on every call, so with one shared code object each step would pay for checking the
         guards of its sibling graphs; a code object of its own holds one graph and nothing to walk."""
         base = fn or self.fn
-        name = f"{base.__name__}_w{key[0]}_s{key[1]}_t{key[2]}" + "".join(f"_{x}" for x in key[3:])
+        name = f"{base.__name__}_w{key[0]}_t{key[1]}" + "".join(f"_{x}" for x in key[2:])
         code = base.__code__.replace(co_name=name)
         fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
         fn.__kwdefaults__ = base.__kwdefaults__
-        # backend "eager" traces the same static graphs without generating code (tests of the tracing and bookkeeping)
+        # backend "eager" traces the same graphs without generating code (tests of the tracing and bookkeeping)
         options = {**OPTIONS, **(SERIAL if self.serial else {})} if self.backend == "inductor" else None
-        return torch.compile(fn, dynamic=False, fullgraph=True, backend=self.backend, options=options), fn
+        return torch.compile(fn, dynamic=None, fullgraph=True, backend=self.backend, options=options), fn
 
     def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
-    def run(self, t: int, length: int, cache, *args, fn=None, extra: tuple = ()):
-        """The graph for width t over the first `length` KV positions of `cache` (a new (t, length, threads) compiles,
-        or loads its kernels from the disk cache; a built one is called without dynamo, _direct). fn, extra: another
-        function of the same module (a draft chain) and what else tells its graphs apart."""
+    def run(self, t: int, keys: int, cache, *args, fn=None, extra: tuple = ()):
+        """The graph for width t (a new (t, threads, *extra) compiles, or loads its kernels from the disk cache; a built
+        one is called without dynamo, _direct). args[keys]: the KV span's positions (_keys), their length symbolic in
+        the graph, so one graph serves every span. fn, extra: another function of the same module (a draft chain) and
+        what else tells its graphs apart."""
         if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
             version = weights_version(self.params)  # (a walk over every weight: too dear for every call)
             if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
@@ -151,13 +152,14 @@ class _Compiled:
                 self.version = version
             self.seen = weakref.ref(cache)
         # compiled kernels keep the thread count they were built for (a serial graph's: 1, whatever torch's count)
-        key = (t, length, 1 if self.serial else torch.get_num_threads(), *extra)
+        key = (t, 1 if self.serial else torch.get_num_threads(), *extra)
         graph = self.graphs.get(key)
         if graph is not None:  # built: its guards were checked on the first call
-            return graph(*args, key[2])
+            return graph(*args, key[1])
         t0 = perf_counter()
         graph, plain = self._compile(key, fn)
-        out = graph(*args, key[2])
+        torch._dynamo.mark_dynamic(args[keys], 0)
+        out = graph(*args, key[1])
         self.graphs[key] = _direct(plain) or _guards_skipped(graph)
         self.stats.graphs += 1
         self.stats.seconds += perf_counter() - t0
@@ -185,10 +187,24 @@ def _guards_skipped(graph):
 
 def span(n: int, max_len: int) -> int:
     """The KV positions a graph attends over when n are in use: the next power of two >= n (at least 64), at most
-    the buffer. Attention reads every position of its span under a mask, so a graph over the whole buffer would pay
-    for every position at every step; one graph per span keeps that cost near the context actually in use, for
-    log2(max_len / 64) graphs per width."""
+    the buffer. Attention reads every position of its span under a mask, so reading the whole buffer would pay for
+    every position at every step; the span keeps that cost near the context in use (its length is symbolic in the
+    graphs: one graph serves every span)."""
     return min(max_len, max(64, 1 << (n - 1).bit_length()))
+
+
+_KEYS: dict[int, Tensor] = {}
+
+
+def _keys(n: int, max_len: int) -> Tensor:
+    """(S,) the positions of the span a graph attends over when n are in use (span()): an input whose length is the
+    graph's symbolic KV length (the buffers themselves go in whole, written in place)."""
+    s = span(n, max_len)
+    got = _KEYS.get(s)
+    if got is None:
+        with torch.inference_mode():
+            got = _KEYS[s] = torch.arange(s)
+    return got
 
 
 def spans(lo: int, hi: int, max_len: int) -> list[tuple[int, int]]:
@@ -234,8 +250,8 @@ class CompiledStep(_Compiled):
 
     @torch.inference_mode()
     def prepare(self, widths: range, lo: int, hi: int) -> None:
-        """Build (or load from the disk cache) the graph of every width in `widths` for every span a window ending at
-        positions lo..hi falls in, on a scratch cache, so that none is built inside a timed run (mtpspec bench)."""
+        """Build (or load from the disk cache) the graph of every width in `widths`, run in every span a window ending
+        at positions lo..hi falls in, on a scratch cache, so that none is built inside a timed run (mtpspec bench)."""
         cache = self.module.new_cache()
         kv = cache.kv
         for s, below in spans(lo, hi, kv.max_len):
@@ -254,20 +270,20 @@ class CompiledStep(_Compiled):
         start = cache.length
         check_room(start + t, kv.max_len)
         pos = torch.arange(start, start + t)[None]  # (1, T)
-        s = span(start + t, kv.max_len)  # the buffer's first s positions: (L, 1, nkv, s, hd) views, written in place
+        keys = _keys(start + t, kv.max_len)  # the span read: the buffers' first S positions
         if self.hybrid:
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
             chunk = self.window_form and t > 1
-            logits, hid, pre, hists, slots = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :],
-                                                      kv.v[..., :s, :], convs, states,
+            logits, hid, pre, hists, slots = self.run(t, 3, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v,
+                                                      convs, states,
                                                       **({"fn": hybrid_window_graph, "extra": ("window",)} if chunk else {}))
             for i in n:
                 window = Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))  # (gc, k, u) or T states
                 cache.record_window(i, hists[i], [window])
         else:
-            logits, hid, pre = self.run(t, s, cache, self.module, _inference(tokens[None]), pos, kv.k[..., :s, :], kv.v[..., :s, :])
+            logits, hid, pre = self.run(t, 3, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v)
         cache.advance(t)
         return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
 
@@ -286,15 +302,15 @@ class CompiledDraftStep(_Compiled):
 
     def chain(self, h: Tensor, cache, k: int, head) -> Tensor:
         """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_forward): one graph per (KV
-        span, threads, k, draft vocabulary size), the first k-1 drafts fed back. Advances the cache by k - 1. -> (k,)"""
+        threads, k, draft vocabulary size), the first k-1 drafts fed back. Advances the cache by k - 1. -> (k,)"""
         start = cache.length
         check_room(start + k - 1, cache.max_len, "draft module")
-        s = span(start + k - 1, cache.max_len) if k > 1 else span(1, cache.max_len)  # (k = 1 reads no keys)
+        keys = _keys(start + k - 1 if k > 1 else 1, cache.max_len)  # (k = 1 reads no keys)
         vocab = 0 if head is None else head.ids.shape[0]
         pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
         k_buf, v_buf = cache.buffers(self.module.layers[0].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(1, s, cache, self.module, self.base, head, _inference(h), k_buf[..., :s, :], v_buf[..., :s, :],
-                       pos, k, fn=draft_chain_graph, extra=("chain", k, vocab))
+        out = self.run(1, 7, cache, self.module, self.base, head, _inference(h), k_buf, v_buf, pos, keys, k,
+                       fn=draft_chain_graph, extra=("chain", k, vocab))
         cache.advance(k - 1)
         return out
 
@@ -324,10 +340,9 @@ class CompiledDraftStep(_Compiled):
         start = cache.length
         check_room(start + t, cache.max_len, "draft module")
         pos = torch.arange(start, start + t)[None]  # (1, T)
-        s = span(start + t, cache.max_len)
         k_buf, v_buf = cache.buffers(self.module.layers[layer].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(t, s, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf[..., :s, :], v_buf[..., :s, :],
-                       pos, layer)
+        out = self.run(t, 6, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf, v_buf, pos,
+                       _keys(start + t, cache.max_len), layer)
         cache.advance(t)
         return out[0]
 

@@ -535,31 +535,32 @@ def _check_threads(threads: int) -> None:
 
 # The compiled graphs' entries (compiled.py): tensors in, the ForwardBatch built inside (positions as tensors).
 
-def dense_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1):
+def dense_graph(model, tokens: Tensor, pos: Tensor, keys: Tensor, k_bufs: Tensor, v_bufs: Tensor, threads: int = 1):
     _check_threads(threads)
-    return dense_forward(model, tokens, ForwardBatch(pos), k_bufs, v_bufs)
+    return dense_forward(model, tokens, ForwardBatch(pos, keys=keys), k_bufs, v_bufs)
 
 
-def hybrid_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
+def hybrid_graph(model, tokens: Tensor, pos: Tensor, keys: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
                  states: list[Tensor], threads: int = 1):
     """Position by position: per linear layer the W states (W, B, nv, dk, dv) (small states)."""
     _check_threads(threads)
-    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos, steps=True), k_bufs, v_bufs, convs, states)
+    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos, steps=True, keys=keys), k_bufs, v_bufs, convs, states)
     return logits, hid, pre, hists, [torch.stack(r[0].states) for r in recs]
 
 
-def hybrid_window_graph(model, tokens: Tensor, pos: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
+def hybrid_window_graph(model, tokens: Tensor, pos: Tensor, keys: Tensor, k_bufs: Tensor, v_bufs: Tensor, convs: list[Tensor],
                         states: list[Tensor], threads: int = 1):
     """Each window of 2..64 rows as one exact chunk, per linear layer its (gc, k, u) (large states: W states cost more to
     write than the chunk's triangular solve)."""
     _check_threads(threads)
-    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos), k_bufs, v_bufs, convs, states)
+    logits, hid, pre, hists, recs = hybrid_forward(model, tokens, ForwardBatch(pos, keys=keys), k_bufs, v_bufs, convs, states)
     return logits, hid, pre, hists, [(r[0].gc, r[0].k, r[0].u) for r in recs]
 
 
-def module_graph(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, layer: int, threads: int = 1) -> Tensor:
+def module_graph(module, hidden: Tensor, emb: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, keys: Tensor, layer: int,
+                 threads: int = 1) -> Tensor:
     _check_threads(threads)
-    return module_forward(module, hidden, emb, k_buf, v_buf, ForwardBatch(pos), layer)
+    return module_forward(module, hidden, emb, k_buf, v_buf, ForwardBatch(pos, keys=keys), layer)
 
 
 def greedy_draft(target, head, h: Tensor) -> Tensor:
@@ -568,7 +569,7 @@ def greedy_draft(target, head, h: Tensor) -> Tensor:
     return target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))
 
 
-def draft_chain_graph(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, k: int,
+def draft_chain_graph(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, keys: Tensor, k: int,
                       threads: int = 1) -> Tensor:
     """A greedy MTP chain as one graph: from h (1, H), the module's output at the last pending pair, k drafts, each the
     argmax of the head over the latest output, the first k-1 fed back with their embeddings at positions pos, pos+1, ..
@@ -579,5 +580,5 @@ def draft_chain_graph(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Ten
         x = greedy_draft(target, head, h)  # (1,)
         drafts.append(x)
         if j + 1 < k:
-            h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos + j), 0)[0]  # (1, H)
+            h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos + j, keys=keys), 0)[0]  # (1, H)
     return torch.cat(drafts)  # (k,)
