@@ -304,8 +304,9 @@ def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantR
         report.layers[kind] = report.layers.get(kind, 0) + 1
         report.bytes_before += lin.weight.numel() * lin.weight.element_size()
         report.bytes_after += q.qweight.nbytes
-    for m in module.modules():  # a folded MTP copy or a row stack of the old weights is stale (a draft vocabulary's
-        m.__dict__.pop("_fused_mtp", None)  # head is keyed by its LM head)
+    # a folded MTP copy or a row stack of the old weights is stale (a draft vocabulary's head is keyed by its LM head)
+    for m in module.modules():
+        m.__dict__.pop("_fused_mtp", None)
         m.__dict__.pop("row_stack", None)
     return report
 

@@ -55,7 +55,7 @@ def _static_step(model, tokens, cache, window_form: bool = False):
 
     fuse_projections(model)
     step.stats, step.fn = CompileStats(), (hybrid_graph if step.hybrid else dense_graph)
-    step.run = lambda t, keys, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
+    step.run = lambda t, cache, *args, fn=None, extra=(): (fn or step.fn)(*args, 1)
     return step(tokens, cache)
 
 

@@ -140,11 +140,11 @@ class _Compiled:
         return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
                 and torch.is_inference_mode_enabled())
 
-    def run(self, t: int, keys: int, cache, *args, fn=None, extra: tuple = ()):
+    def run(self, t: int, cache, *args, fn=None, extra: tuple = ()):
         """The graph for width t (a new (t, threads, *extra) compiles, or loads its kernels from the disk cache; a built
-        one is called without dynamo, _direct). args[keys]: the KV span's positions (_keys), their length symbolic in
-        the graph, so one graph serves every span. fn, extra: another function of the same module (a draft chain) and
-        what else tells its graphs apart."""
+        one is called without dynamo, _direct). Among args, the KV span's positions (_keys) have a symbolic length, so
+        one graph serves every span. fn, extra: another function of the same module (a draft chain) and what else
+        tells its graphs apart."""
         if self.seen() is not cache:  # weights change between generations (training), never inside one: checked per cache
             version = weights_version(self.params)  # (a walk over every weight: too dear for every call)
             if version != self.version:  # trained since: the concatenated projections are rebuilt from the new weights
@@ -158,7 +158,6 @@ class _Compiled:
             return graph(*args, key[1])
         t0 = perf_counter()
         graph, plain = self._compile(key, fn)
-        torch._dynamo.mark_dynamic(args[keys], 0)
         out = graph(*args, key[1])
         self.graphs[key] = _direct(plain) or _guards_skipped(graph)
         self.stats.graphs += 1
@@ -198,12 +197,16 @@ _KEYS: dict[int, Tensor] = {}
 
 def _keys(n: int, max_len: int) -> Tensor:
     """(S,) the positions of the span a graph attends over when n are in use (span()): an input whose length is the
-    graph's symbolic KV length (the buffers themselves go in whole, written in place)."""
+    graph's symbolic KV length (marked dynamic once, when made; the buffers themselves go in whole, written in place)."""
     s = span(n, max_len)
     got = _KEYS.get(s)
     if got is None:
+        import torch._dynamo
+
         with torch.inference_mode():
-            got = _KEYS[s] = torch.arange(s)
+            got = torch.arange(s)
+        torch._dynamo.mark_dynamic(got, 0)
+        _KEYS[s] = got
     return got
 
 
@@ -276,14 +279,14 @@ class CompiledStep(_Compiled):
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
             chunk = self.window_form and t > 1
-            logits, hid, pre, hists, slots = self.run(t, 3, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v,
+            logits, hid, pre, hists, slots = self.run(t, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v,
                                                       convs, states,
                                                       **({"fn": hybrid_window_graph, "extra": ("window",)} if chunk else {}))
             for i in n:
                 window = Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))  # (gc, k, u) or T states
                 cache.record_window(i, hists[i], [window])
         else:
-            logits, hid, pre = self.run(t, 3, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v)
+            logits, hid, pre = self.run(t, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v)
         cache.advance(t)
         return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
 
@@ -309,7 +312,7 @@ class CompiledDraftStep(_Compiled):
         vocab = 0 if head is None else head.ids.shape[0]
         pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
         k_buf, v_buf = cache.buffers(self.module.layers[0].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(1, 7, cache, self.module, self.base, head, _inference(h), k_buf, v_buf, pos, keys, k,
+        out = self.run(1, cache, self.module, self.base, head, _inference(h), k_buf, v_buf, pos, keys, k,
                        fn=draft_chain_graph, extra=("chain", k, vocab))
         cache.advance(k - 1)
         return out
@@ -341,7 +344,7 @@ class CompiledDraftStep(_Compiled):
         check_room(start + t, cache.max_len, "draft module")
         pos = torch.arange(start, start + t)[None]  # (1, T)
         k_buf, v_buf = cache.buffers(self.module.layers[layer].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(t, 6, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf, v_buf, pos,
+        out = self.run(t, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf, v_buf, pos,
                        _keys(start + t, cache.max_len), layer)
         cache.advance(t)
         return out[0]
