@@ -261,33 +261,6 @@ def test_a_dense_head_round_trips_in_bf16_with_its_draft_vocabulary(tmp_path, de
     assert r.tokens == run(t, PROMPTS[1], "none", 1).tokens
 
 
-def test_a_dense_heads_fc_trains_at_the_residual_streams_scale_and_is_saved_folded(dense_pair):
-    """residual_gain puts fc's output at the RMS of the stream entering the target's last layer (the scale its copied
-    layer writes at); Gained.fold writes gain * W into the plain Linear: the same map, up to one rounding of each
-    product (fp64 here, so 1e-12 relative is far above it)."""
-    from mtpspec.train.heads import Gained, residual_gain
-
-    t, head = dense_pair
-    t64, h64 = copy.deepcopy(t).double(), copy.deepcopy(head).double()
-    seqs = []
-    for n in (9, 7, 12, 5):
-        toks = torch.randint(0, t.vocab_size, (n,))
-        seqs.append((toks, t64.forward_tokens(toks, t64.new_cache(n), prefill=True, logits=False).hidden))
-    gain = residual_gain(h64, t64, seqs)
-    last = len(t64.model.layers) - 1
-    res = out = 0.0
-    for toks, hid in seqs:
-        res += t64.forward_tokens(toks, t64.new_cache(toks.shape[0]), prefill=True, logits=False, taps=(last,)).layer_inputs[last].pow(2).mean()
-        m = h64.mtp
-        x = m.fc(torch.cat([m.pre_fc_norm_embedding(t64.embed(toks[1:])), m.pre_fc_norm_hidden(hid[:-1])], -1))
-        out += (gain * x).pow(2).mean()
-    assert abs(out / res - 1) < 1e-12
-    x = torch.randn(6, 2 * t.config.hidden_size, dtype=torch.float64)
-    g = Gained(copy.deepcopy(h64.mtp.fc), gain)
-    want = g(x)
-    torch.testing.assert_close(g.fold()(x), want, rtol=1e-12, atol=0)
-
-
 def test_training_a_dense_head_resumes_exactly(tmp_path, dense_pair, monkeypatch):
     """`train head --layer target --draft-vocab N --checkpoint-every 2`: a run stopped after step 3 and started again
     writes the same head as one that ran through."""

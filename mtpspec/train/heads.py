@@ -424,40 +424,6 @@ def init_from_target(head: DraftHead, target) -> None:
     head.mtp.norm.weight.copy_(target.model.norm.weight.float())
 
 
-class Gained(torch.nn.Module):
-    """fc with its output times a constant gain while training: W keeps its initial scale, so the optimizer's steps
-    stay relative to it; `fold` writes gain * W back into the plain Linear the head is saved with."""
-
-    def __init__(self, fc: torch.nn.Module, gain: float) -> None:
-        super().__init__()
-        self.fc, self.gain = fc, gain
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc(x) * self.gain
-
-    @torch.no_grad()
-    def fold(self) -> torch.nn.Module:
-        self.fc.weight.mul_(self.gain)
-        return self.fc
-
-
-@torch.no_grad()
-def residual_gain(head: DraftHead, target, seqs: list[tuple[Tensor, Tensor]]) -> float:
-    """The factor that puts a target-layer head's fc output at the RMS of the residual stream entering the target's
-    last layer (over a few of the data's sequences). The copied layer writes its attention and MLP outputs at that
-    stream's scale (Gemma 3's post-norms: hundreds); an fc output far below it would reach the LM head only through
-    the attention's one value head and the MLP, and the head would barely use h."""
-    m, last = head.mtp, len(target.model.layers) - 1
-    w = m.fc.weight
-    res = out = 0.0
-    for toks, hid in seqs[:4]:
-        o = target.forward_tokens(toks.to(w.device), target.new_cache(toks.shape[0]), prefill=True, logits=False, taps=(last,))
-        res += o.layer_inputs[last].to(w.dtype).pow(2).mean().item()
-        e, h = target.embed(toks[1:].to(w.device)).to(w.dtype), hid[:-1].to(w.device, w.dtype)  # (data: fp16 hiddens)
-        out += m.fc(torch.cat([m.pre_fc_norm_embedding(e), m.pre_fc_norm_hidden(h)], -1)).pow(2).mean().item()
-    return math.sqrt(res / out)
-
-
 @torch.no_grad()
 def init_eagle3(head: DraftHead, target, seqs, size: int):
     """An eagle3 head's draft vocabulary (the `size` tokens its data holds most, all when 0) and its LM head started
@@ -540,18 +506,12 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         rows = module.lm_head.rows(ids).float().contiguous()  # (N, H) the LM head's rows of the draft vocabulary
         lm = lambda h: h @ rows.t()  # noqa: E731
         coverage = round(float(sum(torch.isin(t, ids).sum() for t, _ in seqs)) / sum(t.numel() for t, _ in seqs), 4)
-    state_path = Path(cfg.out) / "train_state.pt"
-    state = torch.load(state_path, weights_only=False, map_location="cpu") if cfg.checkpoint_every and state_path.exists() else None
-    gain = None
-    if hc.dense is not None:  # the target's own layer: fc trained at its residual stream's scale
-        gain = state["gain"] if state is not None else residual_gain(head, module, seqs)
-        with torch.no_grad():  # its output starting at a tenth of the stream: less of a random direction in the
-            head.mtp.fc.weight.mul_(0.1)  # logits at first (on Gemma 3, agreement by depth rose fastest this way)
-        head.mtp.fc = Gained(head.mtp.fc, gain)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     history, first, train_s = [], 0, 0.0
-    if state is not None:
+    state_path = Path(cfg.out) / "train_state.pt"
+    if cfg.checkpoint_every and state_path.exists():
+        state = torch.load(state_path, weights_only=False, map_location="cpu")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         rng.setstate(state["rng"])
@@ -578,14 +538,12 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
             if world.main:  # global state only: resumable under any number of processes
                 Path(cfg.out).mkdir(parents=True, exist_ok=True)
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "history": history,
-                            "step": step + 1, "train_seconds": time.perf_counter() - t1, "gain": gain}, state_path)
+                            "step": step + 1, "train_seconds": time.perf_counter() - t1}, state_path)
             world.barrier()
     train_s = time.perf_counter() - t1
     world.barrier()
     if not world.main:
         return {}
-    if gain is not None:
-        head.mtp.fc = head.mtp.fc.fold()
     save_head(head, cfg.out, getattr(torch, cfg.save_dtype))
     head = load_head(cfg.out)  # measured as written
     if state_path.exists():
@@ -595,7 +553,7 @@ def _train_head(model, cfg: HeadConfig, tokenizer, progress_bar: bool, target, w
         "kind": cfg.kind, "target": str(model), "parameters": sum(p.numel() for p in head.parameters()),
         "train_prompts": len(train_p), "heldout_prompts_skipped": len(held_p), "distill_tokens": sum(s[0].shape[0] for s in seqs),
         "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": coverage,  # share of the data's tokens inside it
-        "fc_gain": gain and round(gain, 2), "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": steps_run,
+        "generation_seconds": round(gen_s, 1), "train_seconds": round(train_s, 1), "steps": steps_run,
         "final_loss": history[-1] if history else None,
         "heldout_greedy": measure(module, tok, head, held_p[: cfg.eval_prompts], k, cfg.eval_tokens) if cfg.eval_prompts else None,
         "config": asdict(cfg), "history": history,
