@@ -337,6 +337,21 @@ def gumbel_max(probs: Tensor, seed: int, position: int) -> Tensor:
     return torch.argmax(probs.double() / e)  # p = 0 scores 0, below every token of the support
 
 
+def inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """(N, V) non-negative weights (each row with a positive one) -> (N,) int64 draws, one uniform each: the first
+    token whose fp64 running sum exceeds u * total. Never a zero-weight token (right-sided search; a product rounded up
+    to the total falls back to the row's last positive token). torch.multinomial draws V exponentials a row: 7.8 ms
+    against 0.3 for a 262k vocabulary."""
+    c = probs.double().cumsum(-1)
+    x = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64) * c[:, -1:]
+    idx = torch.searchsorted(c, x, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+    zero = probs.gather(1, idx[:, None])[:, 0] <= 0
+    if zero.any():
+        last = probs.shape[-1] - 1 - (probs[zero].flip(-1) > 0).to(torch.uint8).argmax(-1)
+        idx[zero] = last
+    return idx
+
+
 class Sampler:
     """Owns the sampling params and the seeded generator, so a run with the same seed reproduces.
 
@@ -403,9 +418,7 @@ class Sampler:
         if self.params.greedy:
             return probs.argmax(-1)
         flat = probs.reshape(-1, probs.shape[-1])
-        if flat.device.type != "cpu":  # the generator is the host's, so a seed draws alike on every device
-            return torch.multinomial(flat.cpu(), 1, generator=self.generator).reshape(probs.shape[:-1]).to(flat.device)
-        return torch.multinomial(flat, 1, generator=self.generator).reshape(probs.shape[:-1])
+        return inverse_cdf(flat.cpu(), self.generator).reshape(probs.shape[:-1]).to(flat.device)  # the host's generator
 
     def uniform(self, n: int) -> Tensor:
         """(n,) uniforms in [0, 1) of the generator, on the host (the generator's device), whatever the default device."""

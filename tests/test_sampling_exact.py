@@ -72,3 +72,20 @@ def test_first_two_tokens_follow_the_target_distribution(stories, stories_q80, d
     # total variation distance, which shrinks like 1/sqrt(n) for an exact sampler
     tv = 0.5 * sum(abs(counts.get(c, 0) / n - exact.get(c, 0.0)) for c in set(counts) | set(exact))
     assert tv < 0.12, tv
+
+
+def test_inverse_cdf_draws_each_token_at_its_weight_and_never_a_zero_one(monkeypatch):
+    """Sampler.sample's draw: one uniform a row against the fp64 running sum; a product rounded up to the total falls
+    back to the row's last positive token."""
+    from mtpspec.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    n = 20000
+    got = inverse_cdf(w.expand(n, -1).contiguous(), g)
+    assert not (w[got] == 0).any()
+    counts = torch.bincount(got, minlength=7).tolist()
+    stat, df = chi_square(dict(enumerate(counts)), {i: float(w[i]) for i in range(7) if w[i] > 0}, n)
+    assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.ones(a, dtype=torch.float64))  # u * total = the total
+    assert inverse_cdf(torch.tensor([[0.25, 0.75, 0.0, 0.0]]), g).tolist() == [1]
