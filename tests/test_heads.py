@@ -296,6 +296,31 @@ def test_training_a_dense_head_resumes_exactly(tmp_path, dense_pair, monkeypatch
     assert not (tmp_path / "b" / "train_state.pt").exists()
 
 
+def test_generation_rounds_continue_every_prompt_again_sampled(dense_pair):
+    """--gen-rounds 2: continuation j is prompt j mod N's, greedy only in round 0 for even prompts (the target's own
+    greedy text), sampled otherwise; a rank's share (indices) generates the same sequences as one process."""
+    from mtpspec.train.heads import self_distill_data
+
+    t, _ = dense_pair
+    tok = _DigitTokenizer()
+    prompts = ["1 2 3", "4 5 6 7", "8 9"]
+    cfg = HeadConfig(out="", gen_tokens=10, gen_batch=2, gen_rounds=2, gen_temperature=1.0, seed=1)
+    seqs = self_distill_data(t, tok, prompts, cfg, progress_bar=False)
+    assert len(seqs) == 6
+    for j, (toks, hidden) in enumerate(seqs):
+        x = tok.encode(prompts[j % 3])
+        assert toks[: len(x)].tolist() == x and toks.shape[0] == len(x) + 10 and hidden.shape[0] == toks.shape[0]
+
+    def alone(i: int, temperature: float, seed: int) -> list[int]:
+        return generate_tokens(t, tok.encode(prompts[i]), make_drafter("none", t), 1,
+                               Sampler(SamplingParams(temperature=temperature), seed=seed), 10).tokens
+
+    assert seqs[0][0][-10:].tolist() == alone(0, 0.0, 0)
+    assert [seqs[j][0][-10:].tolist() for j in (1, 3, 4)] == [alone(1, 1.0, 2), alone(0, 1.0, 4), alone(1, 1.0, 5)]
+    part = self_distill_data(t, tok, prompts, cfg, progress_bar=False, indices=[1, 4])
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(part, (seqs[1], seqs[4])))
+
+
 class _DigitTokenizer:
     """Digits as tokens 1..10 after BOS 0: enough of a tokenizer for the training loop's prompts."""
 

@@ -43,7 +43,8 @@ class HeadConfig:
     heldout_prompts: int = 50  # the first n prompts are never trained on (the evaluation set)
     train_prompts: int = 400
     gen_tokens: int = 160  # continuation length sampled from the target per prompt
-    gen_temperature: float = 1.0  # for the sampled half (the other half is greedy)
+    gen_temperature: float = 1.0  # for the sampled continuations (round 0's even prompts are greedy)
+    gen_rounds: int = 1  # continuations per prompt: round 0 half greedy, half sampled; later rounds all sampled
     depth: int = 2  # chained depths trained (mtp, eagle)
     num_medusa: int = 3  # K (medusa)
     num_heads: int = 4
@@ -135,9 +136,10 @@ def _teacher(target, toks: Tensor) -> tuple[Tensor, Tensor]:
 def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, progress_bar: bool = True,
                       done: list | None = None, save=None, indices: list[int] | None = None) -> list[tuple[Tensor, Tensor]]:
     """[(tokens (T,), hidden (T, H))]: the target's own continuations (cfg.gen_batch at a time through the batched
-    engine; even prompts greedy, odd ones sampled) and its teacher pass over prompt + continuation (`_teacher`).
+    engine) and its teacher pass over prompt + continuation (`_teacher`). Continuation j is prompt j mod N's in round
+    j // N (cfg.gen_rounds rounds): greedy in round 0 for even prompts, else sampled with seed cfg.seed + j.
     `done`: sequences of a run cut short, kept; `save(seqs)` is called after each batch (resumable data). indices:
-    the prompts to continue (a rank's share), default all; a prompt's greedy / sampled choice and seed follow its index."""
+    the continuations to generate (a rank's share), default all."""
     from tqdm import tqdm
 
     from ..drafters.base import NoDrafter
@@ -145,17 +147,18 @@ def self_distill_data(target, tokenizer, prompts: list[str], cfg: HeadConfig, pr
     from ..sampling import Sampler, SamplingParams
 
     seqs = list(done or [])
-    order = list(range(len(prompts))) if indices is None else indices
+    n = len(prompts)
+    order = list(range(n * cfg.gen_rounds)) if indices is None else indices
     room = target.max_seq_len - cfg.gen_tokens - 1
     bar = tqdm(total=len(order), initial=len(seqs), desc="self-distillation data", disable=not progress_bar)
     for b0 in range(len(seqs), len(order), cfg.gen_batch):
         engine = Engine(target, min(cfg.gen_batch, len(order) - b0), prefill_chunk=4096)
         ids = {}
-        for i in order[b0 : b0 + cfg.gen_batch]:
-            x = tokenizer.encode(prompts[i])
+        for j in order[b0 : b0 + cfg.gen_batch]:
+            x = tokenizer.encode(prompts[j % n])
             x = x[:1] + x[1:][-min(room, cfg.context_tokens or room) + 1 :]  # BOS and the prompt's end
-            temp = 0.0 if i % 2 == 0 else cfg.gen_temperature
-            ids[engine.add(x, NoDrafter(), Sampler(SamplingParams(temperature=temp), seed=cfg.seed + i), 1, cfg.gen_tokens)] = x
+            temp = 0.0 if j < n and j % 2 == 0 else cfg.gen_temperature
+            ids[engine.add(x, NoDrafter(), Sampler(SamplingParams(temperature=temp), seed=cfg.seed + j), 1, cfg.gen_tokens)] = x
         for sid, r in sorted(engine.run().items()):
             seqs.append(_teacher(target, torch.tensor(ids[sid] + r.tokens, dtype=torch.long)))
             bar.update(1)
@@ -207,7 +210,7 @@ def cached_distill_data(target, tokenizer, prompts: list[str], cfg, progress_bar
     partial = path.with_name(path.name + suffix) if path is not None else None
     done = torch.load(partial) if partial is not None and partial.exists() else None
     save = (lambda seqs: torch.save(seqs, partial)) if partial is not None else None
-    seqs = world.gather(self_distill_data(target, tokenizer, prompts, cfg, progress_bar, done, save, world.mine(len(prompts))))
+    seqs = world.gather(self_distill_data(target, tokenizer, prompts, cfg, progress_bar, done, save, world.mine(len(prompts) * cfg.gen_rounds)))
     if getattr(cfg, "text_tokens", 0):
         seqs += text_data(target, tokenizer, cfg.text_tokens, cfg.seq_len, progress_bar, world)
     if path is not None:
