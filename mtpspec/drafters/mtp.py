@@ -162,81 +162,76 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Tensor, k: int) -> Draft:
-        looked_up = self._looked_up(context, k)
-        if looked_up is not None:  # the module's state stays as after a plain step: commit queues this round's pairs
-            return looked_up
-        return self._propose_module(context, k)
-
-    def _propose_module(self, context: Tensor, k: int) -> Draft:
-        """The round's drafts from the module (its catch-up over the pending pairs, then the chain or tree)."""
-        if self.depths is not None:
-            return self._propose_depths(context, k)
-        if self.pending_h is None or self.pending_h.shape[0] == 0:
-            return Draft.empty()  # the prompt was BOS alone: no hidden state yet
-        k = min(k, self.cache.max_len - self.cache.length - self.pending_h.shape[0] + 1)
-        if k < 1:
-            return Draft.empty()
-        sampler = self.sampler
-        # a sparse MTP with "reuse": the catch-up's last row (the last accepted token's pair) records its blocks, and the
-        # chained steps attend them without the indexer
-        reuse = self.cache.sparse is not None and self.select == "reuse"
-        if reuse:
-            self.cache.sparse.kept = {}
-        h = self._mtp(self.pending_h, self.pending_t, 0, sparse="record" if reuse else self.catch_up)[-1:]  # (1, H)
-        self.pending_h = self.pending_t = None
-        budget = tree_budget(self.tree, self.sizer)
-        if budget is not None:
-            return self._propose_tree(h, k, budget)
-        if self._chains():  # greedy, compiled: the k drafts from one graph
-            tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,)
-            self.committed = self.cache.length - (k - 1)
-            return Draft(tokens=tokens, q=None)
-        tokens, qs = [], []
-        for j in range(k):
-            x, q = self._next(h, tokens, context.shape[0])
-            if q is not None:
-                qs.append(q)
-            tokens.append(x)
-            if j + 1 < k:  # chain: own output hidden + embedding of the token just drafted
-                h = self._mtp(h, x.reshape(1), (j + 1) % self.n_layers, sparse="reuse" if reuse else self.catch_up)
-        self.committed = self.cache.length - (k - 1)  # MTP entries built from real target hiddens
-        toks = torch.stack(tokens)  # (k,)
-        return Draft(tokens=toks, q=None if sampler.params.greedy else torch.stack(qs))  # q (k, V)
+        return self.propose_batch([self], [context], [k])[0]
 
     @classmethod
     @torch.inference_mode()
     def propose_batch(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
-        """propose() for several sequences drafting with the same module, each step one forward over all of them.
+        """Each sequence's draft; a single sequence is a batch of one. The lookup shortcut's drafts need no module
+        forward; a drafter that drafts alone (`_alone`) does; the chains of the others that share a module draft
+        together, each step one forward over all of them (`_chain_rounds`)."""
+        drafts = [d._looked_up(c, k) for d, c, k in zip(drafters, contexts, ks)]
+        groups: dict[int, list[int]] = {}  # module -> the sequences drafting a chain with it together
+        for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)):
+            if drafts[i] is None:
+                drafts[i] = d._alone(c, k, len(drafters) == 1)
+            if drafts[i] is None:
+                groups.setdefault(id(d.target.mtp) if not d.sparse else id(d), []).append(i)  # sparse: its own forward
+        for idx in groups.values():
+            got = cls._chain_rounds([drafters[i] for i in idx], [contexts[i] for i in idx],
+                                    [drafters[i]._room(ks[i]) for i in idx])
+            for i, dr in zip(idx, got):
+                drafts[i] = dr
+        return drafts
 
-        Each sequence's MTP cache is copied into one (L, B, n_kv, S, hd) buffer for the round (its catch-up over
-        the pending pairs, then the chained steps, rows padded to the widest), and its new entries copied back."""
-        looked_up = [d._looked_up(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        if any(x is not None for x in looked_up):  # the lookup shortcut's sequences need no module forward
-            rest = [i for i, x in enumerate(looked_up) if x is None]
-            drafts = cls._propose_modules([drafters[i] for i in rest], [contexts[i] for i in rest], [ks[i] for i in rest])
-            for i, d in zip(rest, drafts):
-                looked_up[i] = d
-            return looked_up
-        return cls._propose_modules(drafters, contexts, ks)
+    def _room(self, k: int) -> int:
+        """k cut to the MTP cache's room after the catch-up over the pending pairs."""
+        return min(k, self.cache.max_len - self.cache.length - self.pending_h.shape[0] + 1)
+
+    def _alone(self, context: Tensor, k: int, single: bool) -> Draft | None:
+        """The round's draft when this drafter drafts alone (a multi-layer module's depths, a token tree, nothing to
+        draft from; a single sequence's greedy compiled chain, one graph), else None: a chain for `_chain_rounds`."""
+        if self.depths is not None:
+            return self._propose_depths(context, k)
+        if self.pending_h is None or self.pending_h.shape[0] == 0:
+            return Draft.empty()  # the prompt was BOS alone: no hidden state yet
+        k = self._room(k)
+        if k < 1:
+            return Draft.empty()
+        budget = tree_budget(self.tree, self.sizer)
+        if budget is None and not (single and self._chains()):
+            return None
+        h = self._mtp(self.pending_h, self.pending_t, 0)[-1:]  # (1, H) the catch-up
+        self.pending_h = self.pending_t = None
+        if budget is not None:
+            return self._propose_tree(h, k, budget)
+        tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,) greedy, compiled: the k drafts from one graph
+        self.committed = self.cache.length - (k - 1)
+        return Draft(tokens=tokens, q=None)
 
     @classmethod
-    def _propose_modules(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
-        """propose_batch for sequences that all draft with the module this round: each step's products run once over
-        every sequence's rows, each attention on the sequence's own cache in place (_many: through the folded copy
-        when every drafter has it, else forward.module_forward)."""
-        if len(drafters) < 2:
-            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        module = drafters[0].target.mtp
-        if any(d.tree is not None or d.depths is not None or d.sparse for d in drafters):  # trees, multi-layer, sparse: one at a time
-            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        if any(d.target.mtp is not module or d.pending_h is None or d.pending_h.shape[0] == 0 for d in drafters):
-            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]  # mixed modules, or nothing to draft from
-        ks = [min(k, d.cache.max_len - d.cache.length - d.pending_h.shape[0] + 1) for d, k in zip(drafters, ks)]
-        if min(ks) < 1:
-            return [d._propose_module(c, k) for d, c, k in zip(drafters, contexts, ks)]
-        folded = all(d.fused is drafters[0].fused is not None and d.compiled is None for d in drafters)
-        run = partial(_many, drafters[0].fused if folded else module, drafters[0].target)
-        h = run([d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0)
+    def _chain_rounds(cls, drafters: list["MTPDrafter"], contexts: list[Tensor], ks: list[int]) -> list[Draft]:
+        """Chains of ks[i] drafts from one module: its catch-up over each sequence's pending pairs, then per step its
+        forward over the rows of the sequences still drafting, each attention on the sequence's own cache in place.
+        One sequence runs through `_mtp` (a compiled graph, a sparse module's block selection: with "reuse" the
+        catch-up's last row records its blocks and the chained steps attend them without the indexer); several
+        through `_many` (the folded copy when every drafter has it, else forward.module_forward)."""
+        first = drafters[0]
+        if len(drafters) == 1:
+            reuse = first.cache.sparse is not None and first.select == "reuse"
+            if reuse:
+                first.cache.sparse.kept = {}
+
+            def run(hidden, tokens, caches, layer, step):
+                sparse = ("reuse" if step else "record") if reuse else None
+                return first._mtp(hidden[0], tokens[0], layer, sparse=sparse)[-1:]
+        else:
+            folded = all(d.fused is first.fused is not None and d.compiled is None for d in drafters)
+            many = partial(_many, first.fused if folded else first.target.mtp, first.target)
+            run = lambda hidden, tokens, caches, layer, step: many(hidden, tokens, caches, layer)  # noqa: E731
+        h = run([d.pending_h for d in drafters], [d.pending_t for d in drafters], [d.cache for d in drafters], 0, 0)
+        for d in drafters:
+            d.pending_h = d.pending_t = None
         tokens: list[list[Tensor]] = [[] for _ in drafters]
         qs: list[list[Tensor]] = [[] for _ in drafters]
         going = list(range(len(drafters)))  # sequences drafting this step
@@ -249,14 +244,13 @@ class MTPDrafter:
             keep = [n for n, i in enumerate(going) if j + 1 < ks[i]]  # rows of h whose sequence drafts another
             if not keep:
                 break
-            going = [going[n] for n in keep]
+            going = [going[n] for n in keep]  # chain: own output hidden + embedding of the token just drafted
             h = run([h[n : n + 1] for n in keep], [tokens[i][-1].reshape(1) for i in going], [drafters[i].cache for i in going],
-                    (j + 1) % drafters[0].n_layers)
+                    (j + 1) % first.n_layers, j + 1)
         drafts = []
         for i, d in enumerate(drafters):
             d.committed = d.cache.length - (ks[i] - 1)  # MTP entries built from real target hiddens
-            d.pending_h = d.pending_t = None
-            drafts.append(Draft(tokens=torch.stack(tokens[i]), q=torch.stack(qs[i]) if qs[i] else None))
+            drafts.append(Draft(tokens=torch.stack(tokens[i]), q=torch.stack(qs[i]) if qs[i] else None))  # q (k, V)
         return drafts
 
     def _propose_depths(self, context: Tensor, k: int) -> Draft:
