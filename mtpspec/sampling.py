@@ -342,7 +342,7 @@ def inverse_cdf(probs: Tensor, generator: torch.Generator) -> Tensor:
     token whose fp64 running sum exceeds u * total. Never a zero-weight token (right-sided search; a product rounded up
     to the total falls back to the row's last positive token). torch.multinomial draws V exponentials a row
     (docs/decisions.md)."""
-    c = probs.double().cumsum(-1)
+    c = probs.cumsum(-1, dtype=torch.float64)  # (each weight widened before it is added: no fp64 copy of the row)
     x = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64) * c[:, -1:]
     idx = torch.searchsorted(c, x, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
     zero = probs.gather(1, idx[:, None])[:, 0] <= 0
