@@ -258,6 +258,8 @@ def _scale(logits: Tensor, t: float) -> Tensor:
     (huge T), the logits are shifted by their max first (softmax unchanged): tiny T then gives the uniform
     distribution over the tied argmaxes, huge T the uniform one over the allowed set."""
     scaled = logits / t
+    if bool(torch.isfinite(scaled).all()):  # the common case: every logit allowed and finite after the scale
+        return scaled
     allowed = logits > float("-inf")
     if torch.equal(torch.isfinite(scaled), allowed) and not bool(scaled.isnan().any()):  # -inf stayed -inf
         return scaled
