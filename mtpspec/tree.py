@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from time import perf_counter
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -238,10 +239,12 @@ class TreeSizer:
         self.seconds[arm] += (seconds - self.seconds[arm]) / min(self.count[arm], 16)
 
 
+_SIZERS: WeakKeyDictionary = WeakKeyDictionary()  # model -> {drafter kind: TreeSizer}, alive while the model is
+
+
 def shared_sizer(owner, kind: str) -> TreeSizer:
-    """The TreeSizer of drafter kind `kind` on model `owner` (kept on the module, like its other derived state)."""
-    sizers = owner.__dict__.setdefault("_tree_sizers", {})
-    return sizers.setdefault(kind, TreeSizer())
+    """The TreeSizer of drafter kind `kind` on model `owner`."""
+    return _SIZERS.setdefault(owner, {}).setdefault(kind, TreeSizer())
 
 
 class TreeChoice:
