@@ -170,6 +170,7 @@ class MTPDrafter:
         """Each sequence's draft; a single sequence is a batch of one. The lookup shortcut's drafts need no module
         forward; a drafter that drafts alone (`_alone`) does; the chains of the others that share a module draft
         together, each step one forward over all of them (`_chain_rounds`)."""
+        # a lookup draft leaves the module's state as after a plain step: commit queues this round's pairs
         drafts = [d._looked_up(c, k) for d, c, k in zip(drafters, contexts, ks)]
         groups: dict[int, list[int]] = {}  # module -> the sequences drafting a chain with it together
         for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)):
