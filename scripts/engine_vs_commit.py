@@ -44,22 +44,22 @@ def child(args: argparse.Namespace) -> None:
     else:
         texts = tinystories_prompts(args.prompts)
     ids = [model.encode(t) for t in texts]
-    methods = [m.split("@") if "@" in m else (m, "1") for m in args.methods.split(",")]
+    methods = [(d, k if k == "auto" else int(k)) for d, k in (m.split("@") if "@" in m else (m, "1") for m in args.methods.split(","))]
     if args.compile_child:  # every graph the runs reach, built (or loaded from the disk cache) before any is timed
         from mtpspec.models.compiled import prepare
 
-        k_top = max(int(k) for _, k in methods)
+        k_top = max(8 if k == "auto" else k for _, k in methods)  # --k auto drafts up to 8 deep
         prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + args.tokens + k_top,
                 **({"chains": range(1, k_top + 1)} if "chains" in inspect.signature(prepare).parameters else {}))
     for drafter, k in methods:  # first-call costs are not measured
-        model.generate(ids[0], drafter=drafter, k=int(k), max_new_tokens=8)
+        model.generate(ids[0], drafter=drafter, k=k, max_new_tokens=8)
     out = {"mtpspec": str(Path(mtpspec.__file__).parent), "methods": {}}
     acc = {f"{d}@{k}": {"tokens": 0, "decode_seconds": 0.0, "cpu_seconds": 0.0, "ids": []} for d, k in methods}
     if args.batch > 1:  # every prompt in one batch: decode rate = new tokens / wall time of the whole batch
         from time import perf_counter
         for drafter, k in methods:
             c0, t0 = process_time(), perf_counter()
-            res = model.generate_batch(ids, drafter=drafter, k=int(k), max_new_tokens=args.tokens, max_batch=args.batch)
+            res = model.generate_batch(ids, drafter=drafter, k=k, max_new_tokens=args.tokens, max_batch=args.batch)
             a = acc[f"{drafter}@{k}"]
             a["cpu_seconds"] += process_time() - c0
             a["decode_seconds"] += perf_counter() - t0
@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
     for p in ids:  # methods alternate prompt by prompt
         for drafter, k in methods:
             c0 = process_time()
-            res = model.generate(p, drafter=drafter, k=int(k), max_new_tokens=args.tokens)
+            res = model.generate(p, drafter=drafter, k=k, max_new_tokens=args.tokens)
             a = acc[f"{drafter}@{k}"]
             a["cpu_seconds"] += process_time() - c0
             a["tokens"] += len(res.tokens)

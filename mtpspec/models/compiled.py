@@ -71,6 +71,16 @@ SERIAL = {"cpp.threads": 1}
 
 MAX_WIDTH = 9  # the widest window (rows) a compiled graph takes by default; wider ones run eagerly
 
+
+def bucket(t: int, max_width: int) -> int:
+    """The rows of the graph that runs a window of t rows: the next power of two >= t, at most max_width (1, 2, 4, 8, 9
+    by default). A window is padded to its bucket, so the widths a policy visits (--k auto: 2..9) share five graphs
+    instead of one each; a target graph costs ~25 s to build cold on this machine, a padded row a few percent of a
+    step. Padded rows come after the real ones: no real row attends to them (attention is causal by position), every
+    row of a matrix product is computed alone (the small-row kernel), and the keys and values they write lie beyond
+    the cache's length, where the next window writes before anything reads."""
+    return min(max_width, 1 << (t - 1).bit_length())
+
 WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from which the compiled step takes the window form
 
 
@@ -136,9 +146,11 @@ class _Compiled:
         options = {**OPTIONS, **(SERIAL if self.serial else {})} if self.backend == "inductor" else None
         return torch.compile(fn, dynamic=None, fullgraph=True, backend=self.backend, options=options), fn
 
-    def usable(self, t: int, dtype: torch.dtype, batch: int) -> bool:
-        return (1 <= t <= self.max_width and dtype in (torch.float32, torch.bfloat16) and batch == 1
-                and torch.is_inference_mode_enabled())
+    def usable(self, t: int, length: int, max_len: int, dtype: torch.dtype, batch: int) -> bool:
+        """Whether a window of t rows after `length` positions runs a graph: its bucket fits the buffer (else it runs
+        eagerly: near a full cache, rather than a graph of its own), a batch-1 fp32 / bf16 cache, inference mode."""
+        return (1 <= t <= self.max_width and length + bucket(t, self.max_width) <= max_len
+                and dtype in (torch.float32, torch.bfloat16) and batch == 1 and torch.is_inference_mode_enabled())
 
     def run(self, t: int, cache, *args, fn=None, extra: tuple = ()):
         """The graph for width t (a new (t, threads, *extra) compiles, or loads its kernels from the disk cache; a built
@@ -182,6 +194,11 @@ def _guards_skipped(graph):
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return graph(*args)
     return call
+
+
+def buckets(widths: Iterable[int], max_width: int) -> list[int]:
+    """The graphs' widths that windows of `widths` rows (those up to max_width) run in (bucket())."""
+    return sorted({bucket(t, max_width) for t in widths if 1 <= t <= max_width})
 
 
 def span(n: int, max_len: int) -> int:
@@ -249,7 +266,7 @@ class CompiledStep(_Compiled):
         kv = cache.kv
         # a KV cache that is a slot of the batched engine's storage (a strided view) runs eagerly: graphs are built
         # for the one-sequence buffer's layout
-        return kv.k.is_contiguous() and self.usable(t, self.module.dtype, kv.k.shape[1])
+        return kv.k.is_contiguous() and self.usable(t, cache.length, kv.max_len, self.module.dtype, kv.k.shape[1])
 
     @torch.inference_mode()
     def prepare(self, widths: range, lo: int, hi: int) -> None:
@@ -262,8 +279,8 @@ class CompiledStep(_Compiled):
             if cache.length < start:
                 self.module.forward_tokens(torch.zeros(start - cache.length, dtype=torch.long), cache, prefill=True)
             snap = cache.snapshot()
-            for t in widths:
-                if 1 <= t <= self.max_width and start + t <= s:
+            for t in buckets(widths, self.max_width):
+                if start + t <= s:
                     self(torch.zeros(t, dtype=torch.long), cache)
                     cache.restore(snap)
 
@@ -271,24 +288,29 @@ class CompiledStep(_Compiled):
         t = tokens.shape[0]
         kv = cache.kv
         start = cache.length
-        check_room(start + t, kv.max_len)
-        pos = torch.arange(start, start + t)[None]  # (1, T)
-        keys = _keys(start + t, kv.max_len)  # the span read: the buffers' first S positions
+        w = bucket(t, self.max_width)  # the graph's rows: the window padded (bucket())
+        check_room(start + w, kv.max_len)
+        if w > t:
+            tokens = torch.cat([tokens, tokens.new_zeros(w - t)])
+        pos = torch.arange(start, start + w)[None]  # (1, W)
+        keys = _keys(start + w, kv.max_len)  # the span read: the buffers' first S positions
         if self.hybrid:
             n = range(cache.n_linear)
             convs = [cache.conv_window(i).contiguous() for i in n]  # (1, C, K-1)
             states = [_inference(cache.start_state(i).contiguous()) for i in n]  # (1, nv, dk, dv)
-            chunk = self.window_form and t > 1
-            logits, hid, pre, hists, slots = self.run(t, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v,
+            chunk = self.window_form and w > 1
+            logits, hid, pre, hists, slots = self.run(w, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v,
                                                       convs, states,
                                                       **({"fn": hybrid_window_graph, "extra": ("window",)} if chunk else {}))
             for i in n:
-                window = Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))  # (gc, k, u) or T states
-                cache.record_window(i, hists[i], [window])
+                hist, window = hists[i], Window(*slots[i]) if chunk else Window(states=list(slots[i].unbind(0)))
+                if w > t:  # the real rows' part: the conv window widened by t positions, the first t slots
+                    hist, window = hist[..., : hist.shape[-1] - (w - t)], window.take(0, t)
+                cache.record_window(i, hist, [window])
         else:
-            logits, hid, pre = self.run(t, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v)
+            logits, hid, pre = self.run(w, cache, self.module, _inference(tokens[None]), pos, keys, kv.k, kv.v)
         cache.advance(t)
-        return TargetOutput(logits=logits, hidden=hid, prenorm_hidden=pre)  # (T, .) rows
+        return TargetOutput(logits=logits[:t], hidden=hid[:t], prenorm_hidden=pre[:t])  # (T, .) rows
 
 
 class CompiledDraftStep(_Compiled):
@@ -301,7 +323,7 @@ class CompiledDraftStep(_Compiled):
         self.base = base
 
     def handles(self, t: int, cache) -> bool:
-        return self.usable(t, self.module.fc.weight.dtype, cache.k.shape[1])
+        return self.usable(t, cache.length, cache.max_len, self.module.fc.weight.dtype, cache.k.shape[1])
 
     def chain(self, h: Tensor, cache, k: int, head) -> Tensor:
         """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_forward): one graph per (KV
@@ -325,8 +347,8 @@ class CompiledDraftStep(_Compiled):
         zeros = torch.zeros(self.max_width, h, dtype=self.module.fc.weight.dtype)
         for s, below in spans(lo, hi, cache.max_len):
             for layer in range(len(self.module.layers)):
-                for t in widths:
-                    if 1 <= t <= self.max_width and below + t <= s:
+                for t in buckets(widths, self.max_width):
+                    if below + t <= s:
                         cache.length = below  # the keys there are zeros: only the shapes matter here
                         self(zeros[:t], zeros[:t], cache, layer)
             for k in (k for k in chains if k > 1):  # a chain starting at `start` reads the span of start + k - 1 positions
@@ -341,13 +363,16 @@ class CompiledDraftStep(_Compiled):
         """hidden, emb (T, H) at the cache's next positions -> (T, H); advances the cache."""
         t = hidden.shape[0]
         start = cache.length
-        check_room(start + t, cache.max_len, "draft module")
-        pos = torch.arange(start, start + t)[None]  # (1, T)
+        w = bucket(t, self.max_width)  # the graph's rows: the window padded with zeros (bucket())
+        check_room(start + w, cache.max_len, "draft module")
+        if w > t:
+            hidden, emb = (torch.cat([x, x.new_zeros(w - t, x.shape[1])]) for x in (hidden, emb))
+        pos = torch.arange(start, start + w)[None]  # (1, W)
         k_buf, v_buf = cache.buffers(self.module.layers[layer].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(t, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf, v_buf, pos,
-                       _keys(start + t, cache.max_len), layer)
+        out = self.run(w, cache, self.module, _inference(hidden[None]), _inference(emb[None]), k_buf, v_buf, pos,
+                       _keys(start + w, cache.max_len), layer)
         cache.advance(t)
-        return out[0]
+        return out[0, :t]
 
 
 def check_compilable(model=None, dtype: torch.dtype | None = None) -> None:
