@@ -21,7 +21,7 @@ from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
 from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
-from .models.compiled import check_compilable, compile_model
+from .models.compiled import AUTO_DEPTH, check_compilable, compile_model, warm
 from .models.placement import place
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
@@ -87,6 +87,9 @@ class Model:
         ids = self._prompt_ids(prompt)
         engine, k, depth = self._engine(cfg, 1, depth_policy)
         params = self.sampling(cfg)
+        if self.module.compiled_step is not None:  # every graph the run may take, built before its first step
+            mtp = cfg.drafter == "mtp"
+            warm(self.module, 0 if cfg.drafter == "none" else k, mtp, mtp and params.greedy)
         stream = self.tokenizer.stream(prev=ids[-1]) if ids else None
         callback = (lambda toks: on_text(stream.push(toks))) if on_text is not None else None
         if on_tokens is not None:
@@ -116,13 +119,15 @@ class Model:
         return [replace(results[s], text=self.tokenizer.decode(results[s].tokens, prev=x[-1])) for s, x in zip(sids, ids)]
 
     def _engine(self, cfg: GenerationConfig, max_batch, depth_policy) -> tuple[Engine, int, object]:
-        """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to 8)."""
+        """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to 8, compiled up to
+        AUTO_DEPTH)."""
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
         k = cfg.k
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import ByBatchSize
 
-            depth_policy, k = depth_policy or ByBatchSize(k_max=8), 8
+            deepest = 8 if self.module.compiled_step is None else AUTO_DEPTH  # (compiled: the graphs it takes, few)
+            depth_policy, k = depth_policy or ByBatchSize(k_max=deepest), deepest
         k = check_count("k (draft length)", k, 1)
         check_count("max-new-tokens", cfg.max_new_tokens, 0)
         if not isinstance(cfg.exact, bool):

@@ -120,7 +120,7 @@ def test_compiled_generation_equals_plain_greedy(kind):
     step.window_form = kind == "hybrid-window"
     for r in runs:
         assert gen(*r) == ref[r], r
-    assert step.built and {key[0] for key in step.built} <= {1, 2, 4, 5}  # windows padded to their buckets
+    assert step.built and {key[0] for key in step.built} <= {1, 4, 5}  # windows padded to their buckets
     assert step.stats.graphs == len(step.built)
     assert any(key[2:] == ("window",) for key in step.built) == (kind == "hybrid-window")
     if kind.startswith("hybrid"):
@@ -132,10 +132,10 @@ def test_compiled_generation_equals_plain_greedy(kind):
 
 @pytest.mark.parametrize("draft_vocab", [None, pytest.param(40, marks=pytest.mark.slow)])  # a draft vocabulary's graphs: 12 s
 def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
-    """The compiled greedy chain (a round's k drafts from one graph, CompiledDraftStep.chain) proposes, round after
-    round, exactly what the step-by-step compiled drafter proposes (eager backend: the same static functions, so the
-    same bits), with the full LM head and with a draft vocabulary; generation through it equals plain greedy; and
-    the built graphs are called without dynamo (compiled._direct)."""
+    """The compiled greedy chain (a round's k drafts from one graph, CompiledDraftStep.chain; deeper than chain_max, from
+    segments) proposes, round after round, exactly what the step-by-step compiled drafter proposes (eager backend: the
+    same static functions, so the same bits), with the full LM head and with a draft vocabulary; generation through it
+    equals plain greedy; and the built graphs are called without dynamo (compiled._direct)."""
     import torch._dynamo
 
     from mtpspec.models.compiled import _direct
@@ -162,12 +162,31 @@ def test_greedy_draft_chain_equals_the_step_by_step_drafts(draft_vocab):
         return out, [x.tokens.tolist() for x in drafts]
 
     step = model.mtp.compiled_step
-    for k in (1, 3, 4):
+    step.chain_max = 3  # segments: 4 = 3 + 1, 7 = 3 + 3 + 1
+    for k in (1, 3, 4, 7):
         (out_c, drafts_c), (out_s, drafts_s) = run(True, k), run(False, k)
         assert out_c == out_s == ref and drafts_c == drafts_s, k
-        assert any(key[2:4] == ("chain", k) for key in step.built), k
+    chains = {key[2:4] for key in step.built if key[2:3] in (("chain",), ("cont",))}
+    # 4 = 3 + 1, 7 = 3 + 3 + 1 (a later segment fed the previous one's last draft first); the last rounds, short of room, less
+    assert {("chain", 3), ("cont", 1), ("cont", 3)} <= chains and max(n for _, n in chains) == 3
     assert all(g.__code__.co_name.startswith(("draft_chain_graph", "module_graph")) for g in step.graphs.values())
     assert _direct(lambda: None) is None  # a function dynamo never compiled: no entry, the guarded call serves
+
+
+def test_two_models_compiled_in_one_process_trace_apart():
+    """Each compiled step names its graphs' code objects apart (compiled._Compiled._compile): dynamo keeps a frame's
+    shapes by (file, line, name), and a second model traced under the first one's names got its differing sizes
+    made dynamic, i.e. generic kernels rounding otherwise (the demo's compiled plain greedy left eager's at token 23
+    after a tiny model had been compiled in the same process)."""
+    names = []
+    for model in (tiny_hybrid(), tiny_hybrid()):  # the same function traced for each
+        step = compile_model(model, max_width=5, backend="eager")
+        with torch.inference_mode():
+            c = model.new_cache()
+            model.forward_tokens(torch.tensor([1, 2, 3]), c, prefill=True)
+            model.forward_tokens(torch.tensor([4]), c)
+        names += [g.__code__.co_name for g in step.graphs.values()]
+    assert len(names) == 2 and len(set(names)) == 2, names
 
 
 def test_spans_cover_the_context_in_powers_of_two():
@@ -180,15 +199,15 @@ def test_spans_cover_the_context_in_powers_of_two():
 
 
 def test_windows_run_in_power_of_two_buckets_and_eagerly_where_the_padding_finds_no_room():
-    """A window's rows are padded to the next power of two (at most the widest graph), so --k auto's widths share
+    """A window's rows are padded to a bucket (1, 4, 6, 8 rows, at most the widest graph), so --k auto's widths share
     a few graphs; a window whose bucket would pass the buffer's end runs eagerly rather than in a graph of its own.
-    (That the padded rows change nothing is checked in fp64 above: windows of 3 and 5 rows run padded to 4 and 8.)"""
+    (That the padded rows change nothing is checked in fp64 above: windows of 2, 3 and 5 rows run padded to 4 and 6.)"""
     from mtpspec.models.compiled import _Compiled, bucket, buckets
 
-    assert [bucket(t, 9) for t in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
-    assert buckets(range(1, 12), 5) == [1, 2, 4, 5]
+    assert [bucket(t, 8) for t in range(1, 9)] == [1, 4, 4, 4, 6, 6, 8, 8]
+    assert buckets(range(1, 12), 5) == [1, 4, 5] and buckets(range(1, 4), 3) == [1, 3]
     step = _Compiled.__new__(_Compiled)
-    step.max_width = 9
+    step.max_width = 8
     with torch.inference_mode():
         assert step.usable(3, 124, 128, torch.float32, 1) and not step.usable(3, 125, 128, torch.float32, 1)
         assert step.usable(4, 124, 128, torch.float32, 1) and not step.usable(10, 0, 128, torch.float32, 1)
@@ -217,11 +236,42 @@ def test_prepare_builds_every_graph_a_run_needs_before_it():
     step = compile_model(model, max_width=5, backend="eager")
     prepare(model, range(1, 5), len(prompt), len(prompt) + 40 + 3, chains=(1, 2, 3))  # (1, 2: the last rounds, short of room)
     built, drafts = step.built, model.mtp.compiled_step.built
-    assert sorted(t for t, _ in built) == [1, 2, 4]  # one graph per bucket for both spans (64 and 128): its length symbolic
-    assert sorted(key[0] for key in drafts if len(key) == 2) == [1, 2, 4]
+    assert sorted(t for t, _ in built) == [1, 4]  # one graph per bucket for both spans (64 and 128): its length symbolic
+    assert sorted(key[0] for key in drafts if len(key) == 2) == [1, 4]
     assert sorted(key[3] for key in drafts if len(key) > 2) == [1, 2, 3]  # chains of depth 1 to 3
     assert gen() == ref and step.built == built and model.mtp.compiled_step.built == drafts
     assert span(len(prompt) + 40, model.max_seq_len) == 128
+
+
+@pytest.mark.slow  # 20 s of graph builds
+def test_warm_builds_every_graph_any_depth_takes():
+    """After warm(model, 8, mtp=True, chains=True) (what Model.generate runs first on a compiled model), greedy MTP at any fixed
+    depth and with --k auto's policy builds no graph, and every run gives plain greedy's tokens."""
+    import torch._dynamo
+
+    from mtpspec.adaptive import ByBatchSize
+    from mtpspec.drafters import make_drafter
+    from mtpspec.engine import generate_tokens
+    from mtpspec.models.compiled import warm
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    torch._dynamo.reset()
+    model = tiny_hybrid()
+    prompt = [int(t) for t in torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(8))]
+
+    def gen(k, depth=None):
+        return generate_tokens(model, prompt, make_drafter("mtp", model), k, Sampler(SamplingParams(), 0), 40, depth=depth).tokens
+
+    ref = gen(1)
+    step = compile_model(model, max_width=8, backend="eager")
+    warm(model, 8, True, True)
+    built = step.stats.graphs + model.mtp.compiled_step.stats.graphs
+    warm(model, 8, True, True)  # once
+    for k in (1, 2, 5, 7):
+        assert gen(k) == ref, k
+    assert gen(8, ByBatchSize(k_max=8)) == ref
+    assert step.stats.graphs + model.mtp.compiled_step.stats.graphs == built
+    assert sorted(key[0] for key in step.built) == [1, 4, 6, 8]
 
 
 def test_compile_refuses_what_it_does_not_cover():

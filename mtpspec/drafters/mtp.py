@@ -206,7 +206,7 @@ class MTPDrafter:
         self.pending_h = self.pending_t = None
         if budget is not None:
             return self._propose_tree(h, k, budget)
-        tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,) greedy, compiled: the k drafts from one graph
+        tokens = self.compiled.chain(h, self.cache, k, self.head)  # (k,) greedy, compiled: the chain graphs (CompiledDraftStep.chain)
         self.committed = self.cache.length - (k - 1)
         return Draft(tokens=tokens, q=None)
 

@@ -15,6 +15,7 @@ wider than the compiled widths run eagerly.
 
 from __future__ import annotations
 
+import itertools
 import os
 import types
 import weakref
@@ -69,17 +70,31 @@ OPTIONS = {"cpp_wrapper": True}
 # serial graph then serves every thread count.
 SERIAL = {"cpp.threads": 1}
 
-MAX_WIDTH = 9  # the widest window (rows) a compiled graph takes by default; wider ones run eagerly
+MAX_WIDTH = 8  # the widest window (rows) a compiled graph takes by default; wider ones (a verify at D = 8) run eagerly
+
+
+BUCKETS = (1, 4, 6, 8)  # the rows of the graphs a window runs in (bucket()), below max_width
+
+AUTO_DEPTH = 5  # --k auto's deepest draft on a compiled model: its windows (up to 6 rows) take the graphs of 1, 4, 6 rows
 
 
 def bucket(t: int, max_width: int) -> int:
-    """The rows of the graph that runs a window of t rows: the next power of two >= t, at most max_width (1, 2, 4, 8, 9
-    by default). A window is padded to its bucket, so the widths a policy visits (--k auto: 2..9) share five graphs
-    instead of one each; a target graph costs ~25 s to build cold on this machine, a padded row a few percent of a
-    step. Padded rows come after the real ones: no real row attends to them (attention is causal by position), every
-    row of a matrix product is computed alone (the small-row kernel), and the keys and values they write lie beyond
-    the cache's length, where the next window writes before anything reads."""
-    return min(max_width, 1 << (t - 1).bit_length())
+    """The rows of the graph that runs a window of t rows: the first of BUCKETS >= t, else max_width (1, 4, 6, 8 by
+    default). A window is padded to its bucket, so the widths a policy visits share a few graphs instead of one
+    each: a target graph of the demo costs 25-50 s to build cold on 2 cores (more the wider), a padded row of a demo
+    step ~0.1-0.2 ms, paid only where a window is short of its bucket (D = 3 and 5 verify 4 and 6 rows exactly;
+    docs/decisions.md). Padded rows come after the real ones: no real row attends to them (attention is causal by
+    position), every row of a matrix product is computed alone (the small-row kernel), and the keys and values they
+    write lie beyond the cache's length, where the next window writes before anything reads."""
+    return next((b for b in BUCKETS if t <= b < max_width), max_width)
+
+
+def buckets(widths: Iterable[int], max_width: int) -> list[int]:
+    """The graphs' widths that windows of `widths` rows (those up to max_width) run in (bucket())."""
+    return sorted({bucket(t, max_width) for t in widths if 1 <= t <= max_width})
+
+
+CHAIN_MAX = 5  # the most drafts one chain graph unrolls: deeper chains run as segments (CompiledDraftStep.chain)
 
 WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from which the compiled step takes the window form
 
@@ -91,6 +106,9 @@ WINDOW_FORM_STATE = 2**16  # elements of one Gated DeltaNet layer's state from w
 # each graph has a function of its own (_Compiled._compile), so nothing else needs telling apart, and its inputs are
 # read afresh at every call (new weights of the same shapes are used).
 DIRECT = True
+
+
+_STEPS = itertools.count()  # the compiled steps made in this process
 
 
 class _Compiled:
@@ -124,6 +142,8 @@ class _Compiled:
         self.graphs: dict[tuple, object] = {}  # (width, threads, *extra) -> its compiled function
         self.seen = lambda: None  # the cache of the last call (a weak reference)
         self.stats = CompileStats()
+        self.ordinal = next(_STEPS)  # (see _compile)
+        self.warmed: set[tuple[int, bool, bool]] = set()  # the (k, mtp, chains) that warm() built every graph for
 
     @property
     def built(self) -> set[tuple]:
@@ -136,9 +156,12 @@ class _Compiled:
     def _compile(self, key: tuple, fn=None):
         """fn compiled for one key (width, threads, ...), from a copy of fn's code object: dynamo keeps compiled graphs per
         code object and walks them on every call, so with one shared code object each step would pay for checking the
-        guards of its sibling graphs; a code object of its own holds one graph and nothing to walk."""
+        guards of its sibling graphs; a code object of its own holds one graph and nothing to walk. The name carries
+        the step's serial number: dynamo keeps what it saw of a frame's shapes by (file, line, name), and a graph of
+        another model under the same name would be traced with the shapes that differ made dynamic (generic kernels:
+        slower, and rounded otherwise)."""
         base = fn or self.fn
-        name = f"{base.__name__}_w{key[0]}_t{key[1]}" + "".join(f"_{x}" for x in key[2:])
+        name = f"{base.__name__}_n{self.ordinal}_w{key[0]}_t{key[1]}" + "".join(f"_{x}" for x in key[2:])
         code = base.__code__.replace(co_name=name)
         fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
         fn.__kwdefaults__ = base.__kwdefaults__
@@ -194,11 +217,6 @@ def _guards_skipped(graph):
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return graph(*args)
     return call
-
-
-def buckets(widths: Iterable[int], max_width: int) -> list[int]:
-    """The graphs' widths that windows of `widths` rows (those up to max_width) run in (bucket())."""
-    return sorted({bucket(t, max_width) for t in widths if 1 <= t <= max_width})
 
 
 def span(n: int, max_len: int) -> int:
@@ -320,24 +338,32 @@ class CompiledDraftStep(_Compiled):
     def __init__(self, module, base, max_width: int = MAX_WIDTH, backend: str = "inductor") -> None:
         # base: the model whose embedding and LM head a draft chain reads (the target, or a trained head's target)
         super().__init__(module_graph, module, max_width, backend, also=(base.lm_head, base.model.embed_tokens), model=base)
-        self.base = base
+        self.base, self.chain_max = base, CHAIN_MAX
 
     def handles(self, t: int, cache) -> bool:
         return self.usable(t, cache.length, cache.max_len, self.module.fc.weight.dtype, cache.k.shape[1])
 
     def chain(self, h: Tensor, cache, k: int, head) -> Tensor:
-        """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_forward): one graph per (KV
-        threads, k, draft vocabulary size), the first k-1 drafts fed back. Advances the cache by k - 1. -> (k,)"""
-        start = cache.length
-        check_room(start + k - 1, cache.max_len, "draft module")
-        keys = _keys(start + k - 1 if k > 1 else 1, cache.max_len)  # (k = 1 reads no keys)
+        """k greedy drafts from h (1, H), the output at the cache's last entry (draft_chain_graph), in segments of at
+        most `chain_max` drafts, each one graph per (threads, depth, draft vocabulary size): a graph unrolls its depth
+        (a module step and a head product per draft), so its build time grows with it, and deeper chains reuse the
+        shallow ones (a later segment feeds the previous one's last draft first). Advances the cache by k - 1. -> (k,)"""
+        check_room(cache.length + k - 1, cache.max_len, "draft module")
         vocab = 0 if head is None else head.ids.shape[0]
-        pos = torch.tensor([[start]])  # (1, 1) the first fed-back draft's position
         k_buf, v_buf = cache.buffers(self.module.layers[0].self_attn.kv_index)  # (1, nkv, max_len, hd)
-        out = self.run(1, cache, self.module, self.base, head, _inference(h), k_buf, v_buf, pos, keys, k,
-                       fn=draft_chain_graph, extra=("chain", k, vocab))
-        cache.advance(k - 1)
-        return out
+        out, x, left = [], None, k
+        while left:
+            n = min(left, self.chain_max)
+            fed = n - 1 if x is None else n  # the positions this segment writes
+            start = cache.length
+            keys = _keys(start + fed if fed else 1, cache.max_len)  # (a lone head product reads no keys)
+            pos = torch.tensor([[start]])  # (1, 1) the first fed position
+            drafts, h = self.run(1, cache, self.module, self.base, head, _inference(h), x, k_buf, v_buf, pos, keys, n,
+                                 fn=draft_chain_graph, extra=("chain" if x is None else "cont", n, vocab))
+            cache.advance(fed)
+            out.append(drafts)
+            x, left = drafts[-1:], left - n
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     @torch.inference_mode()
     def prepare(self, widths: range, lo: int, hi: int, cache, chains: Iterable[int] = (), head=None) -> None:
@@ -401,20 +427,32 @@ def compile_model(model, max_width: int = MAX_WIDTH, backend: str = "inductor") 
 
 
 @torch.inference_mode()  # the scratch caches are inference tensors, as the engine's are (a guard tells them apart)
-def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), draft_widths: range | None = None) -> None:
+def prepare(model, widths: range, lo: int, hi: int, chains: Iterable[int] = (), draft_widths: range | None = None,
+            module: bool = True) -> None:
     """Build the graphs of a compiled model (compile_model) that windows of `widths` rows ending at positions lo..hi
-    use, target and MTP module (`draft_widths` for the module when other: a catch-up after rounds drafted by lookup
-    spans several rounds' tokens), and the MTP module's greedy chains of each depth in `chains` (with the checkpoint's
-    default draft vocabulary), before anything is timed."""
+    use, target and (`module`) MTP module (`draft_widths` for the module when other: a catch-up after rounds drafted
+    by lookup spans several rounds' tokens), and the MTP module's greedy chains of each depth in `chains` (with the
+    checkpoint's default draft vocabulary), before anything is timed."""
     from .draft_vocab import make_draft_head
 
     step = model.compiled_step
     if step is None:
         return
     step.prepare(widths, lo, hi)
-    draft = getattr(model, "mtp", None) is not None and model.mtp.compiled_step
+    draft = module and getattr(model, "mtp", None) is not None and model.mtp.compiled_step
     if draft:
         draft.prepare(draft_widths or widths, lo, hi, model.new_mtp_cache(), chains, make_draft_head(model, None) if chains else None)
+
+
+def warm(model, k: int, mtp: bool, chains: bool) -> None:
+    """Build, once per (k, mtp, chains), every graph that decoding with up to k drafts a step may run: the windows'
+    buckets, the MTP module's when `mtp`, and its greedy chains when `chains`. After it no depth a policy picks (--k
+    auto) compiles anything. One span suffices: a built graph serves every span (its length symbolic, the graph
+    called unguarded)."""
+    step = model.compiled_step
+    if step is not None and (k, mtp, chains) not in step.warmed:
+        prepare(model, range(1, k + 2), 1, 1, chains=range(1, k + 1) if chains else (), module=mtp)
+        step.warmed.add((k, mtp, chains))
 
 
 def compiled_draft_step(module, target) -> CompiledDraftStep | None:

@@ -569,16 +569,22 @@ def greedy_draft(target, head, h: Tensor) -> Tensor:
     return target.head(h).argmax(-1) if head is None else head.token(head.logits(h).argmax(-1))
 
 
-def draft_chain_graph(module, target, head, h: Tensor, k_buf: Tensor, v_buf: Tensor, pos: Tensor, keys: Tensor, k: int,
-                      threads: int = 1) -> Tensor:
-    """A greedy MTP chain as one graph: from h (1, H), the module's output at the last pending pair, k drafts, each the
-    argmax of the head over the latest output, the first k-1 fed back with their embeddings at positions pos, pos+1, ..
-    (pos (1, 1)), as MTPDrafter.propose does step by step -> the k drafted tokens (k,)."""
+def draft_chain_graph(module, target, head, h: Tensor, x: Tensor | None, k_buf: Tensor, v_buf: Tensor, pos: Tensor,
+                      keys: Tensor, k: int, threads: int = 1) -> tuple[Tensor, Tensor]:
+    """A greedy MTP chain as one graph, as MTPDrafter.propose drafts step by step: from h (1, H), the module's output at
+    the last pending pair, k drafts, each the argmax of the head over the latest output, the first k-1 fed back with
+    their embeddings at positions pos, pos+1, .. (pos (1, 1)). x (1,): a continuation, x (the previous segment's last
+    draft) fed first at pos, then k drafts of which the first k-1 are fed. -> the drafts (k,) and the output the last
+    one came from (1, H)."""
     _check_threads(threads)
-    drafts = []
+    drafts, fed = [], 0
+    if x is not None:
+        h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos, keys=keys), 0)[0]
+        fed = 1
     for j in range(k):
         x = greedy_draft(target, head, h)  # (1,)
         drafts.append(x)
         if j + 1 < k:
-            h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos + j, keys=keys), 0)[0]  # (1, H)
-    return torch.cat(drafts)  # (k,)
+            h = module_forward(module, h[None], target.embed(x)[None], k_buf, v_buf, ForwardBatch(pos + fed, keys=keys), 0)[0]  # (1, H)
+            fed += 1
+    return torch.cat(drafts), h  # (k,), (1, H)
