@@ -27,6 +27,7 @@ from ..adaptive import ByBatchSize
 from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
+from ..models.compiled import AUTO_DEPTH, warm
 from ..sampling import Sampler, SamplingParams
 from ..threads import apply_threads
 from ..types import BatchStep, GenerationResult
@@ -229,10 +230,14 @@ class Scheduler:
         return make_drafter(spec.drafter, self.model.module, draft_model=spec.draft_model, **dict(spec.options))
 
     def _new_engine(self) -> Engine:
-        self.depth = PerRequest(ByBatchSize(k_max=AUTO_K_MAX) if self.spec.drafter != "none" else None)
+        deepest = AUTO_K_MAX if self.model.module.compiled_step is None else AUTO_DEPTH  # (compiled: few graphs)
+        self.depth = PerRequest(ByBatchSize(k_max=deepest) if self.spec.drafter != "none" else None)
         return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk)
 
     def _run(self) -> None:
+        if self.model.module.compiled_step is not None:  # every graph a request may take, built before the first one
+            mtp = self.spec.drafter == "mtp"
+            warm(self.model.module, self.max_k, mtp, mtp)
         while True:
             try:
                 items = [self.inbox.get(block=not self.engine.active)]
