@@ -21,7 +21,7 @@ from .engine import Engine, check_count, check_prompt
 from .errors import ConfigError
 from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
-from .models.compiled import AUTO_DEPTH, check_compilable, compile_model, warm
+from .models.compiled import auto_depth, check_compilable, compile_model, warm
 from .models.placement import place
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
@@ -120,13 +120,13 @@ class Model:
 
     def _engine(self, cfg: GenerationConfig, max_batch, depth_policy) -> tuple[Engine, int, object]:
         """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to 8, compiled up to
-        AUTO_DEPTH)."""
+        compiled.AUTO_DEPTH)."""
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
         k = cfg.k
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import ByBatchSize
 
-            deepest = 8 if self.module.compiled_step is None else AUTO_DEPTH  # (compiled: the graphs it takes, few)
+            deepest = auto_depth(self.module, 8)
             depth_policy, k = depth_policy or ByBatchSize(k_max=deepest), deepest
         k = check_count("k (draft length)", k, 1)
         check_count("max-new-tokens", cfg.max_new_tokens, 0)

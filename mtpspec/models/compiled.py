@@ -78,6 +78,11 @@ BUCKETS = (1, 4, 6, 8)  # the rows of the graphs a window runs in (bucket()), be
 AUTO_DEPTH = 5  # --k auto's deepest draft on a compiled model: its windows (up to 6 rows) take the graphs of 1, 4, 6 rows
 
 
+def auto_depth(model, deepest: int) -> int:
+    """--k auto's deepest draft on `model`: `deepest`, at most AUTO_DEPTH once the model is compiled."""
+    return deepest if model.compiled_step is None else min(deepest, AUTO_DEPTH)
+
+
 def bucket(t: int, max_width: int) -> int:
     """The rows of the graph that runs a window of t rows: the first of BUCKETS >= t, else max_width (1, 4, 6, 8 by
     default). A window is padded to its bucket, so the widths a policy visits share a few graphs instead of one

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import secrets
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from ..adaptive import ByBatchSize
 from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
-from ..models.compiled import AUTO_DEPTH, warm
+from ..models.compiled import auto_depth, warm
 from ..sampling import Sampler, SamplingParams
 from ..threads import apply_threads
 from ..types import BatchStep, GenerationResult
@@ -230,14 +231,27 @@ class Scheduler:
         return make_drafter(spec.drafter, self.model.module, draft_model=spec.draft_model, **dict(spec.options))
 
     def _new_engine(self) -> Engine:
-        deepest = AUTO_K_MAX if self.model.module.compiled_step is None else AUTO_DEPTH  # (compiled: few graphs)
+        deepest = auto_depth(self.model.module, AUTO_K_MAX)
         self.depth = PerRequest(ByBatchSize(k_max=deepest) if self.spec.drafter != "none" else None)
         return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk)
 
-    def _run(self) -> None:
-        if self.model.module.compiled_step is not None:  # every graph a request may take, built before the first one
-            mtp = self.spec.drafter == "mtp"
+    def _warm(self) -> None:
+        """A compiled model's graphs, every one a request may take, built before the first request (compiled.warm) at
+        the thread count its steps run with (graphs are keyed by it). A failure leaves them to be built on first use,
+        where an error fails the requests in flight (_step) instead of stopping this thread."""
+        if self.model.module.compiled_step is None:
+            return
+        if self.model.threads and torch.get_num_threads() != self.model.threads:
+            apply_threads(self.model.threads)
+        mtp = self.spec.drafter == "mtp"
+        try:
             warm(self.model.module, self.max_k, mtp, mtp)
+        except Exception as e:  # noqa: BLE001 - reported; the graphs build on first use
+            print(f"mtpspec: model {self.name!r}: building its compiled graphs failed ({type(e).__name__}: {e}); "
+                  "they build on first use", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        self._warm()
         while True:
             try:
                 items = [self.inbox.get(block=not self.engine.active)]
