@@ -359,3 +359,28 @@ def test_alternate_runs_every_config_on_every_prompt_in_shuffled_orders():
     orders = ["".join(c for c, _ in log[i : i + 3]) for i in range(0, len(log), 3)]
     assert len(set(orders)) > 1 and all(sorted(o) == list("abc") for o in orders)  # a fresh order per (round, prompt)
     assert alternate(["a", "b"], ["p"], None, rounds=1, seed=1, together=lambda cs, p: [c.upper() for c in cs]) == [[["A"]], [["B"]]]
+
+
+def test_a_peers_split_from_our_text_is_located_and_weighed(stories):
+    """Where a peer's greedy text leaves ours: the first differing token (an early stop counts), and our logit
+    margin there, which is >= 0 against any other token at our greedy choice."""
+    import torch
+
+    from mtpspec.bench.harness import OursRunner, split_at
+    from mtpspec.bench.report import markdown
+
+    assert split_at([1, 2, 3], [1, 2, 3]) is None
+    assert split_at([1, 2, 3], [1, 5, 3]) == 1 and split_at([1, 2, 3], [1, 2]) == 2
+    ids = stories.encode("Once upon a time")
+    ours = stories.generate(ids, max_new_tokens=6, drafter="none").tokens
+    runner = OursRunner(stories)
+    m = stories.module
+    lg = m.forward_tokens(torch.tensor(ids + ours[:3]), m.new_cache()).logits[-1].double()
+    other = int(torch.topk(lg, 2).indices[1])
+    margin = runner.margin(ids, ours, 3, other)
+    assert margin == pytest.approx(float(lg[ours[3]] - lg[other]), abs=1e-9) and margin >= 0
+    run = {"method": "llamacpp:plain", "prompt_id": "p0", "split": 3, "split_margin": margin}
+    md = markdown({"summary": {"overall": {}, "by_category": {}}, "runs": [run],
+                   "config": {"model_name": "m", "prompts_name": "p", "num_prompts": 1, "max_new_tokens": 6, "temperature": 0,
+                              "threads": 1, "max_prompt_tokens": 8, "elapsed_seconds": 1.0}})
+    assert "Where a peer's greedy text leaves ours" in md and f"| llamacpp:plain | p0 | 3 | {margin:.3f} |" in md

@@ -69,6 +69,8 @@ class Run:
     passed: list[int] = field(default_factory=list)  # ... and accepted it
     drafts_per_step: list[int] = field(default_factory=list)
     lossless: bool | None = None  # greedy output equal to ours:plain (None when sampling)
+    split: int | None = None  # a peer's greedy output: the first new token where it leaves ours:plain
+    split_margin: float | None = None  # ... and our logit of our token minus our logit of the peer's token there
     cpu_seconds: float | None = None  # process CPU time of the call: blind to time other jobs took the core
     decode_tokens: int | None = None  # tokens that wall - prefill paid for, when not all (llama.cpp: its first comes from the prompt pass)
 
@@ -112,6 +114,19 @@ class OursRunner:
             run.wall_seconds -= turn.waited
             run.overhead_seconds = max((run.overhead_seconds or 0.0) - turn.waited, 0.0)
         return run
+
+    def margin(self, ids: list[int], tokens: list[int], i: int, other: int) -> float:
+        """Our logit of tokens[i] minus our logit of `other` after ids + tokens[:i] (one forward over them)."""
+        m = self.model.module
+        with torch.inference_mode():
+            lg = m.forward_tokens(torch.tensor(list(ids) + list(tokens[:i])), m.new_cache()).logits[-1].double()
+        return float(lg[tokens[i]] - lg[other])
+
+
+def split_at(ours: list[int], theirs: list[int]) -> int | None:
+    """The first index where two greedy outputs differ (one ending early counts), None where they are equal."""
+    i = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return None if ours == theirs else i
 
 
 def _mean_run(rs: list[Run], median: bool = False) -> Run:
@@ -179,5 +194,9 @@ def run_bench(methods: list[Method], prompts: list[Prompt], ids: list[list[int]]
         for j in range(len(methods)):
             r = min(results[j][i], key=lambda x: x.wall_seconds) if keep == "best" else _mean_run(results[j][i], keep == "median")
             r.lossless = (r.tokens == ref) if temperature == 0 else None
+            if r.lossless is False and methods[j].engine != PLAIN.engine:
+                r.split = split_at(ref, r.tokens)
+                if r.split < min(len(ref), len(r.tokens)):
+                    r.split_margin = runners[PLAIN.engine].margin(ids[i], ref, r.split, r.tokens[r.split])
             runs.append(r)
     return runs

@@ -384,6 +384,29 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
   std::memcpy(&r, &acc, 64);
   return r;
 }
+
+// io[r] += dot(w, x[r], g0, g1) for G rows, the rows' vpdpbusd interleaved: G independent chains keep the VNNI unit
+// busy where one row's chain would wait on its latency (integer sums: the same result as dot, row by row)
+template <int G, bool Q8>
+inline void dot_rows(const Tile& w, const int8_t* const* x, int g0, int g1, i16v* io) {
+  if (G < 3) {  // too few rows to hide the latency: each row's two chains (dot)
+    for (int r = 0; r < G; ++r) io[r] += dot<Q8>(w, x[r], g0, g1);
+    return;
+  }
+  __m512i acc[G];
+#pragma GCC unroll 10
+  for (int r = 0; r < G; ++r) std::memcpy(&acc[r], &io[r], 64);
+  for (int g = g0; g < g1; ++g) {
+#pragma GCC unroll 10
+    for (int r = 0; r < G; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, x[r] + 4 * g, 4);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], w.v[g], _mm512_set1_epi32(xv));
+    }
+  }
+#pragma GCC unroll 10
+  for (int r = 0; r < G; ++r) std::memcpy(&io[r], &acc[r], 64);
+}
 #elif defined(__AVX2__)
 constexpr int Q8_BIAS = 0;
 const char* ISA = "avx2";
@@ -473,6 +496,13 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 }
 #endif
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+template <int G, bool Q8>
+inline void dot_rows(const Tile& w, const int8_t* const* x, int g0, int g1, i16v* io) {
+  for (int r = 0; r < G; ++r) io[r] += dot<Q8>(w, x[r], g0, g1);
+}
+#endif
+
 // Rows m0..m0+G-1 of x against panel p of an N-output weight, into y (row stride ldy, this weight's first column):
 // per output lane, tiles in order, acc += float(isum) * scale (Q4_K/Q5_K: then acc -= float(sum x) * min scale). G, the
 // exact row count at compile time, lets the row loops unroll and the accumulators stay in registers; the arithmetic
@@ -508,23 +538,31 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy
         sa = bytes_i(blk + 32 + 16 * (2 * t));
         sb = bytes_i(blk + 32 + 16 * (2 * t + 1));
       }
+      const int8_t* xs[G];
+      i16v isum[G], hi[G];
 #pragma GCC unroll 10
       for (int r = 0; r < G; ++r) {
         const int64_t m = m0 + r;
-        const int8_t* x = a.q + m * K + kb * 32;
-        const float dx = a.d[m * KB + kb];
+        xs[r] = a.q + m * K + kb * 32;
         const int32_t s0 = a.s[m * 2 * KB + 2 * kb], s1 = a.s[m * 2 * KB + 2 * kb + 1];
-        if (T == T_Q6_K) {
-          const i16v isum = sa * (dot<false>(tw, x, 0, 4) - 32 * s0) + sb * (dot<false>(tw, x, 4, 8) - 32 * s1);
-          acc[r] = acc[r] + tof(isum) * (ws * dx);
-        } else if (KQ) {
-          acc[r] = acc[r] + tof(dot<false>(tw, x, 0, 8)) * (ws * dx);
-          acc[r] = acc[r] - static_cast<float>(s0 + s1) * (wm * dx);
-        } else {
-          const int off = T == T_Q8_0 ? Q8_BIAS : I.off;
-          const i16v isum = dot<T == T_Q8_0>(tw, x, 0, 8) - off * (s0 + s1);
-          acc[r] = acc[r] + tof(isum) * (ws * dx);
-        }
+        const int off = T == T_Q8_0 ? Q8_BIAS : I.off;
+        isum[r] = i16v{} + (T == T_Q6_K ? -32 * s0 : KQ ? 0 : -off * (s0 + s1));  // the integer dots start from it
+        if (T == T_Q6_K) hi[r] = i16v{} - 32 * s1;
+      }
+      if (T == T_Q6_K) {  // isum = sa * (dot of inputs 0-15 - 32 s0) + sb * (dot of 16-31 - 32 s1)
+        dot_rows<G, false>(tw, xs, 0, 4, isum);
+        dot_rows<G, false>(tw, xs, 4, 8, hi);
+#pragma GCC unroll 10
+        for (int r = 0; r < G; ++r) isum[r] = sa * isum[r] + sb * hi[r];
+      } else {
+        dot_rows<G, T == T_Q8_0>(tw, xs, 0, 8, isum);
+      }
+#pragma GCC unroll 10
+      for (int r = 0; r < G; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = a.d[m * KB + kb];
+        acc[r] = acc[r] + tof(isum[r]) * (ws * dx);
+        if (KQ) acc[r] = acc[r] - static_cast<float>(a.s[m * 2 * KB + 2 * kb] + a.s[m * 2 * KB + 2 * kb + 1]) * (wm * dx);
       }
     }
   }
