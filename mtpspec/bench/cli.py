@@ -218,11 +218,11 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
         phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
     if compile:  # every graph the runs can reach, built before anything is timed
-        from ..models.compiled import MAX_WIDTH, prepare
+        from ..models.compiled import MAX_WIDTH, auto_depth, prepare
 
         ours = [m for m in methods if m.engine == "mtpspec"]
         def deepest(ms: list[Method]) -> int:
-            return max((K_MAX_AUTO if m.k == "auto" else m.k or 0 for m in ms), default=0)
+            return max((auto_depth(model.module, K_MAX_AUTO) if m.k == "auto" else m.k or 0 for m in ms), default=0)
 
         k_top = deepest(ours)
         mtp_top = deepest([m for m in ours if m.drafter == "mtp"])

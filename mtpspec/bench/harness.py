@@ -21,6 +21,7 @@ from ..alternate import alternate
 from ..errors import ConfigError
 from ..heap import frozen_heap
 from ..metrics import Acceptance
+from ..models.compiled import auto_depth
 from ..prompts import Prompt, fit_prompt
 from .costmodel import CostModel
 from .common import Lockstep, Turn
@@ -95,8 +96,9 @@ class OursRunner:
         kw = dict(k=method.k or 1)
         if method.k == "auto":
             c = self.cost  # the policy's priors: the measured T(k)/T(1) and the drafter's cost per token at d = 4
-            kw = dict(k=K_MAX_AUTO, depth_policy=AdaptiveDepth(
-                k_max=K_MAX_AUTO, verify_cost=c.ratio if c else None,
+            deepest = auto_depth(self.model.module, K_MAX_AUTO)  # a compiled model's graphs go to AUTO_DEPTH
+            kw = dict(k=deepest, depth_policy=AdaptiveDepth(
+                k_max=deepest, verify_cost=c.ratio if c else None,
                 draft_cost=c.draft_seconds(method.drafter, 4) / 4 if c else None, target_cost=c.t1 if c else None))
         c0 = process_time()
         res = self.model.generate(
