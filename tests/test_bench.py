@@ -379,8 +379,8 @@ def test_a_peers_split_from_our_text_is_located_and_weighed(stories):
     other = int(torch.topk(lg, 2).indices[1])
     margin = runner.margin(ids, ours, 3, other)
     assert margin == pytest.approx(float(lg[ours[3]] - lg[other]), abs=1e-9) and margin >= 0
-    run = {"method": "llamacpp:plain", "prompt_id": "p0", "split": 3, "split_margin": margin}
-    md = markdown({"summary": {"overall": {}, "by_category": {}}, "runs": [run],
+    runs = [{"method": f"llamacpp:{m}", "prompt_id": "p0", "split": 3, "split_margin": margin} for m in ("plain", "ngram@3")]
+    md = markdown({"summary": {"overall": {}, "by_category": {}}, "runs": runs,
                    "config": {"model_name": "m", "prompts_name": "p", "num_prompts": 1, "max_new_tokens": 6, "temperature": 0,
                               "threads": 1, "max_prompt_tokens": 8, "elapsed_seconds": 1.0}})
-    assert "Where a peer's greedy text leaves ours" in md and f"| llamacpp:plain | p0 | 3 | {margin:.3f} |" in md
+    assert "Where a peer's greedy text leaves ours" in md and f"| llamacpp:plain and 1 more | p0 | 3 | {margin:.3f} |" in md

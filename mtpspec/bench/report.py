@@ -189,12 +189,17 @@ def markdown(result: dict, images: list[str] | None = None) -> str:
                          ["method", "decode tok/s", "vs ours:plain", "draft acceptance", "lossless"],
                          [[lab, _f(a["decode_tokens_per_second"], "{:.0f}"), _f(_ratio(a["decode_tokens_per_second"], base), "{:.2f}x"),
                            _f(a["draft_acceptance"]), a["lossless"]] for lab, a in ov.items() if not lab.startswith("hf:")])
-    splits = [[r["method"], r["prompt_id"], r["split"], _f(r["split_margin"], "{:.3f}")] for r in result.get("runs", [])
-              if r.get("split") is not None]
+    splits: dict[tuple, list[str]] = {}  # a peer's methods that leave ours at the same token (its speculation is lossless)
+    for r in result.get("runs", []):
+        if r.get("split") is not None:
+            key = (r["method"].split(":")[0], r["prompt_id"], r["split"], r["split_margin"])
+            splits.setdefault(key, []).append(r["method"])
     if splits:
         lines += section("Where a peer's greedy text leaves ours: the first differing new token, and our logit margin there "
                          "(our token's logit minus the peer's token's; \"-\": one side stopped):",
-                         ["method", "prompt", "token", "our margin"], splits)
+                         ["methods", "prompt", "token", "our margin"],
+                         [[ms[0] + (f" and {len(ms) - 1} more" if len(ms) > 1 else ""), prompt, i, _f(m, "{:.3f}")]
+                          for (_, prompt, i, m), ms in splits.items()])
     if cost:
         ms = lambda xs: ", ".join(f"{1000 * x:.2f}" for x in xs) + " ms"  # noqa: E731
         lines += section(f"Cost model (measured here, {cost['threads']} thread(s)):", ["k", *range(1, len(cost["ratio"]) + 1)],
