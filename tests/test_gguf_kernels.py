@@ -13,7 +13,10 @@ fp64 x_q @ dequantize(W)^T.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -360,3 +363,40 @@ def test_write_rows_is_index_copy_in_place(dtype):
         assert torch.equal(span, want) and k_buf.data_ptr() == ptr
     with pytest.raises(RuntimeError, match="outside the buffer"):
         torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, torch.tensor([5, 6, 12]), rows, rows)
+
+
+def _lower_isa_build(isa: str, flags: tuple[str, ...]):
+    """gguf_blocks.cpp built for a lower instruction set, its ops under mtpspec_gguf_<isa> (cached as the kernels are)."""
+    from mtpspec import kernels
+
+    src = (Path(kernels.__file__).with_name("gguf_blocks.cpp").read_text()).replace("mtpspec_gguf", f"mtpspec_gguf_{isa}")
+    cflags = (*kernels.EXACT_CFLAGS, *flags)
+    build = kernels.cache_dir() / "isa" / isa / hashlib.sha256((src + " ".join(cflags)).encode()).hexdigest()[:12]
+    build.mkdir(parents=True, exist_ok=True)
+    if not (build / "gguf_blocks.cpp").exists():
+        (build / "gguf_blocks.cpp").write_text(src)
+    from torch.utils.cpp_extension import load
+
+    load(name=f"mtpspec_gguf_{isa}", sources=[str(build / "gguf_blocks.cpp")], build_directory=str(build),
+         is_python_module=False, verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
+    return getattr(torch.ops, f"mtpspec_gguf_{isa}")
+
+
+def test_the_instruction_sets_give_the_same_bits():
+    """The block kernel's AVX-512 VNNI, AVX2 and scalar paths compute the same numbers: this machine's build against
+    the same source built without AVX-512 (where this CPU has it) and without AVX2, every block type, 1-12 rows."""
+    native = torch.ops.mtpspec_gguf.isa()
+    lower = ([("avx2", ("-mno-avx512f",))] if native == "avx512vnni" else []) + [("scalar", ("-mno-avx2", "-mno-avx512f", "-mno-fma"))]
+    with ThreadPoolExecutor(len(lower)) as pool:  # the compilers side by side: ~35 s cold on 2 cores, cached after
+        builds = dict(zip([isa for isa, _ in lower], pool.map(lambda a: _lower_isa_build(*a), lower)))
+    assert {isa: ops.isa() for isa, ops in builds.items()} == {isa: isa for isa in builds}
+    n, k = 40, 512
+    for qtype in Q.TYPES:
+        if qtype not in SCALES:
+            continue  # float types: not this kernel
+        w = Q.from_gguf(_random_blocks(qtype, n, k, seed=5), qtype, (n, k))
+        for m in (1, 2, 3, 5, 9, 12):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            want = torch.ops.mtpspec_gguf.linear(x, w.data, int(w.qtype), n)
+            for isa, ops in builds.items():
+                assert torch.equal(ops.linear(x, w.data, int(w.qtype), n), want), (qtype.name, m, isa)
