@@ -365,31 +365,37 @@ def test_write_rows_is_index_copy_in_place(dtype):
         torch.ops.mtpspec_attention.write_rows(k_buf, v_buf, torch.tensor([5, 6, 12]), rows, rows)
 
 
-def _lower_isa_build(isa: str, flags: tuple[str, ...]):
-    """gguf_blocks.cpp built for a lower instruction set, its ops under mtpspec_gguf_<isa> (cached as the kernels are)."""
+def _lower_isa_build(source: str, ns: str, isa: str, flags: tuple[str, ...]):
+    """A kernel source built for a lower instruction set, its ops under <ns>_<isa> (cached as the kernels are)."""
+    from torch.utils.cpp_extension import load
+
     from mtpspec import kernels
 
-    src = (Path(kernels.__file__).with_name("gguf_blocks.cpp").read_text()).replace("mtpspec_gguf", f"mtpspec_gguf_{isa}")
+    src = Path(kernels.__file__).with_name(source).read_text().replace(ns, f"{ns}_{isa}")
     cflags = (*kernels.EXACT_CFLAGS, *flags)
     build = kernels.cache_dir() / "isa" / isa / hashlib.sha256((src + " ".join(cflags)).encode()).hexdigest()[:12]
     build.mkdir(parents=True, exist_ok=True)
-    if not (build / "gguf_blocks.cpp").exists():
-        (build / "gguf_blocks.cpp").write_text(src)
-    from torch.utils.cpp_extension import load
-
-    load(name=f"mtpspec_gguf_{isa}", sources=[str(build / "gguf_blocks.cpp")], build_directory=str(build),
-         is_python_module=False, verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
-    return getattr(torch.ops, f"mtpspec_gguf_{isa}")
+    if not (build / source).exists():
+        (build / source).write_text(src)
+    load(name=f"{ns}_{isa}", sources=[str(build / source)], build_directory=str(build), is_python_module=False,
+         verbose=False, extra_cflags=list(cflags), extra_ldflags=["-fopenmp"])
+    return getattr(torch.ops, f"{ns}_{isa}")
 
 
 def test_the_instruction_sets_give_the_same_bits():
-    """The block kernel's AVX-512 VNNI, AVX2 and scalar paths compute the same numbers: this machine's build against
-    the same source built without AVX-512 (where this CPU has it) and without AVX2, every block type, 1-12 rows."""
+    """The block kernel's and the row attention's AVX-512 (VNNI), AVX2 and scalar paths compute the same numbers: this
+    machine's builds against the same sources built without AVX-512 (where this CPU has it) and without AVX2: every
+    block type at 1-12 rows, attention rows with windows and a tree mask."""
+    from mtpspec.kernels import attention as A
+
+    assert A.available()
     native = torch.ops.mtpspec_gguf.isa()
     lower = ([("avx2", ("-mno-avx512f",))] if native == "avx512vnni" else []) + [("scalar", ("-mno-avx2", "-mno-avx512f", "-mno-fma"))]
-    with ThreadPoolExecutor(len(lower)) as pool:  # the compilers side by side: ~35 s cold on 2 cores, cached after
-        builds = dict(zip([isa for isa, _ in lower], pool.map(lambda a: _lower_isa_build(*a), lower)))
-    assert {isa: ops.isa() for isa, ops in builds.items()} == {isa: isa for isa in builds}
+    jobs = [(src, ns, isa, flags) for src, ns in (("gguf_blocks.cpp", "mtpspec_gguf"), ("attention.cpp", "mtpspec_attention"))
+            for isa, flags in lower]
+    with ThreadPoolExecutor(2) as pool:  # the compilers side by side: ~45 s cold on 2 cores, cached after
+        built = dict(zip([(ns, isa) for _, ns, isa, _ in jobs], pool.map(lambda a: _lower_isa_build(*a), jobs)))
+    assert {isa: built[("mtpspec_gguf", isa)].isa() for isa, _ in lower} == {isa: isa for isa, _ in lower}
     n, k = 40, 512
     for qtype in Q.TYPES:
         if qtype not in SCALES:
@@ -398,5 +404,16 @@ def test_the_instruction_sets_give_the_same_bits():
         for m in (1, 2, 3, 5, 9, 12):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             want = torch.ops.mtpspec_gguf.linear(x, w.data, int(w.qtype), n)
-            for isa, ops in builds.items():
-                assert torch.equal(ops.linear(x, w.data, int(w.qtype), n), want), (qtype.name, m, isa)
+            for isa, _ in lower:
+                assert torch.equal(built[("mtpspec_gguf", isa)].linear(x, w.data, int(w.qtype), n), want), (qtype.name, m, isa)
+    g = torch.Generator().manual_seed(0)
+    for d in (64, 72):  # a head size with a tail past the 16-lane vectors
+        q, kk, v = torch.randn(7, 4, d, generator=g), torch.randn(2, 2, 90, d, generator=g), torch.randn(2, 2, 90, d, generator=g)
+        seq, hi = torch.tensor([0, 0, 0, 1, 1, 1, 1]), torch.tensor([40, 41, 42, 85, 86, 87, 88])
+        lo = torch.tensor([0, 0, 10, 0, 60, 60, 80])
+        mask = torch.rand(7, 90, generator=g) < 0.7
+        for msk in (None, mask):
+            want = torch.ops.mtpspec_attention.attend_rows(q, kk, v, seq, lo, hi, msk, 0.125)
+            for isa, _ in lower:
+                got = built[("mtpspec_attention", isa)].attend_rows(q, kk, v, seq, lo, hi, msk, 0.125)
+                assert torch.equal(got, want), (d, msk is None, isa)
