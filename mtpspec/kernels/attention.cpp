@@ -54,6 +54,16 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
 
 inline v16 splat(float a) { return v16{} + a; }
 
+// Keeps a loaded vector in a register: otherwise the compiler folds each use into a memory operand, reloading it for
+// every head or key it multiplies (two loads per product where one suffices). No arithmetic changes.
+inline void in_register(v16& a) {
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(a));
+#else
+  (void)a;
+#endif
+}
+
 // exp of 16 lanes, Cephes' expf: x = n ln2 + r (n the nearest integer to x log2(e), ln2 in two parts so n * ln2_hi is
 // exact), exp(r) by its degree-7 polynomial on |r| <= ln2 / 2, times 2^n as two power-of-two factors, so that a
 // result below FLT_MIN is rounded once (gradual underflow) and x < -104 (and -inf) gives 0. Within 1 ulp of exp
@@ -125,9 +135,13 @@ inline void dots(const float* const* q, const float* const* k, int64_t D, float 
   int64_t i = 0;
   for (; i + 16 <= D; i += 16) {
     v16 kv[NK];
-    for (int n = 0; n < NK; ++n) kv[n] = load16(k[n] + i);
+    for (int n = 0; n < NK; ++n) {
+      kv[n] = load16(k[n] + i);
+      in_register(kv[n]);
+    }
     for (int h = 0; h < NH; ++h) {
-      const v16 qv = load16(q[h] + i);
+      v16 qv = load16(q[h] + i);
+      in_register(qv);
       for (int n = 0; n < NK; ++n) acc[n][h] = acc[n][h] + qv * kv[n];
     }
   }
@@ -149,7 +163,8 @@ inline void accumulate(const float* const* p, const int64_t* __restrict keys, in
   for (int64_t t = t0; t < t1; ++t) {
     const float* vr = v + keys[t] * vs;
     for (int c = 0; c < NV; ++c) {
-      const v16 vc = load16(vr + 16 * c);
+      v16 vc = load16(vr + 16 * c);
+      in_register(vc);
       for (int h = 0; h < NH; ++h) acc[h][c] = acc[h][c] + p[h][t] * vc;
     }
   }
