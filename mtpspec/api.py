@@ -119,14 +119,14 @@ class Model:
         return [replace(results[s], text=self.tokenizer.decode(results[s].tokens, prev=x[-1])) for s, x in zip(sids, ids)]
 
     def _engine(self, cfg: GenerationConfig, max_batch, depth_policy) -> tuple[Engine, int, object]:
-        """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to 8, compiled up to
-        compiled.AUTO_DEPTH)."""
+        """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to compiled.AUTO_K_MAX,
+        compiled up to compiled.AUTO_DEPTH)."""
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
         k = cfg.k
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import ByBatchSize
 
-            deepest = auto_depth(self.module, 8)
+            deepest = auto_depth(self.module)
             depth_policy, k = depth_policy or ByBatchSize(k_max=deepest), deepest
         k = check_count("k (draft length)", k, 1)
         check_count("max-new-tokens", cfg.max_new_tokens, 0)

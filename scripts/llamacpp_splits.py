@@ -16,17 +16,11 @@ import json
 import torch
 
 import mtpspec
-from mtpspec.bench.harness import prepare_ids, split_at
+from mtpspec.bench.harness import logit_margin, prepare_ids, split_at
 from mtpspec.bench.llamacpp import LlamaCppRunner, request_body
 from mtpspec.bench.peers import Method
 from mtpspec.loading.gguf_model import load_gguf_model
 from mtpspec.prompts import load_prompts
-
-
-def margin(module, ids: list[int], a: int, b: int) -> float:
-    with torch.inference_mode():
-        lg = module.forward_tokens(torch.tensor(ids), module.new_cache()).logits[-1].double()
-    return float(lg[a] - lg[b])
 
 
 def main() -> None:
@@ -54,8 +48,9 @@ def main() -> None:
                 i = row["split"]
                 if i is not None and i < min(len(ours), len(theirs)):
                     top = steps[i]["top_logprobs"]
-                    row |= {"ours": ours[i], "theirs": theirs[i], "our_margin": margin(model.module, ids + ours[:i], ours[i], theirs[i]),
-                            "exact_margin": margin(exact, ids + ours[:i], ours[i], theirs[i]),
+                    at = ids + ours[:i]
+                    row |= {"ours": ours[i], "theirs": theirs[i], "our_margin": logit_margin(model.module, at, ours[i], theirs[i]),
+                            "exact_margin": logit_margin(exact, at, ours[i], theirs[i]),
                             "llamacpp_top2_gap": top[0]["logprob"] - top[1]["logprob"]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)

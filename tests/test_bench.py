@@ -366,18 +366,17 @@ def test_a_peers_split_from_our_text_is_located_and_weighed(stories):
     margin there, which is >= 0 against any other token at our greedy choice."""
     import torch
 
-    from mtpspec.bench.harness import OursRunner, split_at
+    from mtpspec.bench.harness import logit_margin, split_at
     from mtpspec.bench.report import markdown
 
     assert split_at([1, 2, 3], [1, 2, 3]) is None
     assert split_at([1, 2, 3], [1, 5, 3]) == 1 and split_at([1, 2, 3], [1, 2]) == 2
     ids = stories.encode("Once upon a time")
     ours = stories.generate(ids, max_new_tokens=6, drafter="none").tokens
-    runner = OursRunner(stories)
     m = stories.module
     lg = m.forward_tokens(torch.tensor(ids + ours[:3]), m.new_cache()).logits[-1].double()
     other = int(torch.topk(lg, 2).indices[1])
-    margin = runner.margin(ids, ours, 3, other)
+    margin = logit_margin(stories.module, ids + ours[:3], ours[3], other)
     assert margin == pytest.approx(float(lg[ours[3]] - lg[other]), abs=1e-9) and margin >= 0
     runs = [{"method": f"llamacpp:{m}", "prompt_id": "p0", "split": 3, "split_margin": margin} for m in ("plain", "ngram@3")]
     md = markdown({"summary": {"overall": {}, "by_category": {}}, "runs": runs,

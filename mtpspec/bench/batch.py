@@ -17,8 +17,8 @@ from time import perf_counter, process_time
 
 from ..errors import ConfigError
 from ..heap import frozen_heap
+from ..models.compiled import AUTO_K_MAX, auto_depth
 from .common import log2_axis, median, parse_counts, progress_bar, pyplot, quantile, save, section, target, targets_md
-from .harness import K_MAX_AUTO
 
 
 def parse_batches(text: str) -> list[int]:
@@ -84,7 +84,7 @@ class _Run:
         from ..sampling import Sampler, SamplingParams
 
         self.method, self.b = method, b
-        k = K_MAX_AUTO if method.k == "auto" else (1 if method.drafter == "none" else method.k)
+        k = auto_depth(model.module) if method.k == "auto" else (1 if method.drafter == "none" else method.k)
         self.engine = Engine(model.module, max_batch=b, depth=policy if method.k == "auto" else None)
         n = len(prompts)
         self.got: dict[int, int] = {}  # sequence index -> tokens it received in the current step
@@ -167,7 +167,7 @@ def run_round(model, methods: list[BatchMethod], prompts: list[list[int]], max_n
     policies = {} if policies is None else policies
     for m in methods:
         if m.k == "auto" and m.label not in policies:
-            policies[m.label] = ByBatchSize(k_max=K_MAX_AUTO)
+            policies[m.label] = ByBatchSize(k_max=auto_depth(model.module))
     runs = [_Run(model, m, prompts, b, max_new_tokens, draft_models, temperature, seed, policies.get(m.label)) for m in methods]
     plain = next((x for x in runs if x.method.drafter == "none"), None)
     one = None
@@ -397,7 +397,7 @@ def run_batch_bench(setup, drafters: list[str], ks: list[int | str], batches: li
                        temperature, seed, tick)
     summary = summarize(runs, methods, batches, greedy=temperature == 0)
     result = {
-        "config": setup.config | {"batches": batches, "methods": [m.label for m in methods], "k_max_auto": K_MAX_AUTO,
+        "config": setup.config | {"batches": batches, "methods": [m.label for m in methods], "k_max_auto": AUTO_K_MAX,
                                   "temperature": temperature, "seed": seed, "rounds": rounds, "elapsed_seconds": perf_counter() - t_start,
                                   "timing": "decode only: the engine steps that prefilled a prompt are not timed"},
         "summary": summary,

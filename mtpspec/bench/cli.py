@@ -155,7 +155,8 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
                   compile: bool = False, device: str | None = None) -> dict:
     """Run the whole benchmark; write results.json, report.md and the plots into `out`; return the result."""
     from . import costmodel
-    from .harness import K_MAX_AUTO, PLAIN, Method, OursRunner, run_bench, warm_up
+    from ..models.compiled import AUTO_K_MAX, MAX_WIDTH, auto_depth, prepare
+    from .harness import PLAIN, Method, OursRunner, run_bench, warm_up
     from .report import check_targets, summarize, write_all
 
     t_start = t = perf_counter()
@@ -184,7 +185,7 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
     phases, t = {"load": perf_counter() - t}, perf_counter()  # seconds of each setup phase and of the timed runs
     cost = None
     if cost_model:
-        k_max = max([k for k in ks if k != "auto"] + [K_MAX_AUTO])
+        k_max = max([k for k in ks if k != "auto"] + [AUTO_K_MAX])
         typical = sorted(ids, key=len)[len(ids) // 2]  # the median prompt
         context = min(len(typical) + max_new_tokens // 2, model.max_seq_len - k_max - 2)  # a typical cache
         cost = costmodel.measure(model.module, k_max, context, threads, drafters, s.draft_models, typical)
@@ -218,11 +219,9 @@ def run_benchmark(model_path: str, prompts: str, drafters: list[str], ks: list[i
         _admit(runners["llamacpp"], llamacpp_methods(drafters, ks), methods, skipped)
         phases["llamacpp_setup"], t = perf_counter() - t, perf_counter()
     if compile:  # every graph the runs can reach, built before anything is timed
-        from ..models.compiled import MAX_WIDTH, auto_depth, prepare
-
         ours = [m for m in methods if m.engine == "mtpspec"]
         def deepest(ms: list[Method]) -> int:
-            return max((auto_depth(model.module, K_MAX_AUTO) if m.k == "auto" else m.k or 0 for m in ms), default=0)
+            return max((auto_depth(model.module) if m.k == "auto" else m.k or 0 for m in ms), default=0)
 
         k_top = deepest(ours)
         mtp_top = deepest([m for m in ours if m.drafter == "mtp"])

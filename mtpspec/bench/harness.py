@@ -46,7 +46,6 @@ class Method:
 
 
 PLAIN = Method("mtpspec", "none", None)
-K_MAX_AUTO = 8  # the deepest draft `--k auto` may choose (here and in batch.py)
 
 
 @dataclass
@@ -96,7 +95,7 @@ class OursRunner:
         kw = dict(k=method.k or 1)
         if method.k == "auto":
             c = self.cost  # the policy's priors: the measured T(k)/T(1) and the drafter's cost per token at d = 4
-            deepest = auto_depth(self.model.module, K_MAX_AUTO)  # a compiled model's graphs go to AUTO_DEPTH
+            deepest = auto_depth(self.model.module)  # a compiled model's graphs go to AUTO_DEPTH
             kw = dict(k=deepest, depth_policy=AdaptiveDepth(
                 k_max=deepest, verify_cost=c.ratio if c else None,
                 draft_cost=c.draft_seconds(method.drafter, 4) / 4 if c else None, target_cost=c.t1 if c else None))
@@ -117,12 +116,13 @@ class OursRunner:
             run.overhead_seconds = max((run.overhead_seconds or 0.0) - turn.waited, 0.0)
         return run
 
-    def margin(self, ids: list[int], tokens: list[int], i: int, other: int) -> float:
-        """Our logit of tokens[i] minus our logit of `other` after ids + tokens[:i] (one forward over them)."""
-        m = self.model.module
-        with torch.inference_mode():
-            lg = m.forward_tokens(torch.tensor(list(ids) + list(tokens[:i])), m.new_cache()).logits[-1].double()
-        return float(lg[tokens[i]] - lg[other])
+
+
+def logit_margin(module, ids: list[int], a: int, b: int) -> float:
+    """module's logit of token a minus its logit of token b after `ids` (one forward over them)."""
+    with torch.inference_mode():
+        lg = module.forward_tokens(torch.tensor(list(ids)), module.new_cache()).logits[-1].double()
+    return float(lg[a] - lg[b])
 
 
 def split_at(ours: list[int], theirs: list[int]) -> int | None:
@@ -190,15 +190,18 @@ def run_bench(methods: list[Method], prompts: list[Prompt], ids: list[list[int]]
 
     with frozen_heap():
         results = alternate(methods, list(zip(prompts, ids)), run, repeat, seed, together)
-    runs = []
+    runs, margins = [], {}  # (prompt, split, peer's token) -> our logit margin there
     for i in range(len(prompts)):
         ref = results[methods.index(PLAIN)][i][0].tokens
         for j in range(len(methods)):
             r = min(results[j][i], key=lambda x: x.wall_seconds) if keep == "best" else _mean_run(results[j][i], keep == "median")
             r.lossless = (r.tokens == ref) if temperature == 0 else None
             if r.lossless is False and methods[j].engine != PLAIN.engine:
-                r.split = split_at(ref, r.tokens)
-                if r.split < min(len(ref), len(r.tokens)):
-                    r.split_margin = runners[PLAIN.engine].margin(ids[i], ref, r.split, r.tokens[r.split])
+                r.split = s = split_at(ref, r.tokens)
+                if s < min(len(ref), len(r.tokens)):  # a peer's methods split alike (its speculation is lossless): one forward
+                    key = (i, s, r.tokens[s])
+                    if key not in margins:
+                        margins[key] = logit_margin(runners[PLAIN.engine].model.module, ids[i] + ref[:s], ref[s], r.tokens[s])
+                    r.split_margin = margins[key]
             runs.append(r)
     return runs

@@ -540,13 +540,15 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy
       }
       const int8_t* xs[G];
       i16v isum[G], hi[G];
+      int32_t xsum[G];  // sum of a row's quants over the tile (the Q4_K / Q5_K min term)
 #pragma GCC unroll 10
       for (int r = 0; r < G; ++r) {
         const int64_t m = m0 + r;
         xs[r] = a.q + m * K + kb * 32;
         const int32_t s0 = a.s[m * 2 * KB + 2 * kb], s1 = a.s[m * 2 * KB + 2 * kb + 1];
+        xsum[r] = s0 + s1;
         const int off = T == T_Q8_0 ? Q8_BIAS : I.off;
-        isum[r] = i16v{} + (T == T_Q6_K ? -32 * s0 : KQ ? 0 : -off * (s0 + s1));  // the integer dots start from it
+        isum[r] = i16v{} + (T == T_Q6_K ? -32 * s0 : KQ ? 0 : -off * xsum[r]);  // the integer dots start from it
         if (T == T_Q6_K) hi[r] = i16v{} - 32 * s1;
       }
       if (T == T_Q6_K) {  // isum = sa * (dot of inputs 0-15 - 32 s0) + sb * (dot of 16-31 - 32 s1)
@@ -562,7 +564,7 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy
         const int64_t m = m0 + r;
         const float dx = a.d[m * KB + kb];
         acc[r] = acc[r] + tof(isum[r]) * (ws * dx);
-        if (KQ) acc[r] = acc[r] - static_cast<float>(a.s[m * 2 * KB + 2 * kb] + a.s[m * 2 * KB + 2 * kb + 1]) * (wm * dx);
+        if (KQ) acc[r] = acc[r] - static_cast<float>(xsum[r]) * (wm * dx);
       }
     }
   }

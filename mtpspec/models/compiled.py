@@ -75,10 +75,11 @@ MAX_WIDTH = 8  # the widest window (rows) a compiled graph takes by default; wid
 
 BUCKETS = (1, 4, 6, 8)  # the rows of the graphs a window runs in (bucket()), below max_width
 
+AUTO_K_MAX = 8  # the deepest draft `--k auto` may choose (library, server, bench)
 AUTO_DEPTH = 5  # --k auto's deepest draft on a compiled model: its windows (up to 6 rows) take the graphs of 1, 4, 6 rows
 
 
-def auto_depth(model, deepest: int) -> int:
+def auto_depth(model, deepest: int = AUTO_K_MAX) -> int:
     """--k auto's deepest draft on `model`: `deepest`, at most AUTO_DEPTH once the model is compiled."""
     return deepest if model.compiled_step is None else min(deepest, AUTO_DEPTH)
 

@@ -28,13 +28,12 @@ from ..adaptive import ByBatchSize
 from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
-from ..models.compiled import auto_depth, warm
+from ..models.compiled import AUTO_K_MAX, auto_depth, warm
 from ..sampling import Sampler, SamplingParams
 from ..threads import apply_threads
 from ..types import BatchStep, GenerationResult
 from .metrics import ServerMetrics
 
-AUTO_K_MAX = 8  # the deepest draft `--k auto` may choose; also the deepest fixed D a request may ask (or --k, if deeper)
 SEED_SPACE = 2**63  # a request's seed is in [0, SEED_SPACE)
 
 
@@ -231,7 +230,7 @@ class Scheduler:
         return make_drafter(spec.drafter, self.model.module, draft_model=spec.draft_model, **dict(spec.options))
 
     def _new_engine(self) -> Engine:
-        deepest = auto_depth(self.model.module, AUTO_K_MAX)
+        deepest = auto_depth(self.model.module)
         self.depth = PerRequest(ByBatchSize(k_max=deepest) if self.spec.drafter != "none" else None)
         return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk)
 
