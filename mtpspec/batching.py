@@ -97,7 +97,7 @@ def verify_pass(target, storage: SlotKV | None, caches: list, tokens: list[Tenso
             for t, c, tr, z, tp in zip(tokens, caches, trees, lazy, taps)]
     for tr in trees:
         if tr is not None:
-            tr.__dict__.pop("_mask", None)  # (T, start + T): not kept with the shape between forwards
+            tr.memo.pop("mask", None)  # (T, start + T): not kept with the shape between forwards
     return outs
 
 

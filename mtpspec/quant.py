@@ -286,11 +286,13 @@ def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantR
     """Replace every nn.Linear inside `module` (lm_head too unless head=False) by a models.common.Linear on GGUF
     block weights, in place, each layer of the kind layer_kind gives its input width. Layers already on block
     weights are left alone."""
+    from .models.common import CausalLM, DraftModule
+
     config = check_quant(kind, next(module.parameters()).dtype)
     if config is None:
         raise ConfigError(f"quantize() needs a kind: {', '.join(KINDS)}")
     report = QuantReport(config.kind)
-    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and "qweight" not in m.__dict__]
+    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and getattr(m, "qweight", None) is None]
     for name, lin in targets:
         if name == "lm_head" and not head:
             continue
@@ -306,8 +308,10 @@ def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantR
         report.bytes_after += q.qweight.nbytes
     # a folded MTP copy or a row stack of the old weights is stale (a draft vocabulary's head is keyed by its LM head)
     for m in module.modules():
-        m.__dict__.pop("_fused_mtp", None)
-        m.__dict__.pop("row_stack", None)
+        if isinstance(m, DraftModule):
+            m.folded = None
+        elif isinstance(m, CausalLM):
+            m.row_stack = None
     return report
 
 

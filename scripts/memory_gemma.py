@@ -51,10 +51,10 @@ def tensor_bytes(model) -> dict[str, int]:
             seen.setdefault(s.data_ptr(), (kind, s.nbytes()))
 
     for r in rotaries(model):
-        for t in (r.cos, r.sin, *r.__dict__.get("_fp64", ())):
+        for t in (r.cos, r.sin, *(getattr(r, "fp64", None) or ())):
             add("rotary", t)
     for m in model.modules():
-        q = m.__dict__.get("qweight")
+        q = getattr(m, "qweight", None)
         if q is not None:
             for t in (q.data, q.dense, q.panels):
                 add("weights", t)

@@ -19,6 +19,7 @@ from mtpspec.device import resolve
 from mtpspec.drafters import make_drafter
 from mtpspec.engine import Engine
 from mtpspec.errors import ConfigError
+from mtpspec.models.blocks import holds_blocks
 from mtpspec.models.placement import densify, place
 from mtpspec.sampling import Sampler, SamplingParams
 
@@ -125,11 +126,11 @@ def test_densify_turns_block_layers_into_their_dequantized_dense_layers(assets):
     activations: close to the block kernel's 8-bit-activation products, not equal)."""
     m = mtpspec.load(assets / "models" / "stories260K.bin", tokenizer=assets / "models" / "tok512.bin", quant="q8_0", device="cpu")
     module = m.module
-    blocks = {n: mm.weight.detach().clone() for n, mm in module.named_modules() if "qweight" in mm.__dict__}
+    blocks = {n: mm.weight.detach().clone() for n, mm in module.named_modules() if holds_blocks(mm)}
     ids = torch.tensor(m.encode(PROMPTS[0]))
     ref = module.forward_tokens(ids, module.new_cache(), prefill=True).logits
     assert densify(module) == len(blocks) > 0
-    assert not any("qweight" in mm.__dict__ for mm in module.modules())
+    assert not any(holds_blocks(mm) for mm in module.modules())
     dense = dict(module.named_modules())
     for n, w in blocks.items():
         assert torch.equal(dense[n].weight, w.to(dense[n].weight.dtype)), n
@@ -254,6 +255,6 @@ def test_cuda_gguf_model_lossless_on_dense_weights():
     if not gemma3_270m_available():
         pytest.skip("Gemma 3 270M is not installed (the `real` extra)")
     m = mtpspec.load("gemma3-270m", device="cuda")
-    assert not any("qweight" in mm.__dict__ for mm in m.module.modules())
+    assert not any(holds_blocks(mm) for mm in m.module.modules())
     plain = m.generate("def fibonacci(n):", max_new_tokens=N).tokens
     assert m.generate("def fibonacci(n):", drafter="ngram", k=4, max_new_tokens=N).tokens == plain

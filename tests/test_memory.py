@@ -45,7 +45,7 @@ def test_rotary_tables_keep_the_dtype_and_reset_empties_them():
     assert cos.dtype == torch.bfloat16 and torch.equal(cos, whole_table(r, torch.float32)[0][: cos.shape[0]].bfloat16())
     r.tables(torch.float64, 10)
     r.reset()
-    assert r.cos.shape[0] == 0 and r.cos.dtype == torch.float32 and "_fp64" not in r.__dict__
+    assert r.cos.shape[0] == 0 and r.cos.dtype == torch.float32 and r.fp64 is None
 
 
 def test_rotary_tables_grown_in_inference_mode_serve_training():

@@ -89,27 +89,30 @@ def _monotone(ys: list[float]) -> list[float]:
 
 
 @torch.inference_mode()
-def time_forwards(module, ks: list[int], context: int, repeat: int = 40, q: float = 0.25, min_repeat: int = 8,
+def time_forwards(module, ks: list, context: int, repeat: int = 40, q: float = 0.25, min_repeat: int = 8,
                   tol: float = 0.02, budget_s: float = 2.0) -> list[float]:
-    """Seconds of module.forward_tokens over k new tokens after `context` cached positions, for each k in
-    ks (timed round-robin after two warm-up rounds; the q-quantile of each k's timings; `rounds` stops early)."""
+    """Seconds of module.forward_tokens over k new tokens after `context` cached positions, for each entry of ks: k
+    (all rows' logits) or (k, logits) (logits False: the layers alone). Timed round-robin after two warm-up rounds;
+    the q-quantile of each entry's timings; `rounds` stops early."""
+    keys = [k if isinstance(k, tuple) else (k, True) for k in ks]
+    widths = sorted({k for k, _ in keys})
     cache = module.new_cache()
     dev = device_of(module)  # (a device's forward is asynchronous: each timing waits for it)
-    ctx = max(1, min(context, module.max_seq_len - max(ks)))
+    ctx = max(1, min(context, module.max_seq_len - widths[-1]))
     g = torch.Generator().manual_seed(0)
     module.forward_tokens(torch.randint(3, module.vocab_size, (ctx,), generator=g), cache)
-    toks = {k: torch.randint(3, module.vocab_size, (k,), generator=g) for k in ks}
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    estimate = lambda: [quantile(times[k], q) for k in ks]  # noqa: E731
+    toks = {k: torch.randint(3, module.vocab_size, (k,), generator=g) for k in widths}
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
+    estimate = lambda: [quantile(times[key], q) for key in keys]  # noqa: E731
     for rep in rounds(estimate, repeat + 2, min_repeat + 2, tol, budget_s, every=4):
-        for k in ks:
+        for k, logits in keys:
             t0 = perf_counter()
-            module.forward_tokens(toks[k], cache)
+            module.forward_tokens(toks[k], cache, logits=logits)
             synchronize(dev)
             dt = perf_counter() - t0
             cache.crop(ctx)
             if rep >= 2:
-                times[k].append(dt)
+                times[(k, logits)].append(dt)
     return estimate()
 
 

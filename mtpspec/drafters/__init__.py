@@ -20,6 +20,7 @@ import torch
 
 from ..device import of as device_of, on
 from ..errors import ConfigError
+from ..models.blocks import holds_blocks
 from ..models.mtp_source import MTPSource
 from ..models.placement import place
 from .base import BatchDrafter, Drafter, DrafterOptions, NoDrafter, option
@@ -184,7 +185,7 @@ def _head(draft_model, kind: str, target):
         raise ConfigError(f"--drafter {kind} was given a {head.config.kind} head")
     if device_of(head) != device_of(target):
         head = _on_device(head, device_of(target))
-    return _on_blocks(head) if "qweight" in target.lm_head.__dict__ else head
+    return _on_blocks(head) if holds_blocks(target.lm_head) else head
 
 
 _DEVICE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a head -> {device: its copy there}

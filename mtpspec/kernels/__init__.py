@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..weight_cache import weights_version
 
 P = 32  # outputs per panel (small_linear.cpp)
 DTYPES = (torch.float32, torch.bfloat16)  # x and weight of one of these (bf16 accumulates in fp32)
@@ -195,18 +194,6 @@ def packed_linear(x: Tensor, panels: Tensor, n: int, bias: Tensor | None = None,
     fp32 values of their bf16 rounding (what .to(bf16).float() gives, without the two conversions)."""
     y = torch.ops.mtpspec.packed_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, widen)
     return y.view(*x.shape[:-1], n)
-
-
-def panels_of(holder: dict, weight: Tensor) -> Tensor:
-    """The weight's panels, cached in `holder`: packed on first use and whenever the weight changes. Inside a
-    compiled graph the cached panels are read as they are (the compiled step refreshes them outside the graph)."""
-    if torch.compiler.is_compiling():
-        return holder["panels"][1]
-    key = weights_version([weight])
-    cached = holder.get("panels")
-    if cached is None or cached[0] != key:
-        cached = holder["panels"] = (key, pack(weight))
-    return cached[1]
 
 
 class Product:

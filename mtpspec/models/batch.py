@@ -9,7 +9,7 @@ inside: a Gated DeltaNet keeps its final state only), the recurrence's form, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -94,6 +94,8 @@ class TreeLayout:
     parent: Tensor  # (T,) int64, parent[0] = -1, parent[r] < r
     depth: Tensor  # (T,) int64, depth[0] = 0
     anc: Tensor  # (T, T) bool: anc[r, c] = row c is row r or one of its ancestors (lower triangular)
+    # the tables every layer of a forward asks for alike: "pos" / "mask" -> (start, table), "taps" -> {width: taps}
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
     def of(parents: Tensor) -> "TreeLayout":
@@ -119,22 +121,22 @@ class TreeLayout:
 
     def positions(self, start: int) -> Tensor:
         """(T,) the position of each row (the same tensor for every layer that asks: Rotary keeps its gather)."""
-        memo = self.__dict__.get("_pos")
+        memo = self.memo.get("pos")
         if memo is None or memo[0] != start:
-            memo = self.__dict__["_pos"] = (start, start + self.depth)
+            memo = self.memo["pos"] = (start, start + self.depth)
         return memo[1]
 
     def attn_mask(self, start: int) -> Tensor:
         """(T, start + T) bool: the committed keys 0..start-1, then the row's ancestors and itself."""
-        memo = self.__dict__.get("_mask")  # every attention layer of the forward asks the same
+        memo = self.memo.get("mask")
         if memo is None or memo[0] != start:
-            memo = self.__dict__["_mask"] = (start, torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1))
+            memo = self.memo["mask"] = (start, torch.cat([torch.ones(self.size, start, dtype=torch.bool), self.anc], dim=1))
         return memo[1]
 
     def conv_taps(self, kern: int) -> Tensor:
         """(T K,) for a causal conv of width K over the window with its K-1 inputs before it: row r's K input
         columns, oldest first (its ancestors K-1..1 levels up, then itself), row after row."""
-        memo = self.__dict__.setdefault("_taps", {})  # every linear layer of the forward asks the same
+        memo = self.memo.setdefault("taps", {})
         if kern not in memo:
             back = self.gather_back(kern - 1)  # (T, K-1)
             memo[kern] = (torch.cat([back.flip(-1), torch.arange(self.size)[:, None]], dim=-1) + kern - 1).flatten()

@@ -39,7 +39,7 @@ class BlockEmbedding(nn.Module):
 
 def holds_blocks(m: nn.Module) -> bool:
     """Whether `m` keeps GGUF block weights: a Linear made by Linear.of_blocks, or a BlockEmbedding."""
-    return "qweight" in m.__dict__
+    return getattr(m, "qweight", None) is not None
 
 
 def block_layer(old: nn.Module, weight: QuantizedWeight, bias: Tensor | None = None) -> nn.Module:

@@ -12,6 +12,7 @@ from .. import kernels
 from ..kernels import quantized
 from ..kernels.quantized import QuantizedWeight
 from ..kernels.rownorm import rms_norm
+from ..weight_cache import weights_version
 from .attention import scale_inv_freq
 
 
@@ -53,6 +54,15 @@ class CausalLM(nn.Module):
         return logits.to(wide(logits.dtype))
 
 
+class DraftModule(nn.Module):
+    """What every MTP / EAGLE module holds beside its weights: copies derived from them, each rebuilt by its reader
+    when the weights change (not submodules: state_dict and .to() leave them alone)."""
+
+    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
+    folded = None  # (weights_version, fused_mtp.FusedMTP): its folded decode copy, or None: not built
+    fused_version = None  # the weights_version its projections were fused at (forward.fused_for_decoding), or None
+
+
 class Linear(nn.Linear):
     """y = x W^T (+ b): every model's linear layer. It holds one of two weights, and its forward picks the kernel:
 
@@ -62,7 +72,15 @@ class Linear(nn.Linear):
     - GGUF blocks: `qweight`, a kernels.quantized.QuantizedWeight (a GGUF file's, or mtpspec.quant's), made by
       of_blocks(). The block kernel computes in fp32 (x widened exactly, y rounded back to x's dtype), each row
       alone; the state dict holds the bias only (fp32), and `.weight` is the dequantized W, built on each read.
+
+    Copies derived from the dense weight, each with the weights' version it was made from and rebuilt by its reader
+    when that changes (not parameters: state_dict and .to() leave them alone): `panels`, the kernel's layout of W;
+    `fused`, the weights of this layer and the siblings that read the same input concatenated (forward._fuse).
     """
+
+    qweight: QuantizedWeight | None = None  # GGUF block weights (of_blocks), or None: the dense `weight`
+    panels: tuple | None = None  # (weights_version, kernels.pack(W)), or None: not packed yet
+    fused: tuple | None = None  # (W, bias, panels) of this layer and its siblings concatenated, or None
 
     @classmethod
     def of_blocks(cls, qweight: QuantizedWeight, bias: Tensor | None = None, dtype: torch.dtype = torch.float32) -> Linear:
@@ -82,7 +100,7 @@ class Linear(nn.Linear):
         w = self._parameters.get("weight")
         if w is not None:
             return w
-        q = self.__dict__.get("qweight")
+        q = self.qweight
         if q is None:
             raise AttributeError("'Linear' object has no attribute 'weight'")
         return quantized.dequantize(q).to(self.weight_dtype)
@@ -90,22 +108,33 @@ class Linear(nn.Linear):
     def rows(self, ids: Tensor) -> Tensor:
         """The weight's rows `ids` (n, K) in the model's dtype, without dequantizing the others (a draft vocabulary's
         rows of an LM head)."""
-        q = self.__dict__.get("qweight")
+        q = self.qweight
         return self._parameters["weight"].detach()[ids] if q is None else quantized.embedding(q, ids).to(self.weight_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        q = self.__dict__.get("qweight")
+        q = self.qweight
         if q is not None:
             return self._blocks(x, q)
         w = self._parameters["weight"]
         if not kernels.usable(x, w):
             return F.linear(x, w, self.bias)
-        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, w), self.out_features, self.bias)
+        return kernels.packed_linear(x, self.packed(), self.out_features, self.bias)
+
+    def packed(self) -> Tensor:
+        """The dense weight's panels: packed on first use and whenever the weight changes. Inside a compiled graph
+        they are read as they are (the compiled step packs them before tracing, fuse_projections)."""
+        if torch.compiler.is_compiling():
+            return self.panels[1]
+        w = self._parameters["weight"]
+        key = weights_version([w])
+        if self.panels is None or self.panels[0] != key:
+            self.panels = (key, kernels.pack(w))
+        return self.panels[1]
 
     def wide(self, x: Tensor) -> Tensor:
         """forward(x) in at least fp32 (the logits of an LM head): the same values, without converting a bf16 result
         twice on the kernel's path."""
-        q = self.__dict__.get("qweight")
+        q = self.qweight
         if q is not None:
             y = self._blocks(x, q)
             return y.to(wide(y.dtype))
@@ -113,7 +142,7 @@ class Linear(nn.Linear):
         if not kernels.usable(x, w):
             y = F.linear(x, w, self.bias)
             return y.to(wide(y.dtype))
-        return kernels.packed_linear(x, kernels.panels_of(self.__dict__, w), self.out_features, self.bias, widen=True)
+        return kernels.packed_linear(x, self.packed(), self.out_features, self.bias, widen=True)
 
     def _blocks(self, x: Tensor, q: QuantizedWeight) -> Tensor:
         """The block kernel's product (fp32, + the fp32 bias) in x's dtype."""
@@ -123,7 +152,7 @@ class Linear(nn.Linear):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        q = self.__dict__.get("qweight")
+        q = self.qweight
         if q is None:
             return super().extra_repr()
         return f"in_features={self.in_features}, out_features={self.out_features}, {q.qtype.name}, bias={self.bias is not None}"
@@ -177,11 +206,13 @@ class Rotary(nn.Module):
         self.scaling = scaling  # rope scaling (linear / llama3), see scale_inv_freq
         self.register_buffer("cos", torch.empty(0, rot_dim), persistent=False)  # (n, rot) positions 0..n-1
         self.register_buffer("sin", torch.empty(0, rot_dim), persistent=False)
+        self.fp64: tuple[Tensor, Tensor] | None = None  # cos, sin computed in fp64, for fp64 inputs (not buffers:
+        # module.to() / to_empty() leave them alone)
 
     def reset(self) -> None:
         """Empty tables on the CPU (a model built on the meta device has none); they grow again with use."""
         self.cos, self.sin = torch.empty(0, self.rot_dim), torch.empty(0, self.rot_dim)
-        self.__dict__.pop("_fp64", None)
+        self.fp64 = None
 
     def rows(self, start: int, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin (end - start, rot) of positions start..end-1, computed in `dtype` (fp32 or fp64) on the CPU."""
@@ -205,13 +236,13 @@ class Rotary(nn.Module):
         tables computed in fp64. Grown, never shrunk: sin is stored last, so a table as long as n has its cos too."""
         n = self.max_len if n is None else min(n, self.max_len)
         if dtype == torch.float64:
-            t = self.__dict__.get("_fp64")  # not a buffer: module.to() / to_empty() leave it alone
+            t = self.fp64
             if t is None or t[1].shape[0] < n:
                 empty = torch.empty(0, self.rot_dim, dtype=torch.float64)
                 with _GROWING:
-                    t = self.__dict__.get("_fp64") or (empty, empty)
+                    t = self.fp64 or (empty, empty)
                     if t[1].shape[0] < n:
-                        t = self.__dict__["_fp64"] = self._grown(*t, n, torch.float64)
+                        t = self.fp64 = self._grown(*t, n, torch.float64)
             return t
         if self.sin.shape[0] < n:
             with _GROWING:  # one thread grows it; another that waited finds it long enough
@@ -231,7 +262,7 @@ def rotaries(module: nn.Module) -> list[Rotary]:
     """The Rotary modules a model's layers use: registered ones and those shared by reference (`layer.rotary = [r]`)."""
     found: dict[int, Rotary] = {}
     for m in module.modules():
-        shared = m.__dict__.get("rotary")
+        shared = getattr(m, "rotary", None)
         for r in [m, *(shared if isinstance(shared, list) else ())]:
             if isinstance(r, Rotary):
                 found[id(r)] = r

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..device import of as device_of
 from ..types import TargetOutput
-from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU
+from .common import CausalLM, DraftModule, Linear, RMSNorm, Rotary, SwiGLU
 from .forward import run
 
 
@@ -105,11 +105,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
 
 
-class DenseMTPModule(nn.Module):
+class DenseMTPModule(DraftModule):
     """An MTP module whose decoder layer is a dense layer (a head trained for a Llama / Qwen3 / Gemma 3 target, its
     target's own layer kind): fc([norm_e(embedding), norm_h(hidden)]) -> Block -> norm (forward.module_forward)."""
-
-    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
 
     def __init__(self, cfg: DenseConfig, rotary: Rotary) -> None:
         super().__init__()

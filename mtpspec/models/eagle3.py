@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .common import Linear, RMSNorm, Rotary
+from .common import DraftModule, Linear, RMSNorm, Rotary
 from .dense import Block, DenseConfig
 from .draft_vocab import SubsetHead
 
@@ -48,10 +48,8 @@ class Eagle3Layer(Block):
         self.hidden_norm = RMSNorm(h, cfg.norm_eps)
 
 
-class Eagle3Module(nn.Module):
+class Eagle3Module(DraftModule):
     """fc (3H -> H) + one Eagle3Layer + the final norm + its own LM head over the draft vocabulary. Own KV cache."""
-
-    compiled_step = None  # (never compiled: compiled.py's graphs know the MTP / EAGLE layouts only)
 
     def __init__(self, cfg: DenseConfig, n_features: int, draft_vocab_size: int, norm_before_residual: bool = False) -> None:
         super().__init__()

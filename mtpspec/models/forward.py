@@ -38,10 +38,10 @@ from .sparse_attention import IndexKeys, sparse_attend, window_sparse_attention
 def _proj(x: Tensor, *linears) -> list[Tensor]:
     """Several Linear of the same input as one product -> their outputs, split back.
 
-    The concatenated weight (and bias) is built once by `fuse_projections` and kept on the first module. GGUF block
+    The concatenated weight (and bias) is built once by `fuse_projections` and kept on the first (Linear.fused). GGUF block
     layers without biases share one kernel call on an fp32 input (quantized.linear_many: x quantized once, bitwise
     each layer's own product); other layers run one by one."""
-    fused = linears[0].__dict__.get("fused_with_next")
+    fused = getattr(linears[0], "fused", None)
     if fused is None:
         if x.dtype == torch.float32 and len(linears) > 1 and all(holds_blocks(lin) and lin.bias is None for lin in linears):
             y = quantized.linear_many(x, [lin.qweight for lin in linears])  # (N, sum of outputs)
@@ -53,9 +53,9 @@ def _proj(x: Tensor, *linears) -> list[Tensor]:
 
 
 def _fuse(*linears) -> bool:
-    """Concatenate the weights (and biases) of linears that read the same input; stored on the first. False when they
-    stay apart (quantized layers keep their own kernels)."""
-    if not all(isinstance(lin, torch.nn.Linear) and not holds_blocks(lin) for lin in linears):
+    """Concatenate the weights (and biases) of linears that read the same input; kept by the first (Linear.fused).
+    False when they stay apart (quantized layers keep their own kernels)."""
+    if not isinstance(linears[0], Linear) or not all(isinstance(lin, torch.nn.Linear) and not holds_blocks(lin) for lin in linears):
         return False  # block weights keep their own kernel (and their row invariance)
     with torch.no_grad():
         w = torch.cat([lin.weight for lin in linears])
@@ -63,7 +63,7 @@ def _fuse(*linears) -> bool:
         b = None if all(x is None for x in biases) else torch.cat([
             bias if bias is not None else lin.weight.new_zeros(lin.weight.shape[0]) for bias, lin in zip(biases, linears)])
         panels = kernels.pack(w) if w.dtype in kernels.DTYPES and w.device.type == "cpu" and kernels.available() else None
-    linears[0].__dict__["fused_with_next"] = (w, b, panels)
+    linears[0].fused = (w, b, panels)
     return True
 
 
@@ -80,16 +80,16 @@ def fuse_projections(module) -> None:
     for m in module.modules():
         if (isinstance(m, Linear) and id(m) not in fused and not holds_blocks(m) and m.weight.dtype in kernels.DTYPES
                 and m.weight.device.type == "cpu" and kernels.available()):
-            kernels.panels_of(m.__dict__, m.weight)
+            m.packed()
 
 
 def fused_for_decoding(module) -> None:
     """fuse_projections for a module that decodes eagerly (a draft module: a few rows per call, where each product's
     call costs more than its arithmetic), again whenever its weights have changed since."""
     version = weights_version(module.parameters())
-    if module.__dict__.get("fused_version") != version:
+    if module.fused_version != version:
         fuse_projections(module)
-        module.__dict__["fused_version"] = version
+        module.fused_version = version
 
 
 def _mlp(mlp, x: Tensor) -> Tensor:

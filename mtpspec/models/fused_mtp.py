@@ -234,13 +234,12 @@ def _foldable(module: nn.Module) -> bool:
 
 
 def fused_mtp(module: nn.Module) -> FusedMTP | None:
-    """The folded copy of an MTP / EAGLE module (cached on it), or None when its layout is not foldable."""
+    """The folded copy of an MTP / EAGLE module (kept as its `folded`), or None when its layout is not foldable."""
     if not _foldable(module):
         return None
     key = weights_version(module.parameters())
-    cached = module.__dict__.get("_fused_mtp")
+    cached = module.folded
     if cached is None or cached[0] != key:
         with torch.no_grad(), on(device_of(module)):  # its tables beside the module's weights (mtpspec.device)
-            cached = (key, FusedMTP(module))
-        module.__dict__["_fused_mtp"] = cached
+            cached = module.folded = (key, FusedMTP(module))
     return cached[1]

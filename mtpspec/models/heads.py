@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import ConfigError, ModelLoadError
-from .common import Linear, RMSNorm, Rotary
+from .common import DraftModule, Linear, RMSNorm, Rotary
 from .dense import DenseMTPModule, layer_rotary
 from .draft_vocab import read_draft_vocab, write_ranking
 from .mtp_source import MTPSource
@@ -106,10 +106,8 @@ class DraftHeadConfig:
         )
 
 
-class EagleModule(nn.Module):
+class EagleModule(DraftModule):
     """fc([emb, hidden]) -> one decoder layer -> predicted feature (T, H). Own KV cache."""
-
-    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
 
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
@@ -187,7 +185,7 @@ def on_blocks(head: DraftHead) -> DraftHead:
 
     q = copy.deepcopy(head)
     for name, m in list(q.named_modules()):
-        if isinstance(m, Linear) and "qweight" not in m.__dict__ and m.in_features % 32 == 0:
+        if isinstance(m, Linear) and m.qweight is None and m.in_features % 32 == 0:
             parent, _, attr = name.rpartition(".")
             bias = None if m.bias is None else m.bias.detach()
             setattr(q.get_submodule(parent), attr, Linear.of_blocks(q8_0(m.weight), bias, m.weight.dtype))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .blocks import BlockEmbedding
-from .common import Linear, RMSNorm
+from .common import DraftModule, Linear, RMSNorm, Rotary
 
 
 def densify(module: nn.Module) -> int:
@@ -19,7 +19,7 @@ def densify(module: nn.Module) -> int:
     changed = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            q = child.__dict__.get("qweight")
+            q = getattr(child, "qweight", None)
             if q is None:
                 continue
             if id(q) not in done:
@@ -61,10 +61,11 @@ def place(module: nn.Module, device: torch.device) -> nn.Module:
     densify(module)
     plain_rows(module)
     module.to(device)
-    for m in module.modules():
-        for key in ("panels", "fused_with_next", "fused_version", "_fused_mtp"):  # CPU copies: rebuilt by their readers
-            m.__dict__.pop(key, None)
-        fp64 = m.__dict__.get("_fp64")  # a Rotary's fp64 tables, made on the CPU on first use
-        if fp64 is not None:
-            m.__dict__["_fp64"] = tuple(t.to(device) for t in fp64)
+    for m in module.modules():  # the copies packed for the CPU kernels: rebuilt by their readers where they apply
+        if isinstance(m, Linear):
+            m.panels = m.fused = None
+        elif isinstance(m, DraftModule):
+            m.folded = m.fused_version = None
+        elif isinstance(m, Rotary) and m.fp64 is not None:  # made on the CPU on first use
+            m.fp64 = tuple(t.to(device) for t in m.fp64)
     return module

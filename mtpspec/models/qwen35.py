@@ -26,7 +26,7 @@ from ..cache import KVCache
 from ..device import of as device_of, on
 from ..errors import ConfigError
 from ..types import TargetOutput
-from .common import CausalLM, Linear, RMSNorm, Rotary, SwiGLU, wide
+from .common import CausalLM, DraftModule, Linear, RMSNorm, Rotary, SwiGLU, wide
 from .forward import module_tokens, run
 from .gated_deltanet import GatedDeltaNet
 from .hybrid_cache import HybridCache
@@ -169,10 +169,8 @@ class HybridBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, zero_centred=True)
 
 
-class MTPModule(nn.Module):
+class MTPModule(DraftModule):
     """x = fc([norm_e(embedding), norm_h(hidden)]) -> decoder layer(s) -> mtp.norm (forward.module_forward). Own KV cache."""
-
-    compiled_step = None  # its compiled step (compiled.CompiledDraftStep), or None: eager
 
     def __init__(self, cfg: HybridConfig, rotary: Rotary) -> None:
         super().__init__()
