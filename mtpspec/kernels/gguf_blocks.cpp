@@ -387,12 +387,9 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 
 // io[r] += dot(w, x[r], g0, g1) for G rows, the rows' vpdpbusd interleaved: G independent chains keep the VNNI unit
 // busy where one row's chain would wait on its latency (integer sums: the same result as dot, row by row)
+#define MTPSPEC_INTERLEAVED 1
 template <int G, bool Q8>
-inline void dot_rows(const Tile& w, const int8_t* const* x, int g0, int g1, i16v* io) {
-  if (G < 3) {  // too few rows to hide the latency: each row's two chains (dot)
-    for (int r = 0; r < G; ++r) io[r] += dot<Q8>(w, x[r], g0, g1);
-    return;
-  }
+inline void dot_interleaved(const Tile& w, const int8_t* const* x, int g0, int g1, i16v* io) {
   __m512i acc[G];
 #pragma GCC unroll 10
   for (int r = 0; r < G; ++r) std::memcpy(&acc[r], &io[r], 64);
@@ -496,12 +493,15 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 }
 #endif
 
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// io[r] += dot(w, x[r], g0, g1) for G rows: interleaved where the ISA has it and 3+ rows hide its latency, else row by
+// row (each row's own chains, dot)
 template <int G, bool Q8>
 inline void dot_rows(const Tile& w, const int8_t* const* x, int g0, int g1, i16v* io) {
+#ifdef MTPSPEC_INTERLEAVED
+  if (G >= 3) return dot_interleaved<G, Q8>(w, x, g0, g1, io);
+#endif
   for (int r = 0; r < G; ++r) io[r] += dot<Q8>(w, x[r], g0, g1);
 }
-#endif
 
 // Rows m0..m0+G-1 of x against panel p of an N-output weight, into y (row stride ldy, this weight's first column):
 // per output lane, tiles in order, acc += float(isum) * scale (Q4_K/Q5_K: then acc -= float(sum x) * min scale). G, the
