@@ -305,7 +305,7 @@ def test_version_and_every_subcommand_described(capsys):
 
 
 def test_generate_and_serve_default_to_the_same_drafter(capsys, model_args, stories):
-    """One rule (cli.auto_drafter): the model's own MTP head, else prompt lookup; generate's default speculates, and
+    """One rule (cli.auto_drafter): the model's own MTP module, else prompt lookup; generate's default speculates, and
     its greedy text is plain decoding's."""
     import json
 
