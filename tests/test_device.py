@@ -4,7 +4,7 @@ On the CPU: device names are checked (no CUDA: one error line, exit 2), everythi
 is on the CPU, the C++ kernels serve its products, and the torch path a GPU runs (kernels.torch_path()) is lossless on
 its own for plain / MTP / n-gram at batch 1 and 3. On a CUDA machine the same losslessness runs there (skipped
 here); `MTPSPEC_DEVICE=cuda pytest -k "lossless or device"` also runs the default suite's lossless tests on CUDA
-(scripts/cuda_check.sh).
+(scripts/cuda_check.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mtpspec.models.placement import densify, place
 from mtpspec.sampling import Sampler, SamplingParams
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (scripts/cuda_check.sh runs these where one is lent)")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (scripts/cuda_check.py runs these where one is lent)")
 PROMPTS = ["Once upon a time", "The little dog ran", "She said that the"]
 N = 32
 CPU = torch.device("cpu")
