@@ -303,8 +303,9 @@ def run_generate(args: argparse.Namespace) -> int:
         echo("")  # the prompt, if no text came
         s = res.stats
         sys.stdout.write("\n")
+        drafted = "plain" if kwargs["drafter"] == "none" else f"{kwargs['drafter']}{' (auto)' if args.drafter == 'auto' else ''} D={args.k}"
         print(
-            f"[{len(res.tokens)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
+            f"[{len(res.tokens)} tokens, {drafted}, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
             f"mean accepted length {s.mean_accepted_length:.2f}, finish: {res.finish_reason}]",
             file=sys.stderr,
         )
