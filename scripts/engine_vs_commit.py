@@ -2,13 +2,14 @@
 each ratio >= 0.97).
 
 A git worktree of `--commit` is made under build/; each round runs the same generations (demo model, greedy, one
-thread) once in each tree, each in its own subprocess with PYTHONPATH=<tree>, the trees' order alternating by round.
+thread) once in each tree, each in its own subprocess with PYTHONPATH=<tree>, the trees' order alternating by round
+(an even number of rounds: on a VM where whichever runs first in a round runs faster, each tree is first as often).
 B = 1: new tokens / (wall - prefill) per prompt, methods alternating prompt by prompt; --batch N: every prompt in one
 Model.generate_batch of up to N sequences, new tokens / wall. Printed: the median per (tree, method), new / old of
 the medians, the median of the rounds' own ratios, the same by process CPU time, and whether both trees emit the
 same tokens.
 
-    .venv/bin/python scripts/engine_vs_commit.py --commit REV [--python] [--prompts 4] [--tokens 128] [--rounds 3]
+    .venv/bin/python scripts/engine_vs_commit.py --commit REV [--python] [--prompts 4] [--tokens 128] [--rounds 4]
         [--batch 8] [--methods none@1,mtp@3] [--compile none|new|old|both]
 """
 
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (even: each tree runs first in half of them)")
     ap.add_argument("--methods", default="none@1,mtp@3", help="drafter@k, comma-separated (none@1 = plain)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1)
