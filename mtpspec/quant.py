@@ -286,13 +286,14 @@ def quantize(module: nn.Module, kind: str = "q8_0", head: bool = True) -> QuantR
     """Replace every nn.Linear inside `module` (lm_head too unless head=False) by a models.common.Linear on GGUF
     block weights, in place, each layer of the kind layer_kind gives its input width. Layers already on block
     weights are left alone."""
+    from .models.blocks import holds_blocks
     from .models.common import CausalLM, DraftModule
 
     config = check_quant(kind, next(module.parameters()).dtype)
     if config is None:
         raise ConfigError(f"quantize() needs a kind: {', '.join(KINDS)}")
     report = QuantReport(config.kind)
-    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and getattr(m, "qweight", None) is None]
+    targets = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and not holds_blocks(m)]
     for name, lin in targets:
         if name == "lm_head" and not head:
             continue

@@ -206,8 +206,8 @@ class Rotary(nn.Module):
         self.scaling = scaling  # rope scaling (linear / llama3), see scale_inv_freq
         self.register_buffer("cos", torch.empty(0, rot_dim), persistent=False)  # (n, rot) positions 0..n-1
         self.register_buffer("sin", torch.empty(0, rot_dim), persistent=False)
-        self.fp64: tuple[Tensor, Tensor] | None = None  # cos, sin computed in fp64, for fp64 inputs (not buffers:
-        # module.to() / to_empty() leave them alone)
+        # cos, sin computed in fp64 for fp64 inputs; not buffers, so module.to() / to_empty() leave them alone
+        self.fp64: tuple[Tensor, Tensor] | None = None
 
     def reset(self) -> None:
         """Empty tables on the CPU (a model built on the meta device has none); they grow again with use."""
