@@ -240,35 +240,6 @@ at::Tensor dequantize(const at::Tensor& data, int64_t t, int64_t N, int64_t K, c
   return y;
 }
 
-// ---- activations: 8 bits per 32 inputs, row by row ----
-
-struct Act {
-  const int8_t* q;   // (M, K)
-  const float* d;    // (M, K/32)
-  const int32_t* s;  // (M, K/16): sums of q per 16 inputs
-  int64_t K;
-};
-
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-      int32_t s0 = 0, s1 = 0;
-      for (int i = 0; i < 32; ++i) {
-        const float v = std::nearbyint(xb[i] * id);
-        const int8_t qi = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-        q[m * K + b * 32 + i] = qi;
-        (i < 16 ? s0 : s1) += qi;
-      }
-      d[m * (K / 32) + b] = db;
-      s[m * (K / 16) + 2 * b] = s0;
-      s[m * (K / 16) + 2 * b + 1] = s1;
-    }
-}
-
 // ---- 16 lanes (one per output of the panel), lowered to whatever vectors the CPU has ----
 
 typedef float f16v __attribute__((vector_size(64)));
@@ -493,6 +464,50 @@ inline i16v dot(const Tile& w, const int8_t* x, int g0, int g1) {
 }
 #endif
 
+// ---- activations: 8 bits per 32 inputs ----
+
+// One row's 32 inputs as the kernels read them: the quants, their scale, and what each weight type's integer dot
+// starts from (its offset times the quants' sum, worked out once per row, not once per panel). Stored
+// block-major, block kb of row m at kb * M + m: the rows of a pass over a tile sit side by side, one base pointer.
+struct alignas(64) XBlock {
+  int8_t q[32];
+  float d;           // dx = max|x| / 127
+  float sum;         // sum of q, as a float (the Q4_K / Q5_K min term)
+  int32_t start[5];  // -off * sum of q: Q8_0 (the VNNI bias), Q4_0, Q5_0; Q6_K: -32 * sum over inputs 0-15, 16-31
+};
+enum { S_Q8_0, S_Q4_0, S_Q5_0, S_Q6_LO, S_Q6_HI };
+
+struct Act {
+  const XBlock* b;  // (K / 32, M)
+  int64_t M, K;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, XBlock* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < K / 32; ++kb) {
+      const float* xb = x + m * K + kb * 32;
+      XBlock& o = out[kb * M + m];
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const float v = std::nearbyint(xb[i] * id);
+        const int8_t qi = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        o.q[i] = qi;
+        (i < 16 ? s0 : s1) += qi;
+      }
+      const int32_t sum = s0 + s1;
+      o.d = db;
+      o.sum = static_cast<float>(sum);
+      o.start[S_Q8_0] = -Q8_BIAS * sum;
+      o.start[S_Q4_0] = -info(T_Q4_0).off * sum;
+      o.start[S_Q5_0] = -info(T_Q5_0).off * sum;
+      o.start[S_Q6_LO] = -info(T_Q6_K).off * s0;
+      o.start[S_Q6_HI] = -info(T_Q6_K).off * s1;
+    }
+}
+
 // io[r] += dot(w, x[r], g0, g1) for G rows: interleaved where the ISA has it and 3+ rows hide its latency, else row by
 // row (each row's own chains, dot)
 template <int G, bool Q8>
@@ -511,7 +526,7 @@ template <int64_t T, int G>
 void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy, int64_t p, int64_t m0) {
   constexpr Info I = info(T);
   constexpr bool KQ = T == T_Q4_K || T == T_Q5_K;
-  const int64_t K = a.K, nb = K / I.bs, KB = K / 32;
+  const int64_t nb = a.K / I.bs;
   f16v acc[G];
 #pragma GCC unroll 10
   for (int r = 0; r < G; ++r) acc[r] = f16v{};
@@ -538,18 +553,15 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy
         sa = bytes_i(blk + 32 + 16 * (2 * t));
         sb = bytes_i(blk + 32 + 16 * (2 * t + 1));
       }
+      const XBlock* xb = a.b + kb * a.M + m0;  // the G rows' blocks, side by side
       const int8_t* xs[G];
       i16v isum[G], hi[G];
-      int32_t xsum[G];  // sum of a row's quants over the tile (the Q4_K / Q5_K min term)
 #pragma GCC unroll 10
       for (int r = 0; r < G; ++r) {
-        const int64_t m = m0 + r;
-        xs[r] = a.q + m * K + kb * 32;
-        const int32_t s0 = a.s[m * 2 * KB + 2 * kb], s1 = a.s[m * 2 * KB + 2 * kb + 1];
-        xsum[r] = s0 + s1;
-        const int off = T == T_Q8_0 ? Q8_BIAS : I.off;
-        isum[r] = i16v{} + (T == T_Q6_K ? -32 * s0 : KQ ? 0 : -off * xsum[r]);  // the integer dots start from it
-        if (T == T_Q6_K) hi[r] = i16v{} - 32 * s1;
+        xs[r] = xb[r].q;
+        constexpr int S = T == T_Q8_0 ? S_Q8_0 : T == T_Q4_0 ? S_Q4_0 : T == T_Q5_0 ? S_Q5_0 : S_Q6_LO;
+        isum[r] = i16v{} + (KQ ? 0 : xb[r].start[S]);  // the integer dots start from it
+        if (T == T_Q6_K) hi[r] = i16v{} + xb[r].start[S_Q6_HI];
       }
       if (T == T_Q6_K) {  // isum = sa * (dot of inputs 0-15 - 32 s0) + sb * (dot of 16-31 - 32 s1)
         dot_rows<G, false>(tw, xs, 0, 4, isum);
@@ -561,10 +573,9 @@ void panel_rows(const Act& a, const uint8_t* w, float* y, int64_t N, int64_t ldy
       }
 #pragma GCC unroll 10
       for (int r = 0; r < G; ++r) {
-        const int64_t m = m0 + r;
-        const float dx = a.d[m * KB + kb];
+        const float dx = xb[r].d;
         acc[r] = acc[r] + tof(isum[r]) * (ws * dx);
-        if (KQ) acc[r] = acc[r] - static_cast<float>(xsum[r]) * (wm * dx);
+        if (KQ) acc[r] = acc[r] - xb[r].sum * (wm * dx);
       }
     }
   }
@@ -656,34 +667,28 @@ void run(const Act& a, const std::vector<Part>& parts, float* y, int64_t M, int6
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_x(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) % 32 == 0,
-              "gguf kernels: x must be float32 (M, K) with K a multiple of 32");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({M, K}, at::kChar), d = at::empty({M, K / 32}, at::kFloat), s = at::empty({M, K / 16}, at::kInt);
-  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
-  return {q, d, s};
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
-  auto r = quantize_x(x);
-  return {std::get<0>(r), std::get<1>(r)};
-}
-
-// x (M, K) contiguous fp32, K a multiple of 32 -> its 8-bit rows in the calling thread's scratch (no allocation per call)
+// x (M, K) contiguous fp32, K a multiple of 32 -> its 8-bit blocks in the calling thread's scratch (no allocation per call)
 Act quantize_scratch(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0, "gguf ", op,
               ": x must be contiguous float32 (M, K) with K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1);
-  static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d;
-  static thread_local std::vector<int32_t> s;
-  q.resize(M * K);
-  d.resize(M * K / 32);
-  s.resize(M * K / 16);
-  quantize_rows(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
-  return Act{q.data(), d.data(), s.data(), K};
+  static thread_local std::vector<XBlock> blocks;
+  blocks.resize(M * K / 32);
+  quantize_rows(x.data_ptr<float>(), M, K, blocks.data());
+  return Act{blocks.data(), M, K};
+}
+
+// The quants and scales the kernels multiply by, (M, K) int8 and (M, K / 32) fp32, for tests
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  const Act a = quantize_scratch(x.contiguous(), "quantize_activations");
+  at::Tensor q = at::empty({a.M, a.K}, at::kChar), d = at::empty({a.M, a.K / 32}, at::kFloat);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t kb = 0; kb < a.K / 32; ++kb) {
+      const XBlock& o = a.b[kb * a.M + m];
+      std::memcpy(q.data_ptr<int8_t>() + m * a.K + kb * 32, o.q, 32);
+      d.data_ptr<float>()[m * (a.K / 32) + kb] = o.d;
+    }
+  return {q, d};
 }
 
 // One weight's checks: a known type, K a multiple of its block, data exactly its packed (n, K) bytes
