@@ -18,6 +18,7 @@ import mtpspec
 from mtpspec.export_gguf import permute_rope_interleaved
 from mtpspec.hf_reference import hf_fp64_copy
 from mtpspec.loading.gguf_model import load_gguf_model
+from mtpspec.models.batch import TreeLayout
 from mtpspec.models.blocks import holds_blocks
 from mtpspec.models.common import Linear
 from qwen35_tiny import hf_model
@@ -149,9 +150,13 @@ def test_blocks_greedy_equals_transformers_fp32(written):
     assert got == want.tolist(), kind
 
 
+TREE = TreeLayout.of(torch.tensor([-1, 0, 0, 1, -1, 4]))  # 6 nodes under the root: two branches, one of depth 3
+
+
 def test_row_plan_is_the_grid_path_bitwise(written, monkeypatch):
     """One sequence's rows in order on the row kernels take the flat RowPlan path (norm + rotation in one call, tables
-    shared by the layers): each logit bitwise what the general (B, W) grid path computes, past Gemma's window too."""
+    shared by the layers), a token tree's rows too: each logit bitwise what the general (B, W) grid path computes, past
+    Gemma's window too."""
     from mtpspec.models import forward
 
     kind, _, _, q8 = written
@@ -162,7 +167,8 @@ def test_row_plan_is_the_grid_path_bitwise(written, monkeypatch):
 
     def logits():
         cache = module.new_cache()
-        return torch.cat([module.forward_tokens(ids[a:b], cache).logits for a, b in windows])
+        out = [module.forward_tokens(ids[a:b], cache).logits for a, b in windows]
+        return torch.cat(out + [module.forward_tokens(ids[:7], cache, tree=TREE).logits])  # a token tree past the window
 
     planned = logits()
     monkeypatch.setattr(forward.RowPlan, "of", staticmethod(lambda fb: None))
@@ -171,7 +177,7 @@ def test_row_plan_is_the_grid_path_bitwise(written, monkeypatch):
 
 def test_row_stack_is_the_row_plan_bitwise(written):
     """A dense stack on block weights runs all its layers in one kernel call (kernels/rowstack.cpp): each logit and each
-    tapped layer input bitwise what the row path computes layer by layer, past Gemma's window too."""
+    tapped layer input bitwise what the row path computes layer by layer, a token tree's rows too, past Gemma's window."""
     kind, _, _, q8 = written
     module = load_gguf_model(q8)
     ids = _ids(40, 3)
@@ -180,6 +186,7 @@ def test_row_stack_is_the_row_plan_bitwise(written):
     def run():
         cache = module.new_cache()
         outs = [module.forward_tokens(ids[a:b], cache, taps=(0, 1)) for a, b in windows]
+        outs.append(module.forward_tokens(ids[:7], cache, tree=TREE, taps=(0, 1)))  # a token tree past the window
         return [o.logits for o in outs] + [o.layer_inputs[i] for o in outs for i in (0, 1)]
 
     stacked = run()

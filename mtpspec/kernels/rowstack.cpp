@@ -44,12 +44,13 @@ constexpr int64_t W = 7;  // weights per layer: q, k, v, o, gate, up, down
 
 // x (N, H) fp32, the residual stream entering layer `first` -> the stream after the layers given. Per layer: its 7
 // weights' block data, types and output counts; its norms (input, [q, k,] post-attention, [pre-, post-feedforward]);
-// its rotary rows cos, sin (N, rot); the first key lo (N,) each row sees. k_bufs / v_bufs (L, 1, nkv, S, hd), layer
-// first + i's buffers written at positions start.. ; seq (N,) zeros, hi (N,) the rows' positions. dims: nh, nkv, hd,
-// qk_norm, sandwich, activation (0 silu, 1 gelu tanh).
+// its rotary rows cos, sin (N, rot); the first key lo (N,) each row sees; for a token tree, its mask (N, start + N) of
+// the keys each row sees (else no masks). k_bufs / v_bufs (L, 1, nkv, S, hd), layer first + i's buffers written at
+// slots start.. ; seq (N,) zeros, hi (N,) each row's last key. dims: nh, nkv, hd, qk_norm, sandwich, activation (0
+// silu, 1 gelu tanh).
 at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef ns,
                        at::TensorList norms, const at::Tensor& k_bufs, const at::Tensor& v_bufs, int64_t first,
-                       at::TensorList rotary, at::TensorList lo, const at::Tensor& seq, const at::Tensor& hi,
+                       at::TensorList rotary, at::TensorList lo, at::TensorList masks, const at::Tensor& seq, const at::Tensor& hi,
                        int64_t start, at::IntArrayRef dims, double eps, bool zero_centred, double scale) {
   TORCH_CHECK(dims.size() == 6, "dense_stack: dims (nh, nkv, hd, qk_norm, sandwich, act)");
   const int64_t nh = dims[0], nkv = dims[1], hd = dims[2];
@@ -60,6 +61,7 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
                   static_cast<int64_t>(ns.size()) == layers * W && static_cast<int64_t>(norms.size()) == layers * per_norms &&
                   static_cast<int64_t>(rotary.size()) == 2 * layers && static_cast<int64_t>(lo.size()) == layers,
               "dense_stack: per layer 7 weights, ", per_norms, " norms, cos and sin, and lo");
+  TORCH_CHECK(masks.empty() || static_cast<int64_t>(masks.size()) == layers, "dense_stack: a mask per layer, or none");
   TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "dense_stack: x (N, H) contiguous fp32");
   TORCH_CHECK(first >= 0 && first + layers <= k_bufs.size(0) && first + layers <= v_bufs.size(0), "dense_stack: layers outside the buffers");
   const Ops& o = ops();
@@ -85,7 +87,8 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
     const at::Tensor kb = k_bufs.select(0, first + l), vb = v_bufs.select(0, first + l);
     kb.slice(2, start, end).copy_(k.transpose(0, 1).unsqueeze(0));
     vb.slice(2, start, end).copy_(v.transpose(0, 1).unsqueeze(0));
-    const at::Tensor y = o.attend.call(q, kb.slice(2, 0, end), vb.slice(2, 0, end), seq, lo[l], hi, none, scale);
+    const c10::optional<at::Tensor> mask = masks.empty() ? none : c10::optional<at::Tensor>(masks[l]);
+    const at::Tensor y = o.attend.call(q, kb.slice(2, 0, end), vb.slice(2, 0, end), seq, lo[l], hi, mask, scale);
     const at::Tensor a = o.linear.call(y.view({n, -1}), w[3], t[3], m[3]);
     const int64_t next = qk_norm ? 3 : 1;  // the post-attention norm's index
     at::Tensor f;  // the MLP's input
@@ -109,7 +112,7 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
 
 TORCH_LIBRARY(mtpspec_rowstack, m) {
   m.def("dense_stack(Tensor x, Tensor[] weights, int[] qtypes, int[] ns, Tensor[] norms, Tensor(a!) k_bufs, "
-        "Tensor(b!) v_bufs, int first, Tensor[] rotary, Tensor[] lo, Tensor seq, Tensor hi, int start, int[] dims, "
+        "Tensor(b!) v_bufs, int first, Tensor[] rotary, Tensor[] lo, Tensor[] masks, Tensor seq, Tensor hi, int start, int[] dims, "
         "float eps, bool zero_centred, float scale) -> Tensor");
 }
 

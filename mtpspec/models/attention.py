@@ -61,18 +61,21 @@ def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Ten
 
 @dataclass(frozen=True)
 class RowPlan:
-    """What every attention layer shares in one sequence's forward over consecutive positions on the row kernels (a
-    block-quantized model's plain step, chain verify or prefill: fb.start set, no tree), made once per forward: each
-    rotary's cos / sin rows and each window's first keys (filled by the first layer that asks)."""
+    """What every attention layer shares in one sequence's forward on the row kernels (a block-quantized model's plain
+    step, chain or tree verify, prefill: fb.start set), made once per forward: each rotary's cos / sin rows, each
+    window's first keys or, for a token tree, its mask (filled by the first layer that asks), each row's last key."""
 
     fb: ForwardBatch
     seq: Tensor  # (N,) zeros: one sequence
+    hi: Tensor  # (N,) each row's last key: its position in order, its own slot in a tree (ancestors sit below it)
     lo: dict = field(default_factory=dict)  # window -> (N,) first keys
+    masks: dict = field(default_factory=dict)  # window -> (N, start + N) a tree's keys per row (tree_mask)
     tables: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin) (N, rot)
 
     @staticmethod
     def of(fb: ForwardBatch) -> "RowPlan":
-        return RowPlan(fb, torch.zeros_like(fb.pos[0]))
+        n = fb.pos.shape[1]
+        return RowPlan(fb, torch.zeros_like(fb.pos[0]), fb.pos[0] if fb.tree is None else fb.start + torch.arange(n))
 
     def rotary(self, rotary, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         got = self.tables.get(id(rotary))
@@ -82,18 +85,28 @@ class RowPlan:
         return got
 
     def first_keys(self, window: int) -> Tensor:
-        """(N,) each row's oldest visible key under a sliding window (0: none), made once per window."""
+        """(N,) each row's oldest visible key under a sliding window (0: none; a tree's mask holds its window), made
+        once per window."""
         lo = self.lo.get(window)
         if lo is None:
-            lo = self.lo[window] = first_keys(self.fb.pos[0], window)
+            pos = self.fb.pos[0]
+            lo = self.lo[window] = first_keys(pos, window) if self.fb.tree is None else torch.zeros_like(pos)
         return lo
 
+    def mask(self, window: int) -> Tensor | None:
+        """A tree's (N, start + N) keys per row under `window`, made once per window; None in order (lo..hi)."""
+        if self.fb.tree is None:
+            return None
+        m = self.masks.get(window)
+        if m is None:
+            m = self.masks[window] = tree_mask(self.fb, window)
+        return m
+
     def write_attend(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, window: int) -> Tensor:
-        """Store k, v (N, nkv, hd) at the rows' positions of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by
-        the row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`, without the (B, nh, W, hd) grid."""
+        """Store k, v (N, nkv, hd) at the rows' slots of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by the
+        row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`, without the (B, nh, W, hd) grid."""
         keys, vals = write(k_buf, v_buf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.fb)
-        hi = self.fb.pos[0]  # (N,) each row's own position: its last key
-        return attend_rows(q, keys, vals, self.seq, self.first_keys(window), hi)
+        return attend_rows(q, keys, vals, self.seq, self.first_keys(window), self.hi, self.mask(window))
 
 
 def first_keys(pos: Tensor, window: int) -> Tensor:

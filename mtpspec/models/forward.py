@@ -256,7 +256,7 @@ def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None
     filled with the residual stream (N, H) entering each of those layers."""
     x = fb.real(model.embed(tokens))  # (N, H)
     plan = None
-    if (model.config.row_kernels and fb.start is not None and fb.tree is None and k_bufs is not None
+    if (model.config.row_kernels and fb.start is not None and k_bufs is not None
             and x.dtype == torch.float32 and x.device.type == "cpu"):
         plan = RowPlan.of(fb)
     stack = row_stack(model) if plan is not None and not torch.is_grad_enabled() else None
@@ -330,10 +330,12 @@ class RowStack:
 
     def run(self, x: Tensor, k_bufs: Tensor, v_bufs: Tensor, plan: RowPlan, taps: dict | None) -> Tensor:
         """x (N, H) the embedded rows -> the stream after the last layer; taps filled as dense_forward's."""
-        rot, lo = [], []
+        rot, lo, masks = [], [], []
         for rotary, window in zip(self.rotaries, self.windows):
             rot += plan.rotary(rotary, x.dtype)
             lo.append(plan.first_keys(window))
+            if plan.fb.tree is not None:
+                masks.append(plan.mask(window))
         cuts = sorted(i for i in taps if 0 <= i < len(self.windows)) if taps else []
         bounds = [0] + [c for c in cuts if c > 0] + [len(self.windows)]
         for a, b in zip(bounds, bounds[1:]):
@@ -341,8 +343,9 @@ class RowStack:
                 taps[a] = x
             w, p = self.W, self.per_norms
             x = rowstack.dense_stack(x, self.weights[a * w : b * w], self.qtypes[a * w : b * w], self.ns[a * w : b * w],
-                                     self.norms[a * p : b * p], k_bufs, v_bufs, a, rot[2 * a : 2 * b], lo[a:b], plan.seq,
-                                     plan.fb.pos[0], plan.fb.start, self.dims, self.eps, self.zero_centred, self.scale)
+                                     self.norms[a * p : b * p], k_bufs, v_bufs, a, rot[2 * a : 2 * b], lo[a:b],
+                                     masks[a:b], plan.seq, plan.hi, plan.fb.start, self.dims, self.eps, self.zero_centred,
+                                     self.scale)
         return x
 
 
