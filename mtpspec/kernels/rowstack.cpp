@@ -1,6 +1,6 @@
-// A dense decoder stack (Llama / Qwen3 / Gemma 3 layers on GGUF block weights) over one sequence's rows in order, in
-// one call. Each layer runs the ops of models/forward.py's row path (RowPlan) in its order with its arguments: the
-// block products (mtpspec_gguf), the row norms and norm + rotation (mtpspec_rownorm), the row attention
+// A dense decoder stack (Llama / Qwen3 / Gemma 3 layers on GGUF block weights) over one sequence's rows (in order or a
+// token tree), in one call. Each layer runs the ops of models/forward.py's row path (RowPlan) in its order with its
+// arguments: the block products (mtpspec_gguf), the row norms and norm + rotation (mtpspec_rownorm), the row attention
 // (mtpspec_attention), ATen's activation, product and sums; so every output is bitwise that path's. What goes is the
 // Python between the ops, most of a small quantized model's decode step.
 
@@ -8,7 +8,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -42,16 +44,29 @@ const Ops& ops() {
 
 constexpr int64_t W = 7;  // weights per layer: q, k, v, o, gate, up, down
 
+// buf (B, nkv, S, hd)[seq[i], :, slot[i]] = x[i] for the rows of x (N, nkv, hd), fp32, the head dimension contiguous
+void write_rows(const at::Tensor& buf, const at::Tensor& x, const int64_t* seq, const int64_t* slot) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "dense_stack: fp32 keys and values");
+  const int64_t heads = x.size(1), hd = x.size(2);
+  float* b = buf.data_ptr<float>();
+  const float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.size(0); ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(b + seq[i] * buf.stride(0) + h * buf.stride(1) + slot[i] * buf.stride(2), p + i * x.stride(0) + h * x.stride(1),
+                  hd * sizeof(float));
+}
+
 // x (N, H) fp32, the residual stream entering layer `first` -> the stream after the layers given. Per layer: its 7
 // weights' block data, types and output counts; its norms (input, [q, k,] post-attention, [pre-, post-feedforward]);
-// its rotary rows cos, sin (N, rot); the first key lo (N,) each row sees; for a token tree, its mask (N, start + N) of
-// the keys each row sees (else no masks). k_bufs / v_bufs (L, 1, nkv, S, hd), layer first + i's buffers written at
-// slots start.. ; seq (N,) zeros, hi (N,) each row's last key. dims: nh, nkv, hd, qk_norm, sandwich, activation (0
-// silu, 1 gelu tanh).
+// its rotary rows cos, sin (N, rot); the first key lo (N,) each row sees; for a token tree, its mask (N, <= S) of the
+// keys each row sees (else no masks). k_bufs / v_bufs (L, B, nkv, S, hd): row i written into layer first + l's
+// buffers of sequence seq[i] at slot[i]; hi (N,) each row's last key. dims: nh, nkv, hd, qk_norm, sandwich, activation
+// (0 silu, 1 gelu tanh).
 at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef ns,
                        at::TensorList norms, const at::Tensor& k_bufs, const at::Tensor& v_bufs, int64_t first,
-                       at::TensorList rotary, at::TensorList lo, at::TensorList masks, const at::Tensor& seq, const at::Tensor& hi,
-                       int64_t start, at::IntArrayRef dims, double eps, bool zero_centred, double scale) {
+                       at::TensorList rotary, at::TensorList lo, at::TensorList masks, const at::Tensor& seq,
+                       const at::Tensor& slot, const at::Tensor& hi, at::IntArrayRef dims, double eps, bool zero_centred,
+                       double scale) {
   TORCH_CHECK(dims.size() == 6, "dense_stack: dims (nh, nkv, hd, qk_norm, sandwich, act)");
   const int64_t nh = dims[0], nkv = dims[1], hd = dims[2];
   const bool qk_norm = dims[3] != 0, sandwich = dims[4] != 0, gelu = dims[5] != 0;
@@ -64,8 +79,20 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
   TORCH_CHECK(masks.empty() || static_cast<int64_t>(masks.size()) == layers, "dense_stack: a mask per layer, or none");
   TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "dense_stack: x (N, H) contiguous fp32");
   TORCH_CHECK(first >= 0 && first + layers <= k_bufs.size(0) && first + layers <= v_bufs.size(0), "dense_stack: layers outside the buffers");
+  const int64_t n = x0.size(0);
+  TORCH_CHECK(seq.scalar_type() == at::kLong && slot.scalar_type() == at::kLong && seq.is_contiguous() && slot.is_contiguous() &&
+                  seq.numel() == n && slot.numel() == n, "dense_stack: seq and slot, one int64 per row");
+  TORCH_CHECK(k_bufs.scalar_type() == at::kFloat && v_bufs.scalar_type() == at::kFloat && k_bufs.stride(4) == 1 && v_bufs.stride(4) == 1,
+              "dense_stack: fp32 buffers, head dimension contiguous");
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  int64_t end = 0;  // the keys any row reads lie below
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sq[i] >= 0 && sq[i] < k_bufs.size(1) && sl[i] >= 0 && sl[i] < k_bufs.size(3), "dense_stack: row ", i, " at (", sq[i],
+                ", ", sl[i], ") outside the buffers");
+    end = std::max(end, sl[i] + 1);
+  }
   const Ops& o = ops();
-  const int64_t n = x0.size(0), end = start + n;
   const c10::optional<at::Tensor> none;
   at::Tensor x = x0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -85,8 +112,8 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
                                           qk_norm && zero_centred, cos, sin);
     const at::Tensor v = qkv.narrow(1, m[0] + m[1], m[2]).view({n, nkv, hd});
     const at::Tensor kb = k_bufs.select(0, first + l), vb = v_bufs.select(0, first + l);
-    kb.slice(2, start, end).copy_(k.transpose(0, 1).unsqueeze(0));
-    vb.slice(2, start, end).copy_(v.transpose(0, 1).unsqueeze(0));
+    write_rows(kb, k, sq, sl);
+    write_rows(vb, v, sq, sl);
     const c10::optional<at::Tensor> mask = masks.empty() ? none : c10::optional<at::Tensor>(masks[l]);
     const at::Tensor y = o.attend.call(q, kb.slice(2, 0, end), vb.slice(2, 0, end), seq, lo[l], hi, mask, scale);
     const at::Tensor a = o.linear.call(y.view({n, -1}), w[3], t[3], m[3]);
@@ -112,7 +139,7 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
 
 TORCH_LIBRARY(mtpspec_rowstack, m) {
   m.def("dense_stack(Tensor x, Tensor[] weights, int[] qtypes, int[] ns, Tensor[] norms, Tensor(a!) k_bufs, "
-        "Tensor(b!) v_bufs, int first, Tensor[] rotary, Tensor[] lo, Tensor[] masks, Tensor seq, Tensor hi, int start, int[] dims, "
+        "Tensor(b!) v_bufs, int first, Tensor[] rotary, Tensor[] lo, Tensor[] masks, Tensor seq, Tensor slot, Tensor hi, int[] dims, "
         "float eps, bool zero_centred, float scale) -> Tensor");
 }
 

@@ -19,7 +19,7 @@ def available() -> bool:
 
 def dense_stack(x: Tensor, weights: list[Tensor], qtypes: list[int], ns: list[int], norms: list[Tensor], k_bufs: Tensor,
                 v_bufs: Tensor, first: int, rotary: list[Tensor], lo: list[Tensor], masks: list[Tensor], seq: Tensor,
-                hi: Tensor, start: int, dims: list[int], eps: float, zero_centred: bool, scale: float) -> Tensor:
+                slot: Tensor, hi: Tensor, dims: list[int], eps: float, zero_centred: bool, scale: float) -> Tensor:
     """x (N, H) entering layer `first` -> the stream after len(weights) / 7 layers (see rowstack.cpp for the lists)."""
     return torch.ops.mtpspec_rowstack.dense_stack(x, weights, qtypes, ns, norms, k_bufs, v_bufs, first, rotary, lo, masks,
-                                                   seq, hi, start, dims, eps, zero_centred, scale)
+                                                   seq, slot, hi, dims, eps, zero_centred, scale)

@@ -62,26 +62,31 @@ def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Ten
 @dataclass(frozen=True)
 class RowPlan:
     """What every attention layer shares in one sequence's forward on the row kernels (a block-quantized model's plain
-    step, chain or tree verify, prefill: fb.start set), made once per forward: each rotary's cos / sin rows, each
-    window's first keys or, for a token tree, its mask (filled by the first layer that asks), each row's last key."""
+    step, chain or tree verify, prefill), made once per forward, the rows flat: each row's sequence, buffer slot and
+    last key, each rotary's cos / sin rows, each window's first keys or, for a token tree, its mask (filled by the
+    first layer that asks)."""
 
     fb: ForwardBatch
-    seq: Tensor  # (N,) zeros: one sequence
+    seq: Tensor  # (N,) each row's sequence
+    slot: Tensor  # (N,) each row's buffer index
     hi: Tensor  # (N,) each row's last key: its position in order, its own slot in a tree (ancestors sit below it)
     lo: dict = field(default_factory=dict)  # window -> (N,) first keys
     masks: dict = field(default_factory=dict)  # window -> (N, start + N) a tree's keys per row (tree_mask)
     tables: dict = field(default_factory=dict)  # id(Rotary) -> (cos, sin) (N, rot)
 
     @staticmethod
-    def of(fb: ForwardBatch) -> "RowPlan":
-        n = fb.pos.shape[1]
-        return RowPlan(fb, torch.zeros_like(fb.pos[0]), fb.pos[0] if fb.tree is None else fb.start + torch.arange(n))
+    def of(fb: ForwardBatch) -> "RowPlan | None":
+        """The plan of one sequence's rows (in order or a tree); None for a batch (the grid path)."""
+        if fb.start is None:
+            return None
+        slot = fb.start + torch.arange(fb.w)
+        return RowPlan(fb, torch.zeros_like(slot), slot, fb.pos[0] if fb.tree is None else slot)
 
     def rotary(self, rotary, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         got = self.tables.get(id(rotary))
         if got is None:
-            cos, sin = rotary_at(rotary, self.fb, dtype)  # (1, 1, N, rot)
-            got = self.tables[id(rotary)] = (cos[0, 0], sin[0, 0])
+            cos, sin = rotary_at(rotary, self.fb, dtype)  # (B, 1, W, rot)
+            got = self.tables[id(rotary)] = (self.fb.real(cos[:, 0]), self.fb.real(sin[:, 0]))
         return got
 
     def first_keys(self, window: int) -> Tensor:
@@ -89,8 +94,7 @@ class RowPlan:
         once per window."""
         lo = self.lo.get(window)
         if lo is None:
-            pos = self.fb.pos[0]
-            lo = self.lo[window] = first_keys(pos, window) if self.fb.tree is None else torch.zeros_like(pos)
+            lo = self.lo[window] = first_keys(self.hi, window) if self.fb.tree is None else torch.zeros_like(self.hi)
         return lo
 
     def mask(self, window: int) -> Tensor | None:
@@ -103,10 +107,11 @@ class RowPlan:
         return m
 
     def write_attend(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, window: int) -> Tensor:
-        """Store k, v (N, nkv, hd) at the rows' slots of the buffers (1, nkv, S, hd) and attend q (N, nh, hd) by the
+        """Store k, v (N, nkv, hd) at the rows' slots of the buffers (B, nkv, S, hd) and attend q (N, nh, hd) by the
         row kernel -> (N, nh, hd): bitwise `write` then `attend(by_row=True)`, without the (B, nh, W, hd) grid."""
-        keys, vals = write(k_buf, v_buf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.fb)
-        return attend_rows(q, keys, vals, self.seq, self.first_keys(window), self.hi, self.mask(window))
+        k_buf[self.seq, :, self.slot] = k
+        v_buf[self.seq, :, self.slot] = v
+        return attend_rows(q, k_buf, v_buf, self.seq, self.first_keys(window), self.hi, self.mask(window))
 
 
 def first_keys(pos: Tensor, window: int) -> Tensor:

@@ -256,8 +256,7 @@ def dense_forward(model, tokens: Tensor, fb: ForwardBatch, k_bufs: Tensor | None
     filled with the residual stream (N, H) entering each of those layers."""
     x = fb.real(model.embed(tokens))  # (N, H)
     plan = None
-    if (model.config.row_kernels and fb.start is not None and k_bufs is not None
-            and x.dtype == torch.float32 and x.device.type == "cpu"):
+    if model.config.row_kernels and k_bufs is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         plan = RowPlan.of(fb)
     stack = row_stack(model) if plan is not None and not torch.is_grad_enabled() else None
     if stack is not None:
@@ -344,7 +343,7 @@ class RowStack:
             w, p = self.W, self.per_norms
             x = rowstack.dense_stack(x, self.weights[a * w : b * w], self.qtypes[a * w : b * w], self.ns[a * w : b * w],
                                      self.norms[a * p : b * p], k_bufs, v_bufs, a, rot[2 * a : 2 * b], lo[a:b],
-                                     masks[a:b], plan.seq, plan.hi, plan.fb.start, self.dims, self.eps, self.zero_centred,
+                                     masks[a:b], plan.seq, plan.slot, plan.hi, self.dims, self.eps, self.zero_centred,
                                      self.scale)
         return x
 
