@@ -195,6 +195,49 @@ def test_row_stack_is_the_row_plan_bitwise(written):
     assert all(torch.equal(a, b) for a, b in zip(stacked, run())), kind
 
 
+@torch.inference_mode()  # as the engine runs it (RMSNorm's row kernel serves inference only)
+def test_a_batch_on_the_row_kernels_is_each_sequence_alone_bitwise(written, monkeypatch):
+    """A batch of sequences' chains takes the flat row path (the row stack where the layers fit), each row written at
+    its own slot: every sequence's logits bitwise its own forward alone, and what the layer-by-layer row path and the
+    (B, W) grid path (shorter sequences padded) compute, past Gemma's window too."""
+    from mtpspec.batching import SlotKV, forward_batch
+    from mtpspec.models import forward
+
+    kind, _, _, q8 = written
+    module = load_gguf_model(q8)
+    ids = _ids(40, 4)
+    prompts, steps = (30, 6, 21), ((1, 3, 2), (4, 1, 2))
+
+    def alone():
+        out = []
+        for b, n in enumerate(prompts):
+            cache = module.new_cache()
+            module.forward_tokens(ids[:n], cache)
+            out.append([module.forward_tokens(ids[n + sum(s[b] for s in steps[:i]) :][: w[b]], cache).logits
+                        for i, w in enumerate(steps)])
+        return [out[b][i] for i in range(len(steps)) for b in range(len(prompts))]
+
+    def batched():
+        caches = [module.new_cache() for _ in prompts]
+        for c, n in zip(caches, prompts):
+            module.forward_tokens(ids[:n], c)
+        storage = SlotKV(caches[0].kv, len(prompts))
+        for i, c in enumerate(caches):
+            storage.bind(c.kv, i)
+        outs, at = [], list(prompts)
+        for w in steps:
+            outs += forward_batch(module, storage, caches, [ids[a : a + n] for a, n in zip(at, w)])
+            at = [a + n for a, n in zip(at, w)]
+        return [o.logits for o in outs]
+
+    want = alone()
+    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+    module.row_stack = False
+    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+    monkeypatch.setattr(forward.RowPlan, "of", staticmethod(lambda fb: None))
+    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+
+
 @pytest.mark.parametrize("zero_centred", [False, True])
 @pytest.mark.parametrize("rot", [64, 32])
 @pytest.mark.parametrize("normed", [True, False])

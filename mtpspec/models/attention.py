@@ -61,10 +61,10 @@ def rotary_at(rotary, fb: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Ten
 
 @dataclass(frozen=True)
 class RowPlan:
-    """What every attention layer shares in one sequence's forward on the row kernels (a block-quantized model's plain
-    step, chain or tree verify, prefill), made once per forward, the rows flat: each row's sequence, buffer slot and
-    last key, each rotary's cos / sin rows, each window's first keys or, for a token tree, its mask (filled by the
-    first layer that asks)."""
+    """What every attention layer shares in a forward on the row kernels (a block-quantized model's plain step, chain or
+    tree verify, prefill of one sequence, or a batch of sequences' chains), made once per forward, the real rows flat:
+    each row's sequence, buffer slot and last key, each rotary's cos / sin rows, each window's first keys or, for a
+    token tree, its mask (filled by the first layer that asks)."""
 
     fb: ForwardBatch
     seq: Tensor  # (N,) each row's sequence
@@ -76,11 +76,15 @@ class RowPlan:
 
     @staticmethod
     def of(fb: ForwardBatch) -> "RowPlan | None":
-        """The plan of one sequence's rows (in order or a tree); None for a batch (the grid path)."""
-        if fb.start is None:
+        """The plan of one sequence's rows (in order or a tree) or of a batch of chains; None for a batch with trees
+        or a compiled graph's span (the grid path)."""
+        if fb.start is not None:
+            slot = fb.start + torch.arange(fb.w)
+            return RowPlan(fb, torch.zeros_like(slot), slot, fb.pos[0] if fb.tree is None else slot)
+        if fb.trees is not None or fb.slots is not None or fb.keys is not None:
             return None
-        slot = fb.start + torch.arange(fb.w)
-        return RowPlan(fb, torch.zeros_like(slot), slot, fb.pos[0] if fb.tree is None else slot)
+        pos = fb.real(fb.pos)[:, 0]  # (N,) a chain's rows sit at their positions
+        return RowPlan(fb, fb.real(torch.arange(fb.b)[:, None].expand(fb.b, fb.w))[:, 0], pos, pos)
 
     def rotary(self, rotary, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         got = self.tables.get(id(rotary))
