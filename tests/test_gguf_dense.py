@@ -195,8 +195,8 @@ def test_row_stack_is_the_row_plan_bitwise(written):
     assert all(torch.equal(a, b) for a, b in zip(stacked, run())), kind
 
 
-@torch.inference_mode()  # as the engine runs it (RMSNorm's row kernel serves inference only)
-def test_a_batch_on_the_row_kernels_is_each_sequence_alone_bitwise(written, monkeypatch):
+@pytest.mark.parametrize("mode", ["inference", "grad enabled"])  # frozen weights: the row kernels either way
+def test_a_batch_on_the_row_kernels_is_each_sequence_alone_bitwise(written, monkeypatch, mode):
     """A batch of sequences' chains takes the flat row path (the row stack where the layers fit), each row written at
     its own slot: every sequence's logits bitwise its own forward alone, and what the layer-by-layer row path and the
     (B, W) grid path (shorter sequences padded) compute, past Gemma's window too."""
@@ -230,12 +230,14 @@ def test_a_batch_on_the_row_kernels_is_each_sequence_alone_bitwise(written, monk
             at = [a + n for a, n in zip(at, w)]
         return [o.logits for o in outs]
 
-    want = alone()
-    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
-    module.row_stack = False
-    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
-    monkeypatch.setattr(forward.RowPlan, "of", staticmethod(lambda fb: None))
-    assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+    ctx = torch.inference_mode() if mode == "inference" else torch.enable_grad()
+    with ctx:
+        want = alone()
+        assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+        module.row_stack = False
+        assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
+        monkeypatch.setattr(forward.RowPlan, "of", staticmethod(lambda fb: None))
+        assert all(torch.equal(a, b) for a, b in zip(want, batched())), kind
 
 
 @pytest.mark.parametrize("zero_centred", [False, True])

@@ -170,11 +170,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.zero_centred = zero_centred
-        self.row_kernel = row_kernel  # fp32 inference by kernels/rownorm.cpp: one call, each row alone
+        self.row_kernel = row_kernel  # fp32 without autograd by kernels/rownorm.cpp: one call, each row alone
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.row_kernel and x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+        if (self.row_kernel and x.dtype == self.weight.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return rms_norm(x, self.weight, self.eps, self.zero_centred)
         if x.dtype == self.weight.dtype == wide(x.dtype):  # fp32 or fp64: same arithmetic, no no-op casts
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (each cast is a dispatched op)
