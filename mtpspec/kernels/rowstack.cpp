@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -22,6 +21,7 @@ using NormRope = at::Tensor(const at::Tensor&, const c10::optional<at::Tensor>&,
                             const at::Tensor&);
 using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const c10::optional<at::Tensor>&, double);
+using Write = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 template <typename F>
 c10::TypedOperatorHandle<F> find(const char* name) {
@@ -35,6 +35,7 @@ struct Ops {
   c10::TypedOperatorHandle<Norm> norm = find<Norm>("mtpspec_rownorm::rms_norm");
   c10::TypedOperatorHandle<NormRope> norm_rope = find<NormRope>("mtpspec_rownorm::norm_rope");
   c10::TypedOperatorHandle<Attend> attend = find<Attend>("mtpspec_attention::attend_rows");
+  c10::TypedOperatorHandle<Write> write = find<Write>("mtpspec_attention::write_rows");
 };
 
 const Ops& ops() {
@@ -43,18 +44,6 @@ const Ops& ops() {
 }
 
 constexpr int64_t W = 7;  // weights per layer: q, k, v, o, gate, up, down
-
-// buf (B, nkv, S, hd)[seq[i], :, slot[i]] = x[i] for the rows of x (N, nkv, hd), fp32, the head dimension contiguous
-void write_rows(const at::Tensor& buf, const at::Tensor& x, const int64_t* seq, const int64_t* slot) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1, "dense_stack: fp32 keys and values");
-  const int64_t heads = x.size(1), hd = x.size(2);
-  float* b = buf.data_ptr<float>();
-  const float* p = x.data_ptr<float>();
-  for (int64_t i = 0; i < x.size(0); ++i)
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(b + seq[i] * buf.stride(0) + h * buf.stride(1) + slot[i] * buf.stride(2), p + i * x.stride(0) + h * x.stride(1),
-                  hd * sizeof(float));
-}
 
 // x (N, H) fp32, the residual stream entering layer `first` -> the stream after the layers given. Per layer: its 7
 // weights' block data, types and output counts; its norms (input, [q, k,] post-attention, [pre-, post-feedforward]);
@@ -82,16 +71,17 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
   const int64_t n = x0.size(0);
   TORCH_CHECK(seq.scalar_type() == at::kLong && slot.scalar_type() == at::kLong && seq.is_contiguous() && slot.is_contiguous() &&
                   seq.numel() == n && slot.numel() == n, "dense_stack: seq and slot, one int64 per row");
-  TORCH_CHECK(k_bufs.scalar_type() == at::kFloat && v_bufs.scalar_type() == at::kFloat && k_bufs.stride(4) == 1 && v_bufs.stride(4) == 1,
-              "dense_stack: fp32 buffers, head dimension contiguous");
   const int64_t* sq = seq.data_ptr<int64_t>();
   const int64_t* sl = slot.data_ptr<int64_t>();
   int64_t end = 0;  // the keys any row reads lie below
+  std::vector<int64_t> runs{0};  // rows [runs[j], runs[j + 1]): consecutive rows of one sequence
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(sq[i] >= 0 && sq[i] < k_bufs.size(1) && sl[i] >= 0 && sl[i] < k_bufs.size(3), "dense_stack: row ", i, " at (", sq[i],
                 ", ", sl[i], ") outside the buffers");
     end = std::max(end, sl[i] + 1);
+    if (i > 0 && sq[i] != sq[i - 1]) runs.push_back(i);
   }
+  runs.push_back(n);
   const Ops& o = ops();
   const c10::optional<at::Tensor> none;
   at::Tensor x = x0;
@@ -112,8 +102,11 @@ at::Tensor dense_stack(const at::Tensor& x0, at::TensorList weights, at::IntArra
                                           qk_norm && zero_centred, cos, sin);
     const at::Tensor v = qkv.narrow(1, m[0] + m[1], m[2]).view({n, nkv, hd});
     const at::Tensor kb = k_bufs.select(0, first + l), vb = v_bufs.select(0, first + l);
-    write_rows(kb, k, sq, sl);
-    write_rows(vb, v, sq, sl);
+    for (size_t j = 0; j + 1 < runs.size(); ++j) {  // each sequence's rows into its buffers at their slots
+      const int64_t a = runs[j], len = runs[j + 1] - a, b = sq[a];
+      o.write.call(kb.narrow(0, b, 1), vb.narrow(0, b, 1), slot.narrow(0, a, len),
+                   k.narrow(0, a, len).transpose(0, 1).unsqueeze(0), v.narrow(0, a, len).transpose(0, 1).unsqueeze(0));
+    }
     const c10::optional<at::Tensor> mask = masks.empty() ? none : c10::optional<at::Tensor>(masks[l]);
     const at::Tensor y = o.attend.call(q, kb.slice(2, 0, end), vb.slice(2, 0, end), seq, lo[l], hi, mask, scale);
     const at::Tensor a = o.linear.call(y.view({n, -1}), w[3], t[3], m[3]);
