@@ -236,21 +236,73 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     logits = _scale(logits, params.temperature)
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        # order by the raw logits: the order of probs at any finite T, also where T's limits tie them
-        order = torch.sort(raw, dim=-1, descending=True, stable=True).indices
-        sorted_p = probs.gather(-1, order)  # (..., V)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= params.top_p  # the top token always survives (mass_before = 0) ...
-        drop_sorted[..., 0] = False  # ... even when top_p is below float32's range (compared as 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = _nucleus(raw, probs, params.top_p)
         probs = probs / probs.sum(-1, keepdim=True)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)  # the largest survives
         probs = probs / probs.sum(-1, keepdim=True)
-    if not bool(torch.isfinite(probs).all()):  # only from non-finite logits: the model itself is broken
+    if not _finite(probs):  # only from non-finite logits: the model itself is broken
         raise ModelLoadError("the model produced non-finite logits (NaN or inf): its weights are broken or overflow this dtype")
     return probs
+
+
+def _nucleus_drop(raw: Tensor, probs: Tensor, top_p: float) -> Tensor:
+    """(..., V) -> (..., V) bool, the definition of top-p: tokens in order of their raw logits (the order of probs at any
+    finite T, also where T's limits tie them; ties by id), dropped where the mass of the tokens before them reaches
+    top_p (torch's running sum: on the CPU a sequential one in float64). The top token always survives, even when top_p
+    is below float32's range (compared as 0)."""
+    order = torch.sort(raw, dim=-1, descending=True, stable=True).indices
+    sorted_p = probs.gather(-1, order)  # (..., V)
+    drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p  # mass of strictly more likely tokens
+    drop_sorted[..., 0] = False
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+NUCLEUS_PREFIX = (256, 4096)  # leading tokens a row's nucleus is first looked for in, before a sort of the whole row
+NUCLEUS_MARGIN = 1e-6  # the prefix's mass must pass top_p by more than the float32 roundings of the running sum (~2e-7)
+
+
+def _nucleus(raw: Tensor, probs: Tensor, top_p: float) -> Tensor:
+    """probs with the tokens outside each row's nucleus set to 0 (not renormalized): `_nucleus_drop`, bitwise, without
+    sorting a whole (262k-token) row where a prefix of its order settles it (`_prefix_nucleus`)."""
+    v = raw.shape[-1]
+    rows = []
+    for x, p in zip(raw.reshape(-1, v), probs.reshape(-1, v)):
+        ids = _prefix_nucleus(x, p, top_p)
+        if ids is None:
+            rows.append(p.masked_fill(_nucleus_drop(x, p, top_p), 0.0))
+        else:
+            rows.append(torch.zeros_like(p).index_copy_(0, ids, p[ids]))
+    return torch.stack(rows).reshape(probs.shape)
+
+
+def _prefix_nucleus(raw: Tensor, p: Tensor, top_p: float, sizes: tuple[int, ...] = NUCLEUS_PREFIX) -> Tensor | None:
+    """The ids one row's nucleus keeps, found among its leading tokens, or None. The tokens whose raw logit is at least
+    the K-th largest (ties included), in ascending id order then stably sorted, are the full order's first n tokens, so
+    their running sums are the full sort's. Where their mass passes top_p by NUCLEUS_MARGIN, every later token is
+    dropped whatever the roundings. CPU only (elsewhere a sort is cheap and cumsum a parallel scan)."""
+    v = raw.shape[0]
+    for k in sizes:
+        if 4 * k >= v or raw.device.type != "cpu":
+            return None
+        kth = torch.topk(raw, k, sorted=False).values.min()
+        ids = torch.nonzero(raw >= kth).flatten()  # (n >= k,)
+        if ids.shape[0] < k:  # a NaN logit: left to the whole sort (and the check that follows it)
+            return None
+        ids = ids[torch.sort(raw[ids], descending=True, stable=True).indices]
+        mass = torch.cumsum(p[ids], dim=0)  # (n,)
+        if float(mass[-1]) >= top_p + NUCLEUS_MARGIN:
+            kept = mass - p[ids] < top_p
+            kept[0] = True
+            return ids[kept]
+    return None
+
+
+def _finite(x: Tensor) -> bool:
+    """Whether every element is finite (NaN and inf reach the min or the max): one pass, where isfinite().all()
+    builds a mask."""
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _scale(logits: Tensor, t: float) -> Tensor:
@@ -258,11 +310,13 @@ def _scale(logits: Tensor, t: float) -> Tensor:
     (huge T), the logits are shifted by their max first (softmax unchanged): tiny T then gives the uniform
     distribution over the tied argmaxes, huge T the uniform one over the allowed set."""
     scaled = logits / t
-    if bool(torch.isfinite(scaled).all()):  # the common case: every logit allowed and finite after the scale
-        return scaled
+    lo, hi = torch.aminmax(scaled)  # NaN in either if any element is NaN
+    if bool(torch.isfinite(hi)) and not bool(lo.isnan()):
+        if bool(torch.isfinite(lo)):  # the common case: every logit allowed and finite after the scale
+            return scaled
+        if int((scaled == float("-inf")).sum()) == int((logits == float("-inf")).sum()):  # no finite logit overflowed
+            return scaled
     allowed = logits > float("-inf")
-    if torch.equal(torch.isfinite(scaled), allowed) and not bool(scaled.isnan().any()):  # -inf stayed -inf
-        return scaled
     shifted = logits - logits.max(dim=-1, keepdim=True).values  # (..., V) <= 0 on the allowed set
     out = (shifted.double() / t).float()  # T in float64: a T below float32's range is not 0, one above it not inf
     return out.masked_fill(~allowed, float("-inf"))  # (-inf / inf = NaN outside the allowed set)

@@ -105,3 +105,30 @@ def test_top_p_and_top_k_transform():
     assert p[3] == 0 and p.sum().item() == pytest.approx(1.0)
     p = logits_to_probs(logits, SamplingParams(temperature=0.0))
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_p_from_a_prefix_is_the_whole_sort_bitwise():
+    """A large vocabulary's nucleus found among its leading tokens equals the definition (a stable sort of the whole
+    row): peaked and flat rows (the prefixes and the fallback), ties at the prefix's edge, banned tokens, top-k before
+    it, top_p near 0 and near 1."""
+    from mtpspec.sampling import NUCLEUS_PREFIX, _nucleus, _nucleus_drop, _prefix_nucleus, _scale
+
+    g = torch.Generator().manual_seed(0)
+    v = 262144
+    rows = [torch.randn(v, generator=g) * s for s in (1.0, 3.0, 6.0, 12.0)]  # flat to peaked
+    tied = (torch.randn(v, generator=g) * 4).round()  # few distinct values: ties everywhere, the prefix's edge among them
+    rows += [tied, tied.masked_fill(torch.rand(v, generator=g) < 0.3, float("-inf"))]
+    kth = torch.topk(rows[2], 40).values[-1]
+    rows.append(rows[2].masked_fill(rows[2] < kth, float("-inf")))  # after top-k 40
+    used = set()
+    for raw in rows:
+        for t in (0.7, 1.0):
+            probs = torch.softmax(_scale(raw, t), dim=-1)
+            for top_p in (1e-30, 0.5, 0.9, 0.95, 0.999999):
+                drop = _nucleus_drop(raw, probs, top_p)
+                fast = _nucleus(raw[None].repeat(2, 1), probs[None].repeat(2, 1), top_p)
+                assert torch.equal(fast[0], probs.masked_fill(drop, 0.0)) and torch.equal(fast[1], fast[0])
+                alone = {k: _prefix_nucleus(raw, probs, top_p, (k,)) for k in NUCLEUS_PREFIX}
+                assert all(torch.equal(ids.sort().values, torch.nonzero(~drop).flatten()) for ids in alone.values() if ids is not None)
+                used.add(next((k for k, ids in alone.items() if ids is not None), "whole"))
+    assert used == {*NUCLEUS_PREFIX, "whole"}, used
