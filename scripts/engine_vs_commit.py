@@ -10,7 +10,7 @@ the medians, the median of the rounds' own ratios, the same by process CPU time,
 same tokens.
 
     .venv/bin/python scripts/engine_vs_commit.py --commit REV [--python] [--prompts 4] [--tokens 128] [--rounds 4]
-        [--batch 8] [--methods none@1,mtp@3] [--compile none|new|old|both]
+        [--batch 8] [--methods none@1,mtp@3] [--compile none|new|old|both] [--temperature T --top-p P [--seed S]]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         texts = tinystories_prompts(args.prompts)
     ids = [model.encode(t) for t in texts]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, **({"seed": args.seed} if args.seed is not None else {})}
     methods = [(d, k if k == "auto" else int(k)) for d, k in (m.split("@") if "@" in m else (m, "1") for m in args.methods.split(","))]
     if args.compile_child:  # every graph the runs reach, built (or loaded from the disk cache) before any is timed
         from mtpspec.models.compiled import prepare
@@ -53,14 +54,14 @@ def child(args: argparse.Namespace) -> None:
         prepare(model.module, range(1, k_top + 2), min(map(len, ids)), max(map(len, ids)) + args.tokens + k_top,
                 **({"chains": range(1, k_top + 1)} if "chains" in inspect.signature(prepare).parameters else {}))
     for drafter, k in methods:  # first-call costs are not measured
-        model.generate(ids[0], drafter=drafter, k=k, max_new_tokens=8)
+        model.generate(ids[0], drafter=drafter, k=k, max_new_tokens=8, **sampling)
     out = {"mtpspec": str(Path(mtpspec.__file__).parent), "methods": {}}
     acc = {f"{d}@{k}": {"tokens": 0, "decode_seconds": 0.0, "cpu_seconds": 0.0, "ids": []} for d, k in methods}
     if args.batch > 1:  # every prompt in one batch: decode rate = new tokens / wall time of the whole batch
         from time import perf_counter
         for drafter, k in methods:
             c0, t0 = process_time(), perf_counter()
-            res = model.generate_batch(ids, drafter=drafter, k=k, max_new_tokens=args.tokens, max_batch=args.batch)
+            res = model.generate_batch(ids, drafter=drafter, k=k, max_new_tokens=args.tokens, max_batch=args.batch, **sampling)
             a = acc[f"{drafter}@{k}"]
             a["cpu_seconds"] += process_time() - c0
             a["decode_seconds"] += perf_counter() - t0
@@ -70,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
     for p in ids:  # methods alternate prompt by prompt
         for drafter, k in methods:
             c0 = process_time()
-            res = model.generate(p, drafter=drafter, k=k, max_new_tokens=args.tokens)
+            res = model.generate(p, drafter=drafter, k=k, max_new_tokens=args.tokens, **sampling)
             a = acc[f"{drafter}@{k}"]
             a["cpu_seconds"] += process_time() - c0
             a["tokens"] += len(res.tokens)
@@ -99,8 +100,9 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads), "MTPSPEC_ASSETS": str(assets_dir().resolve())}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--prompts", str(args.prompts),
            "--tokens", str(args.tokens), "--methods", args.methods, "--threads", str(args.threads),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch), "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     cmd += ["--python"] if args.python else []
+    cmd += ["--seed", str(args.seed)] if args.seed is not None else []
     cmd += ["--compile-child"] if args.compile in ("both", "new" if tree == ROOT else "old") else []
     got = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if got.returncode != 0:
@@ -121,6 +123,9 @@ def main() -> None:
     ap.add_argument("--methods", default="none@1,mtp@3", help="drafter@k, comma-separated (none@1 = plain)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None, help="a seeded sampled run draws by Gumbel-max (the same text in both trees)")
     ap.add_argument("--python", action="store_true", help="held-out Python prompts (default: TinyStories prompts)")
     ap.add_argument("--compile", default="none", choices=["none", "new", "old", "both"],
                     help="which tree loads the model with compile=True (its graphs cached by a first, unmeasured run)")
@@ -148,7 +153,8 @@ def main() -> None:
             got = ", ".join(f"{lab} {m['decode_tokens_per_second']:.1f} tok/s" for lab, m in res["methods"].items())
             print(f"round {r} {name}: {got}", file=sys.stderr)
     print(f"B = {args.batch} decode tokens/s, median of {args.rounds} rounds ({args.prompts} {'Python' if args.python else 'TinyStories'} "
-          f"prompts x {args.tokens} tokens, greedy, {args.threads} thread(s)); old = {args.commit}, new = working tree; "
+          f"prompts x {args.tokens} tokens, "
+          f"{f'T = {args.temperature}, top-p {args.top_p}, seed {args.seed}' if args.temperature else 'greedy'}, {args.threads} thread(s)); old = {args.commit}, new = working tree; "
           f"compiled: {args.compile}")
     print("| method | old | new | new / old | per-round new / old | by CPU time | same tokens |\n|---|---:|---:|---:|---:|---:|---|")
     for lab in ids["new"]:
