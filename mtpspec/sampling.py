@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
+from .kernels.noise import gumbel_candidates
 
 
 SEED_LIMIT = 2**64  # torch generators take a 64-bit seed
@@ -385,9 +386,12 @@ def gumbel_max(probs: Tensor, seed: int, position: int) -> Tensor:
     """(V,) probabilities -> () int64: argmax_v(log p(v) + g_t(v)), an exact sample from p. Computed as argmax p(v) / E(v)
     with E = -log u ~ Exp(1) (the same order: log p - log E), over p's support only (p = 0 is log p = -inf)."""
     key = position_key(seed, position)
-    support = probs > 0  # (V,)
-    if 4 * int(support.sum()) < probs.shape[0]:  # a small support (top-k, top-p, min-p): its tokens' noise only
-        ids = torch.nonzero(support).flatten()  # (n,)
+    ids = gumbel_candidates(probs, key)  # (n,) the few tokens that can win (kernels/noise.cpp), or None
+    if ids is None:
+        support = probs > 0  # (V,)
+        if 4 * int(support.sum()) < probs.shape[0]:  # a small support (top-k, top-p, min-p): its tokens' noise only
+            ids = torch.nonzero(support).flatten()  # (n,)
+    if ids is not None:
         return ids[torch.argmax(probs[ids].double() / -torch.log(gumbel_uniforms(key, ids)))]
     e = -torch.log(gumbel_uniforms(key, torch.arange(probs.shape[0], device=probs.device)))  # (V,) > 0
     return torch.argmax(probs.double() / e)  # p = 0 scores 0, below every token of the support

@@ -63,6 +63,30 @@ def test_noise_is_splitmix64_keyed_by_seed_and_position():
     assert all(int(gumbel_max(p, 5, t)) == int(gumbel_max(dense / dense.sum(), 5, t)) for t in range(50))
 
 
+def test_the_winner_is_among_the_kernels_candidates():
+    """noise.cpp's candidates always hold the token the whole support's scores pick (torch ops, computed apart), and
+    are few: flat and peaked rows of Gemma's vocabulary size, a truncated support, tied probabilities."""
+    from mtpspec.kernels import noise
+
+    if not noise.available():
+        pytest.skip(f"noise.cpp did not build: {noise._EXT.error}")
+    g = torch.Generator().manual_seed(3)
+    v = 262144
+    rows = [torch.softmax(torch.randn(v, generator=g) * s, -1) for s in (0.5, 3.0, 8.0)]
+    cut = rows[1].clone()
+    cut[cut < cut.topk(50).values[-1]] = 0  # 50 tokens left
+    tied = torch.zeros(v)
+    tied[::1000] = 1.0  # 263 equal probabilities
+    for p in rows + [cut / cut.sum(), tied / tied.sum()]:
+        for t in range(40):
+            key = position_key(9, t)
+            ids = noise.gumbel_candidates(p, key)
+            full = int(torch.argmax(p.double() / -torch.log(gumbel_uniforms(key, torch.arange(v)))))
+            assert full in ids.tolist() and ids.shape[0] <= 64, (full, ids.shape)
+            assert torch.equal(ids, ids.sort().values) and bool((p[ids] > 0).all())
+            assert int(gumbel_max(p, 9, t)) == full
+
+
 def test_one_row_follows_p():
     p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02, 0.0])
     n = 6000
