@@ -230,17 +230,17 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    raw = logits
+    raw, kth = logits, None
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (..., 1) the same cut at any T > 0
         logits = logits.masked_fill(logits < kth, float("-inf"))
     logits = _scale(logits, params.temperature)
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        probs = _nucleus(raw, probs, params.top_p)
+        probs = _nucleus(raw, probs, params.top_p, None if kth is None else (kth, params.top_k))
         probs = probs / probs.sum(-1, keepdim=True)
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)  # the largest survives
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)  # the largest survives
         probs = probs / probs.sum(-1, keepdim=True)
     if not _finite(probs):  # only from non-finite logits: the model itself is broken
         raise ModelLoadError("the model produced non-finite logits (NaN or inf): its weights are broken or overflow this dtype")
@@ -263,13 +263,15 @@ NUCLEUS_PREFIX = (256, 4096)  # leading tokens a row's nucleus is first looked f
 NUCLEUS_MARGIN = 1e-6  # the prefix's mass must pass top_p by more than the float32 roundings of the running sum (~2e-7)
 
 
-def _nucleus(raw: Tensor, probs: Tensor, top_p: float) -> Tensor:
+def _nucleus(raw: Tensor, probs: Tensor, top_p: float, top_k: tuple[Tensor, int] | None = None) -> Tensor:
     """probs with the tokens outside each row's nucleus set to 0 (not renormalized): `_nucleus_drop`, bitwise, without
-    sorting a whole (262k-token) row where a prefix of its order settles it (`_prefix_nucleus`)."""
+    sorting a whole (262k-token) row where a prefix of its order settles it (`_prefix_nucleus`). top_k: the rows' (..., 1)
+    K-th logits and K, the prefix tried first."""
     v = raw.shape[-1]
+    kths = [None] * (raw.numel() // v) if top_k is None else [(t, top_k[1]) for t in top_k[0].reshape(-1)]
     rows = []
-    for x, p in zip(raw.reshape(-1, v), probs.reshape(-1, v)):
-        ids = _prefix_nucleus(x, p, top_p)
+    for x, p, cut in zip(raw.reshape(-1, v), probs.reshape(-1, v), kths):
+        ids = _prefix_nucleus(x, p, top_p, cut=cut)
         if ids is None:
             rows.append(p.masked_fill(_nucleus_drop(x, p, top_p), 0.0))
         else:
@@ -277,16 +279,20 @@ def _nucleus(raw: Tensor, probs: Tensor, top_p: float) -> Tensor:
     return torch.stack(rows).reshape(probs.shape)
 
 
-def _prefix_nucleus(raw: Tensor, p: Tensor, top_p: float, sizes: tuple[int, ...] = NUCLEUS_PREFIX) -> Tensor | None:
+def _prefix_nucleus(raw: Tensor, p: Tensor, top_p: float, sizes: tuple[int, ...] = NUCLEUS_PREFIX,
+                    cut: tuple[Tensor, int] | None = None) -> Tensor | None:
     """The ids one row's nucleus keeps, found among its leading tokens, or None. The tokens whose raw logit is at least
     the K-th largest (ties included), in ascending id order then stably sorted, are the full order's first n tokens, so
     their running sums are the full sort's. Where their mass passes top_p by NUCLEUS_MARGIN, every later token is
-    dropped whatever the roundings. CPU only (elsewhere a sort is cheap and cumsum a parallel scan)."""
+    dropped whatever the roundings. `cut`: a K-th logit already known (top-k's) and its K, tried before `sizes`. CPU
+    only (elsewhere a sort is cheap and cumsum a parallel scan)."""
+    if raw.device.type != "cpu":
+        return None
     v = raw.shape[0]
-    for k in sizes:
-        if 4 * k >= v or raw.device.type != "cpu":
-            return None
-        kth = torch.topk(raw, k, sorted=False).values.min()
+    cuts = [cut] if cut is not None else []
+    for kth, k in cuts + [(None, k) for k in sizes if 4 * k < v]:
+        if kth is None:
+            kth = torch.topk(raw, k, sorted=False).values.min()
         ids = torch.nonzero(raw >= kth).flatten()  # (n >= k,)
         if ids.shape[0] < k:  # a NaN logit: left to the whole sort (and the check that follows it)
             return None

@@ -132,3 +132,9 @@ def test_top_p_from_a_prefix_is_the_whole_sort_bitwise():
                 assert all(torch.equal(ids.sort().values, torch.nonzero(~drop).flatten()) for ids in alone.values() if ids is not None)
                 used.add(next((k for k, ids in alone.items() if ids is not None), "whole"))
     assert used == {*NUCLEUS_PREFIX, "whole"}, used
+    raw = rows[2]  # top-k's own cut tried first (logits_to_probs passes it): the same nucleus
+    kth = torch.topk(raw, 40).values[-1:]
+    probs = torch.softmax(_scale(raw.masked_fill(raw < kth, float("-inf")), 0.8), dim=-1)
+    for top_p in (1e-30, 0.5, 0.95, 0.999999):
+        want = probs.masked_fill(_nucleus_drop(raw, probs, top_p), 0.0)
+        assert torch.equal(_nucleus(raw[None], probs[None], top_p, (kth[None], 40))[0], want)
