@@ -153,21 +153,20 @@ def host():
 
 
 class History:
-    """What the context controls read of one sequence's committed tokens: the tokens present (prompt + generated),
-    the generated tokens' counts, and how many were generated."""
+    """What the context controls read of one sequence's committed tokens: the ids present (prompt + generated), the
+    generated tokens' counts, and how many were generated."""
 
     def __init__(self, prompt: Sequence[int], vocab_size: int) -> None:
         # (on torch's default device: the engine's, the model's)
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
-        self.seen[torch.as_tensor(list(prompt), dtype=torch.long, device=self.seen.device)] = True
         self.counts = torch.zeros(vocab_size)  # (V,) float32
+        self.seen = torch.unique(torch.as_tensor(list(prompt), dtype=torch.long, device=self.counts.device))  # (n,) sorted ids
         self.generated = 0
         self.grammar = None  # a grammar.GrammarState at the committed tokens (Sampler.bind), when the params have a grammar
 
     def add(self, tokens: Sequence[int]) -> None:
         tokens = [int(x) for x in tokens]
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.seen.device)  # (n,)
-        self.seen[t] = True
+        self.seen = torch.unique(torch.cat([self.seen, t]))
         self.counts.index_put_((t,), torch.ones(t.shape[0], device=t.device), accumulate=True)
         self.generated += t.shape[0]
         if self.grammar is not None:
@@ -197,16 +196,20 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
         ids, bias = zip(*params.logit_bias)
         x[:, list(ids)] += torch.tensor(bias, device=dev)
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-        r_idx = torch.tensor([r for r, p in enumerate(rows) for _ in p], dtype=torch.long, device=dev)
-        t_idx = torch.tensor([t for p in rows for t in p], dtype=torch.long, device=dev)
-        extra = torch.zeros_like(x).index_put_((r_idx, t_idx), torch.ones(t_idx.shape[0], device=dev), accumulate=True)  # (R, V)
-        if params.repetition_penalty != 1.0:
-            r = params.repetition_penalty
-            seen = history.seen.to(dev) | (extra > 0)  # (R, V) prompt + generated + the row's path
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        if params.frequency_penalty or params.presence_penalty:
-            counts = history.counts.to(dev) + extra  # (R, V) generated only
-            x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        # only the tokens present (prompt + generated + the row's path) can move: each row's are gathered, changed
+        # elementwise and written back (a count of 0 subtracts 0)
+        seen, counts = history.seen.to(dev), history.counts.to(dev)
+        for r, path in enumerate(rows):
+            t = torch.tensor(path, dtype=torch.long, device=dev)  # (d,)
+            ids = torch.unique(torch.cat([seen, t]))  # (n,) sorted
+            v = x[r, ids]
+            if params.repetition_penalty != 1.0:
+                rp = params.repetition_penalty
+                v = torch.where(v > 0, v / rp, v * rp)
+            if params.frequency_penalty or params.presence_penalty:
+                c = counts[ids].index_add_(0, torch.searchsorted(ids, t), torch.ones(t.shape[0], device=dev))  # generated only
+                v = v - params.frequency_penalty * c - params.presence_penalty * (c > 0).float()
+            x[r, ids] = v
     if params.banned_ids:
         x[:, list(params.banned_ids)] = float("-inf")
     complete = torch.zeros(x.shape[0], dtype=torch.bool, device=dev)  # (R,) rows where the grammar is complete: it ends before min_tokens
@@ -218,7 +221,7 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
         early = torch.tensor([history.generated + len(p) < params.min_tokens for p in rows], device=dev) & ~complete  # (R,)
         if bool(early.any()):
             x[early.nonzero()[:, :1], torch.tensor(stop_ids, device=dev)] = float("-inf")
-    if bool((x == float("-inf")).all(-1).any()):
+    if bool((x.amax(-1) == float("-inf")).any()):
         raise ConfigError("the sampling controls leave no token to sample (banned ids, min-tokens' stop ids and the grammar "
                           "cover the whole vocabulary)")
     return x.reshape(shape)

@@ -232,3 +232,36 @@ def test_cli_runs_with_the_controls(capsys, assets, stories):
                  str(m / "tok512.bin"), "--drafter", "ngram", "--max-new-tokens", "40", "--json", *flags]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == stories.generate("Once upon a time, there was a little girl", max_new_tokens=40, **STORY).tokens
+
+
+def test_penalties_touch_only_the_tokens_present_bitwise_the_dense_rule():
+    """The penalties change the gathered logits of the tokens present (prompt, generated, each row's path) and leave
+    the rest: bitwise the whole-vocabulary rule, on random rows with chains and tree paths."""
+    from mtpspec.sampling import History, controlled_logits
+
+    g = torch.Generator().manual_seed(5)
+    v = 5000
+    prompt, generated = torch.randint(0, v, (40,), generator=g).tolist(), torch.randint(0, 300, (25,), generator=g).tolist()
+    history = History(prompt, v)
+    history.add(generated)
+    logits = torch.randn(4, v, generator=g) * 3
+    chain, tree = torch.tensor([7, 7, 4999]), [[], [7], [7, 12], [7, 12, 12]]
+    for kw in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=-0.4),
+               dict(repetition_penalty=0.8, frequency_penalty=-1.1, presence_penalty=1.5)):
+        params = SamplingParams(**kw)
+        for paths in (None, chain, tree):
+            rows = [[] for _ in range(4)] if paths is None else ([chain[:i].tolist() for i in range(4)] if torch.is_tensor(paths) else paths)
+            extra = torch.zeros(4, v)
+            for r, p in enumerate(rows):
+                for t in p:
+                    extra[r, t] += 1
+            want = logits.clone()
+            if params.repetition_penalty != 1.0:
+                present = torch.zeros(v, dtype=torch.bool)
+                present[prompt + generated] = True
+                rp = params.repetition_penalty
+                want = torch.where(present | (extra > 0), torch.where(want > 0, want / rp, want * rp), want)
+            counts = history.counts + extra
+            want = want - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+            got = controlled_logits(logits, params, history, (), paths)
+            assert torch.equal(got, want), (kw, paths)
