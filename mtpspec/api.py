@@ -122,7 +122,7 @@ class Model:
         """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to compiled.AUTO_K_MAX,
         compiled up to compiled.AUTO_DEPTH)."""
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
-        k = cfg.k
+        k = cfg.depth()
         if k == "auto":  # adaptive draft depth, D chosen per step from acceptance and measured cost
             from .adaptive import ByBatchSize
 

@@ -160,7 +160,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help=f"auto | none | ngram | lookahead | suffix | draft | mtp | medusa | eagle; auto: {AUTO_DRAFTER} "
                         "(default: %(default)s)")
     p.add_argument("--draft-model", help="draft model (for --drafter draft) or draft head checkpoint")
-    p.add_argument("--k", type=parse_k, default=4, help="draft length D per step (>= 1), or 'auto'")
+    p.add_argument("--k", type=parse_k, default=None,
+                   help="draft length D per step (>= 1), or 'auto' (default: 4 greedy, auto when sampling)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); T -> 0 samples among tied argmaxes, inf uniformly over the allowed tokens")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -280,6 +281,7 @@ class _Echo:
 @command("generate")(_generate_args)
 def run_generate(args: argparse.Namespace) -> int:
     from .api import load
+    from .config import GenerationConfig
 
     use_device(args)
     use_threads(args.threads)
@@ -303,7 +305,8 @@ def run_generate(args: argparse.Namespace) -> int:
         echo("")  # the prompt, if no text came
         s = res.stats
         sys.stdout.write("\n")
-        drafted = "plain" if kwargs["drafter"] == "none" else f"{kwargs['drafter']}{' (auto)' if args.drafter == 'auto' else ''} D={args.k}"
+        depth = GenerationConfig(k=args.k, temperature=args.temperature).depth()
+        drafted = "plain" if kwargs["drafter"] == "none" else f"{kwargs['drafter']}{' (auto)' if args.drafter == 'auto' else ''} D={depth}"
         print(
             f"[{len(res.tokens)} tokens, {drafted}, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
             f"mean accepted length {s.mean_accepted_length:.2f}, finish: {res.finish_reason}]",

@@ -265,3 +265,16 @@ def test_penalties_touch_only_the_tokens_present_bitwise_the_dense_rule():
             want = want - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
             got = controlled_logits(logits, params, history, (), paths)
             assert torch.equal(got, want), (kw, paths)
+
+
+def test_the_default_depth_is_4_greedy_and_auto_when_sampling(capsys, assets):
+    from mtpspec.config import DEFAULT_K, GenerationConfig
+
+    assert GenerationConfig().depth() == DEFAULT_K == 4
+    assert GenerationConfig(temperature=0.8).depth() == "auto"
+    assert GenerationConfig(temperature=0.8, k=3).depth() == 3 and GenerationConfig(k="auto").depth() == "auto"
+    m = assets / "models"
+    for temperature, depth in (("0", "D=4"), ("0.8", "D=auto")):
+        assert main(["generate", "Once upon a time", "--model", str(m / "stories260K.bin"), "--tokenizer", str(m / "tok512.bin"),
+                     "--drafter", "ngram", "--max-new-tokens", "20", "--temperature", temperature]) == 0
+        assert f"ngram {depth}," in capsys.readouterr().err

@@ -7,6 +7,7 @@ import sys
 
 from ..cli import (add_device_arg, add_generation_args, add_model_args, add_threads_arg, command, generation_kwargs, load_kwargs,
                    use_device, use_threads)
+from ..config import DEFAULT_K
 from ..errors import ConfigError
 
 
@@ -62,8 +63,8 @@ def run_trace(args: argparse.Namespace) -> int:
     kw.pop("drafter", None)
     if args.ks:
         ks = args.ks
-    elif isinstance(args.k, int):
-        ks = [args.k]
+    elif args.k is None or isinstance(args.k, int):
+        ks = [DEFAULT_K if args.k is None else args.k]
     else:
         raise ConfigError("mtpspec trace needs a fixed D: use --k N or --ks 1,2,4")
     kw.pop("k")
