@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
-from .kernels.noise import gumbel_candidates
+from .kernels.sampling import gumbel_candidates, leading_ids
 
 
 SEED_LIMIT = 2**64  # torch generators take a 64-bit seed
@@ -229,22 +229,33 @@ def controlled_logits(logits: Tensor, params: SamplingParams, history: History, 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """(..., V) logits (after the context controls) -> (..., V) float32 probabilities after temperature, top-k, top-p
-    and min-p (greedy: a one-hot)."""
+    and min-p (greedy: a one-hot). Each row is transformed alone: its result never depends on the other rows, and a
+    262k-token row stays in cache through every pass."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    raw, kth = logits, None
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (..., 1) the same cut at any T > 0
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    logits = _scale(logits, params.temperature)
-    probs = torch.softmax(logits, dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.shape[0] == 1:
+        return _row_probs(flat[0], params).reshape(logits.shape)
+    out = torch.empty_like(flat)
+    for x, o in zip(flat, out):
+        o.copy_(_row_probs(x, params))
+    return out.reshape(logits.shape)
+
+
+def _row_probs(x: Tensor, params: SamplingParams) -> Tensor:
+    """One row of `logits_to_probs`: (V,) -> (V,)."""
+    raw, lead = x, None
+    if params.top_k and params.top_k < x.shape[0]:
+        kth, lead = _kth_largest(x, params.top_k)  # () the same cut at any T > 0
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(_scale(x, params.temperature), dim=-1)
     if params.top_p < 1.0:
-        probs = _nucleus(raw, probs, params.top_p, None if kth is None else (kth, params.top_k))
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(raw, probs, params.top_p, lead)
+        probs = probs / probs.sum()
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)  # the largest survives
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(), 0.0)  # the largest survives
+        probs = probs / probs.sum()
     if not _finite(probs):  # only from non-finite logits: the model itself is broken
         raise ModelLoadError("the model produced non-finite logits (NaN or inf): its weights are broken or overflow this dtype")
     return probs
@@ -266,39 +277,27 @@ NUCLEUS_PREFIX = (256, 4096)  # leading tokens a row's nucleus is first looked f
 NUCLEUS_MARGIN = 1e-6  # the prefix's mass must pass top_p by more than the float32 roundings of the running sum (~2e-7)
 
 
-def _nucleus(raw: Tensor, probs: Tensor, top_p: float, top_k: tuple[Tensor, int] | None = None) -> Tensor:
-    """probs with the tokens outside each row's nucleus set to 0 (not renormalized): `_nucleus_drop`, bitwise, without
-    sorting a whole (262k-token) row where a prefix of its order settles it (`_prefix_nucleus`). top_k: the rows' (..., 1)
-    K-th logits and K, the prefix tried first."""
-    v = raw.shape[-1]
-    kths = [None] * (raw.numel() // v) if top_k is None else [(t, top_k[1]) for t in top_k[0].reshape(-1)]
-    rows = []
-    for x, p, cut in zip(raw.reshape(-1, v), probs.reshape(-1, v), kths):
-        ids = _prefix_nucleus(x, p, top_p, cut=cut)
-        if ids is None:
-            rows.append(p.masked_fill(_nucleus_drop(x, p, top_p), 0.0))
-        else:
-            rows.append(torch.zeros_like(p).index_copy_(0, ids, p[ids]))
-    return torch.stack(rows).reshape(probs.shape)
+def _nucleus(raw: Tensor, p: Tensor, top_p: float, lead: Tensor | None = None) -> Tensor:
+    """One row's p (V,) with the tokens outside its nucleus set to 0 (not renormalized): `_nucleus_drop`, bitwise,
+    without sorting the whole row where a prefix of its order settles it (`_prefix_nucleus`; lead: top-k's leading
+    tokens, the prefix tried first)."""
+    ids = _prefix_nucleus(raw, p, top_p, lead=lead)
+    if ids is None:
+        return p.masked_fill(_nucleus_drop(raw, p, top_p), 0.0)
+    out = torch.zeros_like(p)
+    out[ids] = p[ids]
+    return out
 
 
 def _prefix_nucleus(raw: Tensor, p: Tensor, top_p: float, sizes: tuple[int, ...] = NUCLEUS_PREFIX,
-                    cut: tuple[Tensor, int] | None = None) -> Tensor | None:
-    """The ids one row's nucleus keeps, found among its leading tokens, or None. The tokens whose raw logit is at least
-    the K-th largest (ties included), in ascending id order then stably sorted, are the full order's first n tokens, so
-    their running sums are the full sort's. Where their mass passes top_p by NUCLEUS_MARGIN, every later token is
-    dropped whatever the roundings. `cut`: a K-th logit already known (top-k's) and its K, tried before `sizes`. CPU
-    only (elsewhere a sort is cheap and cumsum a parallel scan)."""
+                    lead: Tensor | None = None) -> Tensor | None:
+    """The ids one row's nucleus keeps, found among its leading tokens, or None. Every token at or above a threshold
+    (`_leading`), in ascending id order then stably sorted, is the full order's first n tokens, so their running sums
+    are the full sort's. Where their mass passes top_p by NUCLEUS_MARGIN, every later token is dropped whatever the
+    roundings. CPU only (elsewhere a sort is cheap and cumsum a parallel scan)."""
     if raw.device.type != "cpu":
         return None
-    v = raw.shape[0]
-    cuts = [cut] if cut is not None else []
-    for kth, k in cuts + [(None, k) for k in sizes if 4 * k < v]:
-        if kth is None:
-            kth = torch.topk(raw, k, sorted=False).values.min()
-        ids = torch.nonzero(raw >= kth).flatten()  # (n >= k,)
-        if ids.shape[0] < k:  # a NaN logit: left to the whole sort (and the check that follows it)
-            return None
+    for ids in _leading(raw, sizes, lead):
         ids = ids[torch.sort(raw[ids], descending=True, stable=True).indices]
         mass = torch.cumsum(p[ids], dim=0)  # (n,)
         if float(mass[-1]) >= top_p + NUCLEUS_MARGIN:
@@ -306,6 +305,30 @@ def _prefix_nucleus(raw: Tensor, p: Tensor, top_p: float, sizes: tuple[int, ...]
             kept[0] = True
             return ids[kept]
     return None
+
+
+def _leading(raw: Tensor, sizes: tuple[int, ...], lead: Tensor | None):
+    """Growing sets of a row's leading tokens, each every token at or above a threshold (ascending ids): `lead` (top-k's),
+    then at least k tokens for each k of `sizes` (sampling.cpp's threshold, else topk's K-th logit). Stops at a NaN
+    logit (left to the whole sort and the check that follows it)."""
+    if lead is not None:
+        yield lead
+    for k in sizes:
+        if 4 * k >= raw.shape[0]:
+            return
+        ids = leading_ids(raw, k)
+        if ids is None or ids.shape[0] > 16 * k:  # no kernel, or a flat row: topk's exact K
+            ids = torch.nonzero(raw >= torch.topk(raw, k, sorted=False).values.min()).flatten()  # (n >= k,)
+        if ids.shape[0] < k:
+            return
+        yield ids
+
+
+def _kth_largest(x: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+    """(V,) -> () the row's k-th largest value (topk's), and (n,) the ids of every token at or above sampling.cpp's
+    threshold, a set of leading tokens that holds the k largest (None without the kernel)."""
+    ids = leading_ids(x, k)
+    return torch.topk(x if ids is None else x[ids], k).values[-1], ids
 
 
 def _finite(x: Tensor) -> bool:
@@ -322,9 +345,9 @@ def _scale(logits: Tensor, t: float) -> Tensor:
     scaled = logits / t
     lo, hi = torch.aminmax(scaled)  # NaN in either if any element is NaN
     if bool(torch.isfinite(hi)) and not bool(lo.isnan()):
-        if bool(torch.isfinite(lo)):  # the common case: every logit allowed and finite after the scale
+        if bool(torch.isfinite(lo)) or t >= 1.0:  # every logit finite after the scale, or none can overflow
             return scaled
-        if int((scaled == float("-inf")).sum()) == int((logits == float("-inf")).sum()):  # no finite logit overflowed
+        if bool(torch.isfinite(torch.nan_to_num(logits, neginf=0.0).abs().amax() / t)):  # nor the largest finite one
             return scaled
     allowed = logits > float("-inf")
     shifted = logits - logits.max(dim=-1, keepdim=True).values  # (..., V) <= 0 on the allowed set
@@ -395,7 +418,7 @@ def gumbel_max(probs: Tensor, seed: int, position: int) -> Tensor:
     """(V,) probabilities -> () int64: argmax_v(log p(v) + g_t(v)), an exact sample from p. Computed as argmax p(v) / E(v)
     with E = -log u ~ Exp(1) (the same order: log p - log E), over p's support only (p = 0 is log p = -inf)."""
     key = position_key(seed, position)
-    ids = gumbel_candidates(probs, key)  # (n,) the few tokens that can win (kernels/noise.cpp), or None
+    ids = gumbel_candidates(probs, key)  # (n,) the few tokens that can win (kernels/sampling.cpp), or None
     if ids is None:
         support = probs > 0  # (V,)
         if 4 * int(support.sum()) < probs.shape[0]:  # a small support (top-k, top-p, min-p): its tokens' noise only

@@ -64,12 +64,12 @@ def test_noise_is_splitmix64_keyed_by_seed_and_position():
 
 
 def test_the_winner_is_among_the_kernels_candidates():
-    """noise.cpp's candidates always hold the token the whole support's scores pick (torch ops, computed apart), and
+    """sampling.cpp's candidates always hold the token the whole support's scores pick (torch ops, computed apart), and
     are few: flat and peaked rows of Gemma's vocabulary size, a truncated support, tied probabilities."""
-    from mtpspec.kernels import noise
+    from mtpspec.kernels import sampling as kernel
 
-    if not noise.available():
-        pytest.skip(f"noise.cpp did not build: {noise._EXT.error}")
+    if not kernel.available():
+        pytest.skip(f"sampling.cpp did not build: {kernel._EXT.error}")
     g = torch.Generator().manual_seed(3)
     v = 262144
     rows = [torch.softmax(torch.randn(v, generator=g) * s, -1) for s in (0.5, 3.0, 8.0)]
@@ -80,7 +80,7 @@ def test_the_winner_is_among_the_kernels_candidates():
     for p in rows + [cut / cut.sum(), tied / tied.sum()]:
         for t in range(40):
             key = position_key(9, t)
-            ids = noise.gumbel_candidates(p, key)
+            ids = kernel.gumbel_candidates(p, key)
             full = int(torch.argmax(p.double() / -torch.log(gumbel_uniforms(key, torch.arange(v)))))
             assert full in ids.tolist() and ids.shape[0] <= 64, (full, ids.shape)
             assert torch.equal(ids, ids.sort().values) and bool((p[ids] > 0).all())

@@ -107,34 +107,68 @@ def test_top_p_and_top_k_transform():
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
-def test_top_p_from_a_prefix_is_the_whole_sort_bitwise():
-    """A large vocabulary's nucleus found among its leading tokens equals the definition (a stable sort of the whole
-    row): peaked and flat rows (the prefixes and the fallback), ties at the prefix's edge, banned tokens, top-k before
-    it, top_p near 0 and near 1."""
-    from mtpspec.sampling import NUCLEUS_PREFIX, _nucleus, _nucleus_drop, _prefix_nucleus, _scale
-
+def _rows_262k():
+    """Rows of Gemma's vocabulary size: flat to peaked, few distinct values (ties everywhere), banned tokens, after
+    top-k 40."""
     g = torch.Generator().manual_seed(0)
     v = 262144
-    rows = [torch.randn(v, generator=g) * s for s in (1.0, 3.0, 6.0, 12.0)]  # flat to peaked
-    tied = (torch.randn(v, generator=g) * 4).round()  # few distinct values: ties everywhere, the prefix's edge among them
+    rows = [torch.randn(v, generator=g) * s for s in (1.0, 3.0, 6.0, 12.0)]
+    tied = (torch.randn(v, generator=g) * 4).round()
     rows += [tied, tied.masked_fill(torch.rand(v, generator=g) < 0.3, float("-inf"))]
     kth = torch.topk(rows[2], 40).values[-1]
-    rows.append(rows[2].masked_fill(rows[2] < kth, float("-inf")))  # after top-k 40
+    return rows + [rows[2].masked_fill(rows[2] < kth, float("-inf"))]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_top_p_from_a_prefix_is_the_whole_sort_bitwise(kernel):
+    """A large vocabulary's nucleus found among its leading tokens (sampling.cpp's threshold, or topk's K-th logit)
+    equals the definition (a stable sort of the whole row): both prefixes and the fallback, ties at the prefix's edge,
+    banned tokens, top-k before it, top_p near 0 and near 1."""
+    from mtpspec.kernels import torch_path
+    from mtpspec.sampling import NUCLEUS_PREFIX, _kth_largest, _nucleus, _nucleus_drop, _prefix_nucleus, _scale
+
+    rows = _rows_262k()
     used = set()
-    for raw in rows:
-        for t in (0.7, 1.0):
-            probs = torch.softmax(_scale(raw, t), dim=-1)
-            for top_p in (1e-30, 0.5, 0.9, 0.95, 0.999999):
-                drop = _nucleus_drop(raw, probs, top_p)
-                fast = _nucleus(raw[None].repeat(2, 1), probs[None].repeat(2, 1), top_p)
-                assert torch.equal(fast[0], probs.masked_fill(drop, 0.0)) and torch.equal(fast[1], fast[0])
-                alone = {k: _prefix_nucleus(raw, probs, top_p, (k,)) for k in NUCLEUS_PREFIX}
-                assert all(torch.equal(ids.sort().values, torch.nonzero(~drop).flatten()) for ids in alone.values() if ids is not None)
-                used.add(next((k for k, ids in alone.items() if ids is not None), "whole"))
-    assert used == {*NUCLEUS_PREFIX, "whole"}, used
-    raw = rows[2]  # top-k's own cut tried first (logits_to_probs passes it): the same nucleus
-    kth = torch.topk(raw, 40).values[-1:]
-    probs = torch.softmax(_scale(raw.masked_fill(raw < kth, float("-inf")), 0.8), dim=-1)
-    for top_p in (1e-30, 0.5, 0.95, 0.999999):
-        want = probs.masked_fill(_nucleus_drop(raw, probs, top_p), 0.0)
-        assert torch.equal(_nucleus(raw[None], probs[None], top_p, (kth[None], 40))[0], want)
+    with torch_path(not kernel):
+        for raw in rows:
+            for t in (0.7, 1.0):
+                probs = torch.softmax(_scale(raw, t), dim=-1)
+                for top_p in (1e-30, 0.5, 0.9, 0.95, 0.999999):
+                    drop = _nucleus_drop(raw, probs, top_p)
+                    assert torch.equal(_nucleus(raw, probs, top_p), probs.masked_fill(drop, 0.0))
+                    alone = {k: _prefix_nucleus(raw, probs, top_p, (k,)) for k in NUCLEUS_PREFIX}
+                    assert all(torch.equal(ids.sort().values, torch.nonzero(~drop).flatten()) for ids in alone.values() if ids is not None)
+                    used.add(next((k for k, ids in alone.items() if ids is not None), "whole"))
+        assert used == {*NUCLEUS_PREFIX, "whole"}, used
+        raw = rows[2]  # top-k's own cut tried first (logits_to_probs passes it): the same nucleus
+        kth, lead = _kth_largest(raw, 40)
+        assert torch.equal(kth, torch.topk(raw, 40).values[-1])
+        probs = torch.softmax(_scale(raw.masked_fill(raw < kth, float("-inf")), 0.8), dim=-1)
+        for top_p in (1e-30, 0.5, 0.95, 0.999999):
+            want = probs.masked_fill(_nucleus_drop(raw, probs, top_p), 0.0)
+            assert torch.equal(_nucleus(raw, probs, top_p, lead), want)
+
+
+def test_leading_ids_are_a_prefix_of_the_order_and_hold_the_top_k():
+    """sampling.cpp's leading tokens: every token at or above a threshold (so a prefix of the descending order), at
+    least k of them; top-k's K-th value taken among them is topk's over the whole row; a NaN row, or one with fewer
+    than k finite tokens, is not served."""
+    from mtpspec.kernels import sampling as kernel
+    from mtpspec.sampling import _kth_largest
+
+    if not kernel.available():
+        pytest.skip(f"sampling.cpp did not build: {kernel._EXT.error}")
+    for raw in _rows_262k():
+        for k in (1, 40, 256, 4096):
+            ids = kernel.leading_ids(raw, k)
+            if int((raw > float("-inf")).sum()) < k:  # fewer finite tokens than k (after top-k 40): not served
+                assert ids is None
+                continue
+            assert ids is not None and ids.shape[0] >= k and torch.equal(ids, ids.sort().values)
+            inside = torch.zeros(raw.shape[0], dtype=torch.bool)
+            inside[ids] = True
+            assert bool((raw[~inside] < raw[ids].min()).all())  # nothing outside reaches the threshold
+            assert torch.equal(_kth_largest(raw, k)[0], torch.topk(raw, k).values[-1])
+    nan = _rows_262k()[0].clone()
+    nan[7] = float("nan")
+    assert kernel.leading_ids(nan, 40) is None
