@@ -131,6 +131,19 @@ def test_sampling_with_the_head_is_the_targets_distribution(gemma):
     assert ok, f"chi-square {stat:.1f} with {df} degrees of freedom"
 
 
+def test_seeded_sampling_text_is_plains_with_every_control(gemma, prompts):
+    """Seeded sampling (Gumbel-max: the text a function of the seed) over the 262k-token vocabulary, through top-p's
+    prefix nucleus, top-k's leading tokens, min-p and the penalties: n-gram speculation and the head emit plain's
+    text, and a 3-sequence batch each sequence's own."""
+    kw = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, presence_penalty=0.3, seed=5,
+              max_new_tokens=N_NEW)
+    want = [gemma.generate(list(ids), drafter="none", **kw).tokens for ids in prompts]
+    for drafter, k in (("ngram", 4), ("mtp", 3)):
+        assert [gemma.generate(list(ids), drafter=drafter, k=k, **kw).tokens for ids in prompts] == want, drafter
+    batch = gemma.generate_batch([list(ids) for ids in prompts], drafter="ngram", k=4, **{**kw, "seed": 5})
+    assert batch[0].tokens == want[0]  # (sequence i of a batch samples with seed + i)
+
+
 def test_verify_rows_equal_plain_steps_bitwise(gemma, prompts):
     """A verify window's logits, row by row, are the one-token steps' logits: the row-invariance losslessness rests on."""
     m = gemma.module
