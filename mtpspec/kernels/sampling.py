@@ -23,7 +23,8 @@ def _served(x: Tensor) -> bool:
 
 def leading_ids(logits: Tensor, k: int) -> Tensor | None:
     """(V,) float32 CPU logits -> (n,) ascending ids of every token at or above some threshold, n >= k and few more
-    (a prefix of the descending order); None where the kernel does not serve or finds no such set (a NaN, k > V)."""
+    (a prefix of the descending order); None where the kernel does not serve or finds no such set (a NaN logit, fewer
+    than k finite ones)."""
     if not _served(logits):
         return None
     ids = torch.ops.mtpspec_sampling.leading_ids(logits.contiguous(), k)
