@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mtpspec.bench.serve_load import Reference, RequestRecord, parse_specs, read_stream, report, summarize, targets
+from mtpspec.bench.serve_load import (Reference, RequestRecord, parse_specs, peer_consistency, read_stream, report, summarize,
+                                      targets, versus_peer)
 from mtpspec.cli import main
 from mtpspec.errors import ConfigError
 
@@ -23,8 +24,23 @@ def test_spec_items_and_their_server_flags():
                                                ["--drafter", "ngram", "--k", "2"], ["--drafter", "mtp", "--k", "auto"]]
 
 
+def test_llamacpp_spec_items():
+    specs = parse_specs("llamacpp,llamacpp:ngram:4,llamacpp:mtp:3")
+    assert [(s.label, s.drafter, s.k, s.peer) for s in specs] == [
+        ("llamacpp", "none", None, True), ("llamacpp:ngram:4", "ngram", 4, True), ("llamacpp:mtp:3", "mtp", 3, True)]
+    assert not any(s.peer for s in parse_specs("off,auto,ngram:2"))
+
+
+def test_a_missing_llama_server_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MTPSPEC_LLAMACPP_BIN_DIR", str(tmp_path))
+    assert main(["loadtest", "--model", str(tmp_path / "never_loaded.bin"), "--spec", "off,llamacpp", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no executable llama-server there" in err and "never_loaded" not in err
+
+
 @pytest.mark.parametrize("flags, words", [
-    (["--spec", "fixed"], "off, auto, fixed:D"), (["--spec", "fixed:0"], ">= 1"), (["--spec", "fixed:x"], "integer"),
+    (["--spec", "llamacpp:auto:3"], "llamacpp:ngram:K"), (["--spec", "llamacpp:ngram:0"], "K >= 1"),
+    (["--spec", "llamacpp:ngram"], "llamacpp:mtp:K"), (["--spec", "fixed"], "off, auto, fixed:D"), (["--spec", "fixed:0"], ">= 1"), (["--spec", "fixed:x"], "integer"),
     (["--spec", "fixed:auto"], "adaptive"), (["--spec", ":3"], "DRAFTER:K"), (["--spec", "ngram:"], "DRAFTER:K"),
     (["--spec", "off,off"], "twice"), (["--spec", " , "], "needs configs"), (["--concurrency", "0"], ">= 1"),
     (["--concurrency", "a"], "integer"), (["--concurrency", ""], "needs concurrencies"), (["--requests", "0"], "--requests"),
@@ -81,6 +97,45 @@ def test_token_counts_from_the_stream_and_a_mismatch_keeps_both_texts():
 def test_a_broken_stream_is_an_error(events, words):
     rec = read_stream(events, REF, RequestRecord(0, "p0"))
     assert rec.status == "error" and words in rec.error
+
+
+def test_a_peer_streams_one_token_a_chunk_and_its_own_text_differs():
+    """llama-server's text need not be ours: it is not aligned with our tokens, each chunk is one token, and a text
+    other than the reference is "differs" (finished), never "mismatch"."""
+    events = [(0.5, _data("Hello")), (0.7, _data(" there")), (0.8, _data("!")), (0.8, _data(usage={"completion_tokens": 3})),
+              (0.9, "data: [DONE]")]
+    rec = read_stream(events, REF, RequestRecord(0, "p0"), peer=True)
+    assert rec.status == "differs" and rec.text == "Hello there!" and rec.token_counts == "chunks" and rec.tokens == 3
+    assert rec.ttft == 0.5 and rec.itl == pytest.approx([0.2, 0.1])
+    same = read_stream([(0.5, _data("Hello world!")), (0.6, "data: [DONE]")], REF, RequestRecord(0, "p0"), peer=True)
+    assert same.status == "ok" and same.tokens == 1
+
+
+@pytest.mark.parametrize("failures, status", [(1, "ok"), (2, "error")])
+def test_a_connection_closed_before_any_response_is_retried_once(failures, status):
+    """A kept-alive connection the server closes as a request goes out: sent again once on a new one; twice is an error."""
+    import asyncio
+
+    import httpx
+
+    from mtpspec.bench.serve_load import _request
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        if len(calls) <= failures:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, text=_data("Hello world!") + "\n\ndata: [DONE]\n\n")
+
+    async def go(rec):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await _request(client, "http://x/", "m", REF, 6, rec, peer=True)
+        return rec
+
+    rec = asyncio.run(go(RequestRecord(0, "p0")))
+    assert rec.status == status and rec.retried and len(calls) == 2 and calls[0]["cache_prompt"] is False
+    assert (rec.error is None) == (status == "ok") and rec.seconds is not None
 
 
 # --- one run: every request counted; rounds --------------------------------------------------------------
@@ -153,6 +208,33 @@ def test_report():
     assert "Every response checked: all ok." in report({"config": cfg, "cells": CELLS[:2], "targets": []})
 
 
+def _peer_cell(spec, c, tps, texts):
+    records = [{"prompt_id": p, "status": "ok" if t is None else "differs", "text": t} for p, t in texts]
+    return _cell(spec, c, tps, 0.03) | {"records": records, "counts": {"ok": sum(t is None for _, t in texts),
+                                                                        "differs": sum(t is not None for _, t in texts)}}
+
+
+def test_against_the_peer_best_against_best_and_its_text_across_concurrency():
+    refs = [Reference(p, "prompt", f"ours {p}", 4, "length", [1] * 4) for p in ("a", "b", "c")]
+    cells = [_cell("off", 1, 50.0, 0.02), _cell("auto", 1, 60.0, 0.02), _cell("off", 4, 150.0, 0.03), _cell("auto", 4, 120.0, 0.03),
+             _peer_cell("llamacpp", 1, 40.0, [("a", None), ("b", "theirs b"), ("c", "theirs c")]),
+             _peer_cell("llamacpp", 4, 50.0, [("a", "theirs a"), ("b", "theirs b"), ("c", None)]),
+             _peer_cell("llamacpp:ngram:4", 1, 45.0, [("a", None), ("b", None), ("c", None)]),
+             _peer_cell("llamacpp:ngram:4", 4, 30.0, [("a", None), ("b", None), ("c", None)])]
+    assert versus_peer(cells) == [{"concurrency": 1, "ours": "auto", "peer": "llamacpp:ngram:4", "ratio": pytest.approx(60 / 45)},
+                                  {"concurrency": 4, "ours": "off", "peer": "llamacpp", "ratio": pytest.approx(3.0)}]
+    # llamacpp at C=4: "a" moved off its C=1 text (ours), "b" kept its own, "c" moved onto ours
+    same = peer_consistency(cells, refs)
+    assert same == [{"spec": "llamacpp", "concurrency": 4, "base_concurrency": 1, "same": 1, "total": 3},
+                    {"spec": "llamacpp:ngram:4", "concurrency": 4, "base_concurrency": 1, "same": 3, "total": 3}]
+    assert targets(cells) and all("llamacpp" not in t["name"] for t in targets(cells))  # the targets are ours
+    cfg = {"command": "mtpspec loadtest", "elapsed_seconds": 1.0, "load_before": [0.0], "load_after": [0.0], "cpus": 2}
+    md = report({"config": cfg, "cells": cells, "targets": [], "versus_peer": versus_peer(cells), "peer_consistency": same})
+    assert "Every response checked: all ok." in md  # a peer's own text is not a problem
+    assert "| llamacpp | 4 | 50.0 | 1.25 |" in md and ("tok/s: C=1 auto / llamacpp:ngram:4 1.33x; C=4 off / llamacpp 3.00x. Its text "
+                                                      "equal to its own at C=1: llamacpp at C=4 1/3; llamacpp:ngram:4 at C=4 3/3.") in md
+
+
 # --- against real servers ----------------------------------------------------------------------------------
 
 
@@ -187,3 +269,24 @@ def test_loadtest_end_to_end(assets, tmp_path, capsys):
     text = md.read_text()
     assert "| ngram:2 | 2 |" in text and "Every response checked: all ok." in text and "- [" not in text  # no C = 16: no targets
     assert text in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_loadtest_against_llama_server(assets, tmp_path):
+    """llama.cpp's llama-server as the peer (skipped without its binaries): the model exported as a GGUF, one slot per
+    client, every request finished; on stories260K in fp32 its greedy text is ours."""
+    from mtpspec.bench.llamacpp import find_binary
+
+    try:
+        find_binary("llama-server")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "load.json"
+    assert main(["loadtest", "--model", str(assets / "models" / "stories260K.bin"), "--concurrency", "1,2", "--spec", "off,llamacpp",
+                 "--requests", "4", "--max-tokens", "16", "--prompts", "tinystories", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    peer = {c["concurrency"]: c for c in result["cells"] if c["spec"] == "llamacpp"}
+    assert result["problems"] == [] and result["peer"]["gguf"] == str(tmp_path / "gguf" / "stories260K.gguf")
+    assert all(sum(c["counts"].get(k, 0) for k in ("ok", "differs")) == 4 and c["token_counts"] == {"chunks": 4} for c in peer.values())
+    argv = result["config"]["servers"]["llamacpp"]["argv"]
+    assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-t") + 1] == "1"
+    assert [v["concurrency"] for v in result["versus_peer"]] == [1, 2] and result["peer_consistency"][0]["total"] == 4

@@ -62,10 +62,12 @@ def spec_args(method: Method, draft_gguf: Path | None = None) -> list[str]:
     raise ConfigError(f"llama.cpp has no peer for drafter '{method.drafter}'")
 
 
-def server_args(exe: Path, gguf: Path, method: Method, threads: int, ctx_size: int, port: int, draft_gguf: Path | None = None) -> list[str]:
-    """The whole llama-server command line: one slot, `threads` for decode and for the prompt pass, no host-memory prompt cache."""
+def server_args(exe: Path, gguf: Path, method: Method, threads: int, ctx_size: int, port: int, draft_gguf: Path | None = None,
+                slots: int = 1) -> list[str]:
+    """The whole llama-server command line: `slots` sequences decoded together (continuous batching, ctx_size positions
+    each), `threads` for decode and for the prompt pass, no host-memory prompt cache."""
     return [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-            "-c", str(ctx_size), "-np", "1", "--no-webui", "--cache-ram", "0", *spec_args(method, draft_gguf)]
+            "-c", str(ctx_size * slots), "-np", str(slots), "--no-webui", "--cache-ram", "0", *spec_args(method, draft_gguf)]
 
 
 def request_body(ids: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> dict:
