@@ -37,6 +37,7 @@ from .device import of as device_of, on
 from .drafters.base import Drafter
 from .errors import ConfigError
 from .metrics import Metrics
+from .prefix import PrefixStore, keeps_rows
 from .models.batch import TreeLayout
 from .sampling import Sampler
 from .types import BatchStep, Draft, GenerationResult, SeqStep, StepRecord, TargetOutput, Verdict
@@ -115,6 +116,7 @@ class Sequence:
         self.copies: list[Sequence] = []  # sequences of the same prompt that take this one's prefill (Engine.add prefill_from)
         self.prompt_logprobs = prompt_logprobs  # n: the prompt tokens' log p (and n most likely) from the prefill's logits
         self.prompt_lps: list[TokenLogprob] = []  # then: one per prompt token after the first
+        self.looked_up = False  # the engine's prefix store was asked for this prompt (prefix.PrefixStore)
         self.new: list[int] = []
         self.pending: list[int] = []  # emitted by the last step, not yet given to on_tokens
         self.pending_logprobs: list[TokenLogprob] = []  # with logprobs: one per pending token
@@ -359,7 +361,9 @@ class Engine:
     """
 
     def __init__(self, target: Target, max_batch: int = 1, exact: bool = False, depth: DepthPolicy | None = None,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, prefix_positions: int = 0) -> None:
+        """prefix_positions > 0: finished sequences' KV kept (that many positions in all) for later prompts that start
+        the same way, on a model where that is bitwise a prefill (prefix.py); otherwise nothing is kept."""
         self.target, self.exact, self.depth = target, exact, depth
         self.device = device_of(target)  # where its weights are: every tensor of a step is made there
         self.max_batch = check_count("max batch", max_batch, 1)
@@ -368,6 +372,7 @@ class Engine:
         self.waiting: list[Sequence] = []  # prefilling, in arrival order
         self.finished: dict[int, Sequence] = {}
         self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
+        self.prefixes = PrefixStore(prefix_positions) if prefix_positions > 0 and keeps_rows(target) else None
         self.next_id = 0
 
     @_on_device
@@ -418,6 +423,8 @@ class Engine:
         budget = self.prefill_chunk
         while self.admitting and budget > 0:
             seq = self.waiting[0]
+            if self.prefixes is not None and not seq.looked_up:
+                self._reuse(seq)
             before = seq.prefilled
             if not seq.ready:  # (a copy of an earlier prompt's prefill is ready on arrival here)
                 seq.prefill(self.target, budget, self.exact)
@@ -446,6 +453,15 @@ class Engine:
             self.step()
         return {sid: s.result() for sid, s in self.finished.items()}
 
+    def _reuse(self, seq: Sequence) -> None:
+        """Start seq's prefill from the longest kept prefix of its prompt, unless something reads the prefill's output
+        (a drafter's logits or layer inputs, the prompt's log-probs), which a copy does not give."""
+        seq.looked_up = True
+        readers = [seq, *seq.copies]
+        if seq.prefilled or seq.prompt_logprobs is not None or any(s.drafter.prefill_logits or s.drafter.taps for s in readers):
+            return
+        seq.prefilled = seq.metrics.cached_tokens = self.prefixes.reuse(seq.context, seq.cache)
+
     def _join(self, seq: Sequence) -> None:
         if seq.done:
             self.finished[seq.id] = seq
@@ -472,6 +488,8 @@ class Engine:
                 i += 1
                 continue
             self.finished[s.id] = s
+            if self.prefixes is not None:  # before its slot is given to another sequence
+                self.prefixes.keep(s.context, s.cache, self.target.new_cache)
             last = self.running.pop()
             if last is not s:
                 if self.storage is not None:

@@ -97,6 +97,7 @@ class Metrics:
         self.prefill_seconds = 0.0
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
+        self.cached_tokens = 0  # prompt positions copied from a kept prefix instead of prefilled (prefix.py)
 
     def prefill_done(self) -> None:
         self.prefill_seconds = perf_counter() - self.start
@@ -122,4 +123,5 @@ class Metrics:
             draft_seconds=self.draft_seconds,
             verify_seconds=self.verify_seconds,
             overhead_seconds=max(wall - self.prefill_seconds - self.draft_seconds - self.verify_seconds, 0.0),
+            cached_tokens=self.cached_tokens,
         )

@@ -145,6 +145,7 @@ class GenerationStats:
     draft_seconds: float
     verify_seconds: float
     overhead_seconds: float  # wall - prefill - draft - verify: the engine's own work
+    cached_tokens: int = 0  # prompt positions whose KV was copied from a kept prefix, not prefilled
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -208,3 +208,28 @@ def test_chat_turns_in_gemmas_format(gemma):
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
                     "<start_of_turn>user\nA fruit?<end_of_turn>\n<start_of_turn>model\n")
     assert tok.stop_ids == (1, 106)
+
+
+def test_a_chats_next_turn_reuses_the_earlier_turns(gemma):
+    """The server keeps finished requests' KV (--prefix-cache): a chat's second turn copies the first turn's
+    context instead of prefilling it (usage.prompt_tokens_details.cached_tokens), with plain's text."""
+    import httpx
+
+    from mtpspec.server.chat import ChatTemplate
+    from mtpspec.server.options import ServeOptions
+    from mtpspec.server.registry import load_served
+    from test_openai_server import running
+
+    served = load_served([f"gemma={gemma_path()}"])
+    chat = ChatTemplate.for_tokenizer(gemma.tokenizer)
+    messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    with running(served, ServeOptions(drafter="ngram", k=3, max_batch=2)) as (url, _):
+        body = {"model": "gemma", "max_tokens": 20, "temperature": 0}
+        first = httpx.post(url + "/v1/chat/completions", json=body | {"messages": messages}, timeout=120).json()
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "Now make it iterative."}]
+        second = httpx.post(url + "/v1/chat/completions", json=body | {"messages": messages}, timeout=120).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ids = chat.prompt_ids(gemma, messages)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert second["usage"]["prompt_tokens"] == len(ids) and first["usage"]["prompt_tokens"] + 15 < cached < len(ids)
+    assert second["choices"][0]["message"]["content"] == gemma.tokenizer.decode(_plain(gemma, ids)[:20], prev=ids[-1])

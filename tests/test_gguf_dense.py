@@ -295,3 +295,57 @@ def test_llama_export_loads_back(tmp_path):
     want = model.generate("Once upon a time", drafter="none", max_new_tokens=48)
     got = back.generate("Once upon a time", drafter="none", max_new_tokens=48)
     assert got.text == want.text and got.tokens == want.tokens
+
+
+def test_a_kept_prefix_is_bitwise_a_prefill(written):
+    """prefix.PrefixStore: a later prompt's longest kept prefix is copied, not prefilled, and the KV it ends with, then
+    the text, are bitwise a fresh prefill's: a chat's next turn (the whole earlier context), a shared head of 20
+    positions, a prompt sent again (nothing left to prefill), past Gemma's window; nothing under MIN_REUSE; the budget
+    drops the least recently used."""
+    from mtpspec.drafters import make_drafter
+    from mtpspec.engine import Engine
+    from mtpspec.prefix import MIN_REUSE, PrefixStore
+    from mtpspec.sampling import Sampler, SamplingParams
+
+    kind, _, _, q8 = written
+    module = load_gguf_model(q8)
+    ids = _ids(80, 5).tolist()
+
+    def run(engine, prompt, **kw):
+        sid = engine.add(prompt, make_drafter("ngram", module), Sampler(SamplingParams()), 3, 12, **kw)
+        return engine.run()[sid]
+
+    kept = Engine(module, max_batch=2, prefix_positions=4096)
+    first = run(kept, ids[:30])
+    turn = ids[:30] + first.tokens + ids[30:36]  # the next turn: everything before, then new text
+    head = ids[:20] + ids[50:70]  # a shared head of 20 positions
+    short = ids[:MIN_REUSE - 1] + ids[60:70]
+    for prompt, cached in ((turn, 30 + len(first.tokens) - 1), (head, 20), (short, 0), (ids[:30], 29)):  # the last: all of it
+        got = run(kept, prompt)
+        want = run(Engine(module, max_batch=2), prompt)
+        assert got.stats.cached_tokens == cached and want.stats.cached_tokens == 0, kind
+        assert got.tokens == want.tokens, kind
+    logprobs = run(kept, turn, prompt_logprobs=1)  # something reads the prefill's rows: prefilled whole
+    assert logprobs.stats.cached_tokens == 0
+
+    store, fresh = PrefixStore(4096), module.new_cache()
+    module.forward_tokens(torch.tensor(turn[:-1]), fresh, prefill=True, logits=False)
+    store.keep(torch.tensor(turn), fresh, module.new_cache)
+    copied = module.new_cache()
+    assert store.reuse(torch.tensor(turn + [1]), copied) == len(turn) - 1
+    n = copied.length
+    assert n == fresh.length and torch.equal(copied.k[:, :, :, :n], fresh.k[:, :, :, :n]) and torch.equal(copied.v[:, :, :, :n], fresh.v[:, :, :, :n])
+    small = PrefixStore(50)
+    small.keep(torch.tensor(ids[:30]), fresh, module.new_cache)
+    small.keep(torch.tensor(ids[40:70]), fresh, module.new_cache)  # 60 positions: the first is dropped
+    assert small.positions == 30 and small.reuse(torch.tensor(ids[:30]), module.new_cache()) == 0
+    small.keep(torch.tensor(ids[40:75]), fresh, module.new_cache)  # a longer context of the same tokens replaces it
+    assert small.positions == 35 and len(small.entries) == 1
+
+
+def test_no_prefix_is_kept_where_a_copy_is_not_a_prefill(assets):
+    """A dense fp32 model's prefill runs F.linear over the prompt's rows (not row-invariant): nothing is kept."""
+    from mtpspec.engine import Engine
+
+    model = mtpspec.load(str(assets / "models" / "stories260K.bin"), str(assets / "models" / "tok512.bin"))
+    assert Engine(model.module, prefix_positions=4096).prefixes is None

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpspec.errors import ConfigError
 from mtpspec.server.options import ServeOptions
 from test_openai_server import PROMPTS, running, served  # noqa: F401 (served: the stories260K fixture, shared)
 
@@ -294,3 +295,9 @@ def test_the_queue_counts_waiting_requests_only(served):
     assert early == [429] * 4
     assert sorted(r.status_code for r in rs) == [200] * 4 + [429] * 4
     assert all(r.json()["usage"]["completion_tokens"] == 6 for r in rs if r.status_code == 200)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_the_prefix_cache_option_is_checked(bad):
+    with pytest.raises(ConfigError, match=r"--prefix-cache must be an integer >= 0, got "):
+        ServeOptions(prefix_cache=bad)

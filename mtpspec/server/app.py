@@ -92,7 +92,7 @@ def create_app(served: Served, options: ServeOptions | None = None) -> FastAPI:
     options = options or ServeOptions()
     metrics = ServerMetrics()
     schedulers = {name: Scheduler(name, model, speculation(served, name, options), options.max_batch, options.max_queue,
-                                  options.prefill_chunk, metrics, exact=options.exact)
+                                  options.prefill_chunk, metrics, exact=options.exact, prefix_cache=options.prefix_cache)
                   for name, model in served.models.items()}
 
     @asynccontextmanager

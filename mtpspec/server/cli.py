@@ -39,6 +39,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for a free slot, per model (default 64); more are answered 429 with Retry-After")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt positions prefilled per engine step, so running sequences keep decoding (default 512)")
+    p.add_argument("--prefix-cache", type=int, default=4096, metavar="N",
+                   help="positions of finished requests' KV kept per model for later prompts that start the same way (a "
+                        "chat's earlier turns, a shared system prompt), on models where a copy is bitwise a prefill (GGUF "
+                        "and block-quantized ones); 0: off (default 4096)")
     p.add_argument("--max-prompt-chars", type=int, default=200_000, help="characters of one prompt or chat (default 200000)")
     p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens of a request that gives none (default 256)")
     p.add_argument("--api-key", default=None,
@@ -69,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     k = args.k if args.k == "auto" else _int_k(args.k)
     options = ServeOptions(drafter=args.drafter, k=k, max_batch=args.max_batch, max_queue=args.max_queue,
-                           prefill_chunk=args.prefill_chunk, max_prompt_chars=args.max_prompt_chars,
+                           prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache, max_prompt_chars=args.max_prompt_chars,
                            max_tokens_default=args.max_tokens_default, mtp_lookup=args.mtp_lookup, exact=args.exact,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("MTPSPEC_API_KEY") or None)
     if not 0 <= args.port <= 65535:

@@ -19,6 +19,7 @@ class ServeOptions:
     max_batch: int = 16  # sequences sharing one target forward
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429 with Retry-After
     prefill_chunk: int = 512  # prompt positions prefilled per engine step (running sequences keep decoding)
+    prefix_cache: int = 4096  # finished requests' KV positions kept per model for prompts that start the same way; 0 off
     max_prompt_chars: int = 200_000  # characters of one prompt (or of all chat messages), before tokenising
     max_tokens_default: int = 256  # max_tokens when a request gives none (then clipped by the context)
     api_key: str | None = None  # when set: `Authorization: Bearer KEY` on every endpoint but the static page
@@ -30,6 +31,8 @@ class ServeOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.prefix_cache, int) or isinstance(self.prefix_cache, bool) or self.prefix_cache < 0:
+            raise ConfigError(f"--prefix-cache must be an integer >= 0, got {self.prefix_cache!r}")
         if self.k != "auto" and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
             raise ConfigError(f"--k must be an integer >= 1 or 'auto', got {self.k!r}")
         check_lookup(self.mtp_lookup)

@@ -164,12 +164,12 @@ class Scheduler:
     """A served model's engine on its own thread: continuous batching of every request to this model."""
 
     def __init__(self, name: str, model: Model, spec: Speculation, max_batch: int, max_queue: int,
-                 prefill_chunk: int, metrics: ServerMetrics, exact: bool = False) -> None:
+                 prefill_chunk: int, metrics: ServerMetrics, exact: bool = False, prefix_cache: int = 0) -> None:
         self.name, self.model, self.spec, self.metrics = name, model, spec, metrics
         self.exact = exact  # exact mode (engine.py): width-one verify calls
         self.max_queue = max_queue
         self.max_k = self._max_depth()
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_batch, self.prefill_chunk, self.prefix_cache = max_batch, prefill_chunk, prefix_cache
         self.engine = self._new_engine()
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[int, Handle] = {}
@@ -232,7 +232,8 @@ class Scheduler:
     def _new_engine(self) -> Engine:
         deepest = auto_depth(self.model.module)
         self.depth = PerRequest(ByBatchSize(k_max=deepest) if self.spec.drafter != "none" else None)
-        return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk)
+        return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk,
+                      prefix_positions=self.prefix_cache)
 
     def _warm(self) -> None:
         """A compiled model's graphs, every one a request may take, built before the first request (compiled.warm) at
