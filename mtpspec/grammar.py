@@ -168,8 +168,6 @@ class GrammarState:
     def allowed(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         """Per row (after the committed tokens plus its path): the allowed tokens (R, V) bool, and whether the grammar is
         complete there (R,) bool (only a stop token may follow)."""
-        from llguidance.torch import fill_next_token_bitmask
-
         m = self.matcher
         bits = torch.empty(len(rows), self.words, dtype=torch.int32)  # (R, W) one bit per token
         complete = torch.zeros(len(rows), dtype=torch.bool)  # (R,)
@@ -191,7 +189,9 @@ class GrammarState:
             if cur == last:  # the same state as the previous row (a path cut at a rejected token)
                 bits[r], complete[r] = bits[r - 1], complete[r - 1]
                 continue
-            fill_next_token_bitmask(m, bits, r)
+            # llguidance.torch's fill_next_token_bitmask, called directly: importing that module compiles a function
+            # with torch.compile, which imports torch._dynamo (2-3 s on a process's first grammar)
+            m.unsafe_compute_mask_ptr(bits[r].data_ptr(), self.words * 4)
             complete[r] = m.is_stopped()
             last = list(cur)
         if cur:
@@ -225,7 +225,7 @@ _BUILDING = threading.Lock()  # one build at a time (the server compiles on work
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's tokenizer for one of ours (built once per tokenizer and vocabulary): a Hugging Face `tokenizers`
     one (HF folders, GGUF files, the demo model) from its JSON, a llama2.c one from its token bytes. Its EOS is our
-    first stop id. Building one for a large vocabulary takes seconds (Gemma's 262k tokens: ~8 s), once per process."""
+    first stop id. Building one for a large vocabulary takes seconds (Gemma's 262k tokens: 3-4 s), once per process."""
     with _BUILDING:
         cached = _TOKENIZERS.setdefault(tokenizer, {})
         if vocab_size not in cached:

@@ -306,3 +306,17 @@ def test_server_checks_cheap_fields_before_compiling(server, monkeypatch):
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
         r = post(server, path, {**base, "max_tokens": 4, "stream_options": {"include_usage": True}, "mtpspec": {"regex": "a+"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+def test_a_grammar_does_not_import_torch_compile(assets):
+    """Masks are filled by llguidance's matcher directly: its torch helpers module compiles a function at import, which
+    imports torch._dynamo (2-3 s of a process's first constrained request)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mtpspec; from mtpspec import Grammar; "
+            f"m = mtpspec.load({str(assets / 'models' / 'stories260K.bin')!r}, tokenizer={str(assets / 'models' / 'tok512.bin')!r}); "
+            "m.generate('x', grammar=Grammar.json_object(), drafter='ngram', k=3, max_new_tokens=8); "
+            "print(sorted(n for n in ('torch._dynamo', 'llguidance.torch') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
