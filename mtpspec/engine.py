@@ -489,7 +489,7 @@ class Engine:
                 continue
             self.finished[s.id] = s
             if self.prefixes is not None:  # before its slot is given to another sequence
-                self.prefixes.keep(s.context, s.cache, self.target.new_cache)
+                self.prefixes.keep(s.context, s.cache)
             last = self.running.pop()
             if last is not s:
                 if self.storage is not None:

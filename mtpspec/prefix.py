@@ -33,32 +33,29 @@ def plain_kv(cache) -> bool:
 
 
 class PrefixStore:
-    """Kept contexts (token ids) with copies of their KV, least recently used dropped first, at most `budget`
-    positions in all. One per engine; used by its thread only."""
+    """Kept contexts (token ids) with copies of their keys and values, least recently used dropped first, at most
+    `budget` positions in all. One per engine; used by its thread only."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.entries: OrderedDict[int, tuple[Tensor, KVCache]] = OrderedDict()  # id -> (tokens (n,), cache of n positions)
+        # id -> (tokens (n,), keys, values (L, 1, n_kv, n, hd) each: exactly the kept positions)
+        self.entries: OrderedDict[int, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
         self.positions = 0
         self.next_id = 0
 
-    def keep(self, tokens: Tensor, cache, new_cache) -> None:
-        """Keep the committed positions of `cache` (a finishing sequence's; tokens: its context) in a copy from
-        `new_cache()`; an entry that is a prefix of it is dropped (this one serves every prompt it served)."""
+    def keep(self, tokens: Tensor, cache) -> None:
+        """Keep the committed positions of `cache` (a finishing sequence's; tokens: its context); an entry that is a
+        prefix of it is dropped (this one serves every prompt it served)."""
         if not plain_kv(cache):
             return
         n = min(cache.length, tokens.shape[0])
         if n < MIN_REUSE or n > self.budget:
             return
         tokens = tokens[:n].clone()
-        for key, (t, _) in list(self.entries.items()):
+        for key, (t, _, _) in list(self.entries.items()):
             if t.shape[0] <= n and torch.equal(t, tokens[: t.shape[0]]):
                 self._drop(key)
-        copy = new_cache()
-        copy.k[:, :, :, :n] = cache.k[:, :, :, :n]
-        copy.v[:, :, :, :n] = cache.v[:, :, :, :n]
-        copy.advance(n)
-        self.entries[self.next_id] = (tokens, copy)
+        self.entries[self.next_id] = (tokens, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone())
         self.next_id += 1
         self.positions += n
         while self.positions > self.budget:
@@ -71,7 +68,7 @@ class PrefixStore:
             return 0
         want = prompt.shape[0] - 1
         best, key = 0, None
-        for k, (t, _) in self.entries.items():
+        for k, (t, _, _) in self.entries.items():
             m = min(t.shape[0], want)
             same = t[:m] == prompt[:m]
             p = m if bool(same.all()) else int(same.int().argmin())
@@ -79,13 +76,13 @@ class PrefixStore:
                 best, key = p, k
         if best < MIN_REUSE:
             return 0
-        src = self.entries[key][1]
-        cache.k[:, :, :, :best] = src.k[:, :, :, :best]
-        cache.v[:, :, :, :best] = src.v[:, :, :, :best]
+        _, keys, values = self.entries[key]
+        cache.k[:, :, :, :best] = keys[:, :, :, :best]
+        cache.v[:, :, :, :best] = values[:, :, :, :best]
         cache.advance(best)
         self.entries.move_to_end(key)
         return best
 
     def _drop(self, key: int) -> None:
-        tokens, _ = self.entries.pop(key)
+        tokens, _, _ = self.entries.pop(key)
         self.positions -= tokens.shape[0]

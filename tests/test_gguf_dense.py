@@ -330,16 +330,17 @@ def test_a_kept_prefix_is_bitwise_a_prefill(written):
 
     store, fresh = PrefixStore(4096), module.new_cache()
     module.forward_tokens(torch.tensor(turn[:-1]), fresh, prefill=True, logits=False)
-    store.keep(torch.tensor(turn), fresh, module.new_cache)
+    store.keep(torch.tensor(turn), fresh)
     copied = module.new_cache()
     assert store.reuse(torch.tensor(turn + [1]), copied) == len(turn) - 1
+    assert all(k.shape[3] == v.shape[3] == t.shape[0] for t, k, v in store.entries.values())  # the kept positions only
     n = copied.length
     assert n == fresh.length and torch.equal(copied.k[:, :, :, :n], fresh.k[:, :, :, :n]) and torch.equal(copied.v[:, :, :, :n], fresh.v[:, :, :, :n])
     small = PrefixStore(50)
-    small.keep(torch.tensor(ids[:30]), fresh, module.new_cache)
-    small.keep(torch.tensor(ids[40:70]), fresh, module.new_cache)  # 60 positions: the first is dropped
+    small.keep(torch.tensor(ids[:30]), fresh)
+    small.keep(torch.tensor(ids[40:70]), fresh)  # 60 positions: the first is dropped
     assert small.positions == 30 and small.reuse(torch.tensor(ids[:30]), module.new_cache()) == 0
-    small.keep(torch.tensor(ids[40:75]), fresh, module.new_cache)  # a longer context of the same tokens replaces it
+    small.keep(torch.tensor(ids[40:75]), fresh)  # a longer context of the same tokens replaces it
     assert small.positions == 35 and len(small.entries) == 1
 
 
