@@ -223,9 +223,9 @@ _BUILDING = threading.Lock()  # one build at a time (the server compiles on work
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
-    """llguidance's tokenizer for one of ours (built once per tokenizer and vocabulary): a Hugging Face `tokenizers`
-    one (HF folders, GGUF files, the demo model) from its JSON, a llama2.c one from its token bytes. Its EOS is our
-    first stop id. Building one for a large vocabulary takes seconds (Gemma's 262k tokens: 3-4 s), once per process."""
+    """llguidance's tokenizer for one of ours (built once per tokenizer and vocabulary): a Gemma GGUF's SentencePiece one
+    from its pieces, a Hugging Face `tokenizers` one (HF folders, other GGUF files, the demo model) from its JSON, a
+    llama2.c one from its token bytes. Its EOS is our first stop id. Building one for a large vocabulary takes time (Gemma's 262k tokens: about 1 s), once per process."""
     with _BUILDING:
         cached = _TOKENIZERS.setdefault(tokenizer, {})
         if vocab_size not in cached:
@@ -241,6 +241,11 @@ def _build_tokenizer(tokenizer, vocab_size: int):
     own = getattr(tokenizer, "vocab_size", None)
     if own is not None and own > vocab_size:
         raise ConfigError(f"the tokenizer has {own} tokens, more than the model's vocabulary of {vocab_size}: no grammar mask fits")
+    if hasattr(tokenizer, "piece_bytes"):  # mtpspec.loading.tokenizer_spm.SPMTokenizer (a Gemma GGUF's)
+        from llguidance._tokenizer import TokenizerWrapper
+
+        ll = LLTokenizer(TokenizerWrapper(_SentencePieceBytes(tokenizer, eos)), n_vocab=vocab_size, eos_token=eos)
+        return ll
     hf = getattr(tokenizer, "tokenizer", None)
     if hf is not None and hasattr(hf, "to_str"):  # mtpspec.loading.tokenizer_hf.HFTokenizer
         ll = LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos)
@@ -251,6 +256,26 @@ def _build_tokenizer(tokenizer, vocab_size: int):
     else:
         raise ConfigError(f"grammars need a Hugging Face or llama2.c tokenizer, this model has a {type(tokenizer).__name__}")
     return ll
+
+
+class _SentencePieceBytes:
+    """What llguidance's TokenizerWrapper reads of a Gemma SentencePiece tokenizer, from its pieces: a second for 262k
+    tokens, where writing its `tokenizers` JSON and llguidance parsing it take 3-4 s (and the `tokenizers` form 86 MB).
+    Special: what llguidance makes special when it reads that JSON (its special added tokens, the added tokens spelled
+    <...>, and the byte 0xFF, llguidance's special-token marker), so every mask is the JSON path's
+    (tests/test_gemma3_real.py compares them)."""
+
+    def __init__(self, tok, eos: int | None) -> None:
+        self.tok = tok
+        self.tokens, added, special = tok.piece_bytes()
+        marked = {i for i in added if self.tokens[i][:1] == b"<" and self.tokens[i][-1:] == b">"}
+        self.special_token_ids = sorted(special | marked | {i for i, b in enumerate(self.tokens) if b == b"\xff"})
+        self.bos_token_id, self.eos_token_id = tok.bos_id, eos
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")  # TokenizerWrapper probes with bytes: it then passes text
+        return self.tok.encode_plain(text)
 
 
 class _Llama2cBytes:

@@ -233,3 +233,41 @@ def test_a_chats_next_turn_reuses_the_earlier_turns(gemma):
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert second["usage"]["prompt_tokens"] == len(ids) and first["usage"]["prompt_tokens"] + 15 < cached < len(ids)
     assert second["choices"][0]["message"]["content"] == gemma.tokenizer.decode(_plain(gemma, ids)[:20], prev=ids[-1])
+
+
+def test_the_grammar_tokenizer_from_pieces_is_the_json_ones(gemma):
+    """llguidance's tokenizer for Gemma is built from the SentencePiece pieces (grammar._SentencePieceBytes), not from
+    the `tokenizers` JSON: the same special tokens, the same bytes, and the same mask at every state of a JSON object,
+    a regex and a Lark grammar (a markup token, special to llguidance, refused by both)."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from mtpspec import Grammar
+    from mtpspec.grammar import ll_tokenizer
+
+    tok, n = gemma.tokenizer, gemma.module.vocab_size
+    ours = ll_tokenizer(tok, n)
+    ref = LLTokenizer(tok.tokenizer.to_str(), n_vocab=n, eos_token=tok.stop_ids[0])
+    assert [i for i in range(n) if ours.is_special_token(i)] == [i for i in range(n) if ref.is_special_token(i)]
+    assert all(ours.decode_bytes([i]) == ref.decode_bytes([i]) for i in range(0, n, 97))
+    # (grammar, text, the token index both refuse: a markup token, special to llguidance; None: every token taken)
+    cases = [(Grammar.json_object(), '{"name": "Bob the builder", "n": [1, 2.5e3], "ok": true, "t": "a\\tb"}', None),
+             (Grammar.json_object(), '{"html": "a <b>bold</b> word"}', 6),
+             (Grammar.regex(r"[a-z <>/]+\."), "see <table> here.", 2),
+             (Grammar.lark('start: "def " /[a-z_]+/ "(" ")" ":"'), "def my_func():", None)]
+    for grammar, text, refused in cases:
+        matchers = [LLMatcher(t, grammar.llguidance(), log_level=0) for t in (ours, ref)]
+        ids = tok.encode_plain(text)
+        for step, token in enumerate(ids + [None]):
+            masks = []
+            for m in matchers:
+                bits = torch.zeros((n + 31) // 32, dtype=torch.int32)
+                m.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+                masks.append(bits)
+            assert torch.equal(*masks), (text, step)
+            if token is None:
+                break
+            took = [m.consume_token(token) for m in matchers]
+            assert took == [step != refused] * 2, (text, step)
+            if step == refused:
+                break
+        assert step == (len(ids) if refused is None else refused), text

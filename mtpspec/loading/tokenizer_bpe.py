@@ -106,6 +106,10 @@ class CompactBPE:
             raise IndexError(f"piece id {i} is out of range [0, {self._n})")
         return self._blob[self._offv[i]:self._offv[i + 1]].decode("utf-8")
 
+    def kinds(self) -> np.ndarray:
+        """Each piece's SentencePiece type (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE), (n,) uint8."""
+        return self._kinds
+
     def piece_to_id(self, piece: str) -> int:
         """The piece's id, the unknown piece's where there is none (as SentencePiece)."""
         i = self._find(piece)

@@ -88,6 +88,17 @@ class SPMTokenizer(HFTokenizer):
             cfg["chat_template"] = self.chat_template
         return cfg
 
+    def piece_bytes(self) -> tuple[list[bytes], frozenset[int], frozenset[int]]:
+        """Each id's bytes as its text decodes (a byte piece its byte, U+2581 a space, an added token its name), the ids
+        of transformers' added tokens (control, user-defined, the named ones) and of its special ones (control, named)."""
+        kinds = self.sp.kinds()
+        out = []
+        for i in range(self._n):
+            b = self._bytes.get(i)
+            out.append(bytes([b]) if b is not None else self.sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+        added = frozenset(np.flatnonzero(kinds == USER_DEFINED).tolist()) | self._special_ids
+        return out, added, self._special_ids
+
     def encode_plain(self, text: str) -> list[int]:
         """`text`'s ids without BOS / EOS (added tokens in the text are matched, as transformers matches them)."""
         if self._unk_text not in text:
