@@ -102,6 +102,17 @@ class Model:
                 on_text(tail)
         return replace(res, text=self.tokenizer.decode(res.tokens, prev=ids[-1]))
 
+    def chat(self, messages: list[dict], config: GenerationConfig | None = None, *, on_text: Callable[[str], None] | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None, depth_policy=None, **overrides) -> GenerationResult:
+        """The assistant's next message after `messages` ({"role", "content"} dicts, as OpenAI's chat API takes them),
+        rendered by the tokenizer's chat template (mtpspec.chat; "Role: content" lines where it has none): generate()
+        on that prompt, so lossless for every drafter; the result's text is the reply, ended by a stop token (EOS, the
+        end of a turn) or the length."""
+        from .chat import ChatTemplate
+
+        ids = ChatTemplate.for_tokenizer(self.tokenizer).prompt_ids(self, messages)
+        return self.generate(ids, config, on_text=on_text, on_tokens=on_tokens, depth_policy=depth_policy, **overrides)
+
     def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, max_batch: int | None = None,
                        depth_policy=None, **overrides) -> list[GenerationResult]:
         """Generate after each prompt, up to `max_batch` sequences (default: all) sharing each target forward.

@@ -228,6 +228,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default="", help="prompt text ('' = BOS alone)")
     add_model_args(p)
     add_generation_args(p)
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message: rendered by the model's chat template, the reply printed alone")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_grammar_args(p)
     add_threads_arg(p)
@@ -288,6 +291,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.drafter == "auto" and args.draft_model is not None:
         raise ConfigError("--draft-model needs --drafter draft, mtp, eagle or medusa (the default, auto, drafts with the "
                           "model's own MTP head or prompt lookup)")
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system needs --chat (a system message goes before the user's, in the chat template)")
     grammar = grammar_arg(args)  # a bad file or schema is named before the model loads
     model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
     kwargs = {**generation_kwargs(args), "grammar": grammar}
@@ -295,10 +300,15 @@ def run_generate(args: argparse.Namespace) -> int:
         kwargs["drafter"] = auto_drafter(model.module)
         if kwargs["drafter"] == "ngram":
             kwargs["mtp_lookup"] = None  # --mtp-lookup is the MTP drafter's: moot when auto chose prompt lookup (as serve)
-    on_text, echo = None, _Echo(args.prompt)
+    on_text, echo = None, _Echo("" if args.chat else args.prompt)
     if not args.json:  # the prompt is echoed with the first text: after every setting has been validated
         on_text = echo
-    res = model.generate(args.prompt, on_text=on_text, **kwargs)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+            {"role": "user", "content": args.prompt}]
+        res = model.chat(messages, on_text=on_text, **kwargs)
+    else:
+        res = model.generate(args.prompt, on_text=on_text, **kwargs)
     if args.json:
         print(json.dumps(res.to_json()))
     else:

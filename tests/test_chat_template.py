@@ -10,8 +10,9 @@ import pytest
 
 import mtpspec
 from mtpspec.errors import ConfigError
+from mtpspec.chat import PLAIN_TEMPLATE, ChatTemplate
+from mtpspec.cli import main
 from mtpspec.loading.tokenizer_hf import load_hf_tokenizer
-from mtpspec.server.chat import PLAIN_TEMPLATE, ChatTemplate
 
 DEMO = Path(mtpspec.__file__).resolve().parent.parent / "models" / "demo"
 
@@ -203,3 +204,24 @@ def test_template_errors(tmp_path):
         chat.render([{"role": "user", "content": "x"}])
     with pytest.raises(ConfigError, match="^the tokenizer's chat template does not compile: line 1"):
         ChatTemplate.for_tokenizer(load_hf_tokenizer(hf_folder(tmp_path / "c", "{% for m in messages %}")))
+
+
+def test_model_chat_is_generate_on_the_rendered_prompt(stories):
+    """Model.chat: the template's prompt ids through generate(), so every drafter gives the same reply."""
+    messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me about a cat."}]
+    ids = ChatTemplate.for_tokenizer(stories.tokenizer).prompt_ids(stories, messages)
+    want = stories.generate(ids, drafter="none", max_new_tokens=24)
+    for drafter in ("none", "ngram"):
+        got = stories.chat(messages, drafter=drafter, k=3, max_new_tokens=24)
+        assert got.tokens == want.tokens and got.text == want.text and got.prompt_tokens == ids
+    with pytest.raises(ConfigError, match="messages: "):
+        stories.chat([{"role": "robot", "content": "x"}])
+
+
+def test_generate_chat_prints_the_reply_alone(stories, assets, capsys):
+    model = ["--model", str(assets / "models" / "stories260K.bin"), "--tokenizer", str(assets / "models" / "tok512.bin")]
+    assert main(["generate", "Tell me about a cat.", *model, "--chat", "--system", "Be kind.", "--max-new-tokens", "16"]) == 0
+    messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me about a cat."}]
+    assert capsys.readouterr().out == stories.chat(messages, max_new_tokens=16).text + "\n"
+    assert main(["generate", "x", *model, "--system", "Be kind."]) == 2
+    assert "--system needs --chat" in capsys.readouterr().err

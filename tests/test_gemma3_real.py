@@ -215,7 +215,7 @@ def test_a_chats_next_turn_reuses_the_earlier_turns(gemma):
     context instead of prefilling it (usage.prompt_tokens_details.cached_tokens), with plain's text."""
     import httpx
 
-    from mtpspec.server.chat import ChatTemplate
+    from mtpspec.chat import ChatTemplate
     from mtpspec.server.options import ServeOptions
     from mtpspec.server.registry import load_served
     from test_openai_server import running

@@ -275,7 +275,7 @@ def test_tiny_tokenizers_match_transformers(tmp_path, arch, kind):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from mtpspec.server.chat import ChatTemplate
+    from mtpspec.chat import ChatTemplate
 
     template = CHATML_TEMPLATE if kind == "gpt2" else GEMMA_TEMPLATE  # Qwen's templates do not write bos_token
     path = write_tiny(tmp_path / "tok.gguf", arch=arch, tokenizer=kind, chat_template=template)

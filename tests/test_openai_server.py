@@ -100,7 +100,7 @@ def test_streaming_equals_the_whole_answer(client, stories):
 
 
 def test_chat_uses_the_template_and_equals_generate(client, stories):
-    from mtpspec.server.chat import ChatTemplate
+    from mtpspec.chat import ChatTemplate
 
     messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story about a cat"}]
     r = client.chat.completions.create(model="stories", messages=messages, max_tokens=24, temperature=0)

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..grammar import Grammar
 from ..metrics import Acceptance
 from ..sampling import SamplingParams, pick_sampler
-from .chat import ChatTemplate
+from ..chat import ChatTemplate
 from .options import ServeOptions
 from .scheduler import Chunk, Failed, Finished, GenRequest, Handle, QueueFull, RequestSpec, Scheduler
 from .verify_page import FieldError

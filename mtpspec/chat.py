@@ -22,7 +22,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
