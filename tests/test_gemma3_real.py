@@ -228,11 +228,15 @@ def test_a_chats_next_turn_reuses_the_earlier_turns(gemma):
         first = httpx.post(url + "/v1/chat/completions", json=body | {"messages": messages}, timeout=120).json()
         messages += [first["choices"][0]["message"], {"role": "user", "content": "Now make it iterative."}]
         second = httpx.post(url + "/v1/chat/completions", json=body | {"messages": messages}, timeout=120).json()
+        metrics = httpx.get(url + "/metrics").text
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ids = chat.prompt_ids(gemma, messages)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert second["usage"]["prompt_tokens"] == len(ids) and first["usage"]["prompt_tokens"] + 15 < cached < len(ids)
     assert second["choices"][0]["message"]["content"] == gemma.tokenizer.decode(_plain(gemma, ids)[:20], prev=ids[-1])
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("mtpspec_prompt_tokens")}
+    assert counts == {"mtpspec_prompt_tokens_total": first["usage"]["prompt_tokens"] + len(ids),
+                      "mtpspec_prompt_tokens_cached_total": cached} | {k: v for k, v in counts.items() if k.endswith("_created")}
 
 
 def test_the_grammar_tokenizer_from_pieces_is_the_json_ones(gemma):

@@ -40,6 +40,9 @@ class ServerMetrics:
                                    ["position"], registry=r)
         self._accepted_at = Counter("mtpspec_accepted_by_position", "Accepted draft tokens at each draft position",
                                     ["position"], registry=r)
+        self._prompt = Counter("mtpspec_prompt_tokens", "Prompt tokens of finished requests (once per request)", registry=r)
+        self._cached = Counter("mtpspec_prompt_tokens_cached", "Of those, positions copied from a kept prefix (--prefix-cache) "
+                               "instead of prefilled", registry=r)
         self._batch = Histogram("mtpspec_batch_size", "Sequences in one decode step", buckets=BATCH_BUCKETS, registry=r)
         self._queue = Gauge("mtpspec_queue_length", "Requests waiting for a slot in the running batch", registry=r)
         self._running = Gauge("mtpspec_running", "Sequences in the running batch", registry=r)
@@ -72,6 +75,11 @@ class ServerMetrics:
         self._drafts.inc(sum(1 for s in rec.seqs if s.drafted > 0))
         self._draft_tokens.inc(sum(drafted_at))
         self._accepted_tokens.inc(sum(accepted_at))
+
+    def prompt(self, tokens: int, cached: int) -> None:
+        """A finished request's prompt: its tokens, and the positions its prefill copied from a kept prefix."""
+        self._prompt.inc(tokens)
+        self._cached.inc(cached)
 
     def queue(self, n: int) -> None:
         self._queue.set(n)

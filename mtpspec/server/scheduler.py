@@ -359,7 +359,10 @@ class Scheduler:
             if handle is not None:
                 self._answered(1)
                 lps = list(seq.prompt_lps) if seq.prompt_logprobs is not None else None
-                handle.post(Finished(handle.sids.index(sid), seq.finish_reason or "length", seq.result(), lps))
+                index, result = handle.sids.index(sid), seq.result()
+                if index == 0:  # the choice that prefilled the prompt
+                    self.metrics.prompt(len(seq.prompt), result.stats.cached_tokens)
+                handle.post(Finished(index, seq.finish_reason or "length", result, lps))
 
     def _fail_all(self, message: str) -> None:
         """Every request in flight fails (the engine is replaced, or the server stops: it is not touched here, it may
