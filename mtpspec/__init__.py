@@ -5,6 +5,7 @@ from .config import GenerationConfig
 from .engine import Engine, Session
 from .errors import ConfigError, ModelLoadError, MtpspecError
 from .grammar import Grammar
+from .prefix import PrefixStore
 from .sampling import SamplingParams
 from .types import Draft, GenerationResult, GenerationStats, StepRecord, TargetOutput, Verdict
 
@@ -13,4 +14,5 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "Model", "GenerationConfig", "Engine", "Session", "SamplingParams", "GenerationResult", "GenerationStats", "StepRecord",
     "Draft", "Verdict", "TargetOutput", "MtpspecError", "ModelLoadError", "ConfigError", "Grammar",
+    "PrefixStore",
 ]

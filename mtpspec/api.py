@@ -23,6 +23,7 @@ from .grammar import Grammar
 from .loading import load_checkpoint, parse_dtype, resolve_name
 from .models.compiled import auto_depth, check_compilable, compile_model, warm
 from .models.placement import place
+from .prefix import PrefixStore
 from .quant import check_quant, quantize
 from .sampling import Sampler, SamplingParams
 from .threads import apply_threads, check_threads, resolve_threads
@@ -74,18 +75,21 @@ class Model:
         on_text: Callable[[str], None] | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         depth_policy=None,
+        prefixes: PrefixStore | None = None,
         **overrides,
     ) -> GenerationResult:
         """Generate after `prompt` (text, or token ids that start with BOS). Lossless for every drafter.
 
         Keyword arguments override `config`'s fields; those that are not fields are drafter options (ngram_min,
-        draft_vocab, ...). on_text gets each step's new text, on_tokens its new ids. Threads are set process-wide."""
+        draft_vocab, ...). on_text gets each step's new text, on_tokens its new ids. prefixes: a PrefixStore kept across
+        calls (a conversation's turns): the prompt's longest kept prefix is copied, not prefilled, where that is
+        bitwise a prefill (mtpspec.prefix), and this generation is kept in it. Threads are set process-wide."""
         cfg = (config or GenerationConfig()).with_overrides(**overrides)
         for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
             if f is not None and not callable(f):
                 raise ConfigError(f"{name} must be a function, got {type(f).__name__}")
         ids = self._prompt_ids(prompt)
-        engine, k, depth = self._engine(cfg, 1, depth_policy)
+        engine, k, depth = self._engine(cfg, 1, depth_policy, prefixes)
         params = self.sampling(cfg)
         if self.module.compiled_step is not None:  # every graph the run may take, built before its first step
             mtp = cfg.drafter == "mtp"
@@ -103,7 +107,8 @@ class Model:
         return replace(res, text=self.tokenizer.decode(res.tokens, prev=ids[-1]))
 
     def chat(self, messages: list[dict], config: GenerationConfig | None = None, *, on_text: Callable[[str], None] | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, depth_policy=None, **overrides) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, depth_policy=None, prefixes: PrefixStore | None = None,
+             **overrides) -> GenerationResult:
         """The assistant's next message after `messages` ({"role", "content"} dicts, as OpenAI's chat API takes them),
         rendered by the tokenizer's chat template (mtpspec.chat; "Role: content" lines where it has none): generate()
         on that prompt, so lossless for every drafter; the result's text is the reply, ended by a stop token (EOS, the
@@ -111,7 +116,8 @@ class Model:
         from .chat import ChatTemplate
 
         ids = ChatTemplate.for_tokenizer(self.tokenizer).prompt_ids(self, messages)
-        return self.generate(ids, config, on_text=on_text, on_tokens=on_tokens, depth_policy=depth_policy, **overrides)
+        return self.generate(ids, config, on_text=on_text, on_tokens=on_tokens, depth_policy=depth_policy, prefixes=prefixes,
+                             **overrides)
 
     def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, max_batch: int | None = None,
                        depth_policy=None, **overrides) -> list[GenerationResult]:
@@ -129,7 +135,7 @@ class Model:
         results = engine.run()
         return [replace(results[s], text=self.tokenizer.decode(results[s].tokens, prev=x[-1])) for s, x in zip(sids, ids)]
 
-    def _engine(self, cfg: GenerationConfig, max_batch, depth_policy) -> tuple[Engine, int, object]:
+    def _engine(self, cfg: GenerationConfig, max_batch, depth_policy, prefixes: PrefixStore | None = None) -> tuple[Engine, int, object]:
         """The engine for `cfg` (threads applied, k resolved: "auto" = a depth policy over depths up to compiled.AUTO_K_MAX,
         compiled up to compiled.AUTO_DEPTH)."""
         n_threads = resolve_threads(self.threads if cfg.threads is None else cfg.threads, self.module)
@@ -147,7 +153,7 @@ class Model:
         cfg.sampling()  # checked before any work
         if self.device.type == "cpu":  # (on a device the host threads only feed it: torch's count is left alone)
             apply_threads(n_threads)
-        return Engine(self.module, max_batch, cfg.exact, depth_policy), k, depth_policy
+        return Engine(self.module, max_batch, cfg.exact, depth_policy, prefixes=prefixes), k, depth_policy
 
     def sampling(self, cfg: GenerationConfig) -> SamplingParams:
         """cfg's sampling params, its grammar (a mtpspec.Grammar) compiled against this model's tokenizer."""

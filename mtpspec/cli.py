@@ -281,18 +281,15 @@ class _Echo:
         sys.stdout.flush()
 
 
-@command("generate")(_generate_args)
-def run_generate(args: argparse.Namespace) -> int:
+def _load_for_generation(args: argparse.Namespace):
+    """(model, Model.generate keyword arguments) for `generate` and `chat`, every setting checked first."""
     from .api import load
-    from .config import GenerationConfig
 
     use_device(args)
     use_threads(args.threads)
     if args.drafter == "auto" and args.draft_model is not None:
         raise ConfigError("--draft-model needs --drafter draft, mtp, eagle or medusa (the default, auto, drafts with the "
                           "model's own MTP head or prompt lookup)")
-    if args.system is not None and not args.chat:
-        raise ConfigError("--system needs --chat (a system message goes before the user's, in the chat template)")
     grammar = grammar_arg(args)  # a bad file or schema is named before the model loads
     model = load(args.model, args.tokenizer, args.dtype, **load_kwargs(args))
     kwargs = {**generation_kwargs(args), "grammar": grammar}
@@ -300,6 +297,25 @@ def run_generate(args: argparse.Namespace) -> int:
         kwargs["drafter"] = auto_drafter(model.module)
         if kwargs["drafter"] == "ngram":
             kwargs["mtp_lookup"] = None  # --mtp-lookup is the MTP drafter's: moot when auto chose prompt lookup (as serve)
+    return model, kwargs
+
+
+def _summary(args: argparse.Namespace, kwargs: dict, res) -> str:
+    from .config import GenerationConfig
+
+    s = res.stats
+    depth = GenerationConfig(k=args.k, temperature=args.temperature).depth()
+    drafted = "plain" if kwargs["drafter"] == "none" else f"{kwargs['drafter']}{' (auto)' if args.drafter == 'auto' else ''} D={depth}"
+    cached = f", {s.cached_tokens} prompt positions reused" if s.cached_tokens else ""
+    return (f"[{len(res.tokens)} tokens, {drafted}, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
+            f"mean accepted length {s.mean_accepted_length:.2f}, finish: {res.finish_reason}{cached}]")
+
+
+@command("generate")(_generate_args)
+def run_generate(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system needs --chat (a system message goes before the user's, in the chat template)")
+    model, kwargs = _load_for_generation(args)
     on_text, echo = None, _Echo("" if args.chat else args.prompt)
     if not args.json:  # the prompt is echoed with the first text: after every setting has been validated
         on_text = echo
@@ -313,16 +329,57 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_json()))
     else:
         echo("")  # the prompt, if no text came
-        s = res.stats
         sys.stdout.write("\n")
-        depth = GenerationConfig(k=args.k, temperature=args.temperature).depth()
-        drafted = "plain" if kwargs["drafter"] == "none" else f"{kwargs['drafter']}{' (auto)' if args.drafter == 'auto' else ''} D={depth}"
-        print(
-            f"[{len(res.tokens)} tokens, {drafted}, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
-            f"mean accepted length {s.mean_accepted_length:.2f}, finish: {res.finish_reason}]",
-            file=sys.stderr,
-        )
+        print(_summary(args, kwargs, res), file=sys.stderr)
     return 0
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_generation_args(p)
+    p.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
+    p.add_argument("--prefix-cache", type=int, default=32768, metavar="N",
+                   help="positions of the conversation's KV kept between turns, so a turn prefills only its new text (on "
+                        "GGUF and block-quantized models; 0: off; default 32768)")
+    add_grammar_args(p)
+    add_threads_arg(p)
+    add_device_arg(p)
+
+
+HELP["chat"] = "talk with a model through its chat template: one user turn per line of input, each reply streamed"
+
+
+@command("chat")(_chat_args)
+def run_chat(args: argparse.Namespace) -> int:
+    """User turns from stdin, one a line ("/reset" forgets the conversation), replies to stdout; the earlier turns'
+    KV is reused where the model allows it (mtpspec.prefix). Ends at end of input."""
+    from .prefix import PrefixStore
+
+    if args.prefix_cache < 0:
+        raise ConfigError(f"--prefix-cache must be an integer >= 0, got {args.prefix_cache}")
+    model, kwargs = _load_for_generation(args)
+    store = PrefixStore(args.prefix_cache) if args.prefix_cache else None
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages = list(system)
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            messages = list(system)
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        res = model.chat(messages, on_text=_Echo(""), prefixes=store, **kwargs)
+        messages.append({"role": "assistant", "content": res.text})
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_summary(args, kwargs, res), file=sys.stderr)
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:

@@ -361,9 +361,9 @@ class Engine:
     """
 
     def __init__(self, target: Target, max_batch: int = 1, exact: bool = False, depth: DepthPolicy | None = None,
-                 prefill_chunk: int = 512, prefix_positions: int = 0) -> None:
-        """prefix_positions > 0: finished sequences' KV kept (that many positions in all) for later prompts that start
-        the same way, on a model where that is bitwise a prefill (prefix.py); otherwise nothing is kept."""
+                 prefill_chunk: int = 512, prefixes: PrefixStore | None = None) -> None:
+        """prefixes: where finished sequences' KV is kept for later prompts that start the same way (it may outlive
+        this engine: a server's, a chat's), used on a model where a copy is bitwise a prefill (prefix.py), else not."""
         self.target, self.exact, self.depth = target, exact, depth
         self.device = device_of(target)  # where its weights are: every tensor of a step is made there
         self.max_batch = check_count("max batch", max_batch, 1)
@@ -372,7 +372,7 @@ class Engine:
         self.waiting: list[Sequence] = []  # prefilling, in arrival order
         self.finished: dict[int, Sequence] = {}
         self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
-        self.prefixes = PrefixStore(prefix_positions) if prefix_positions > 0 and keeps_rows(target) else None
+        self.prefixes = prefixes if prefixes is not None and keeps_rows(target) else None
         self.next_id = 0
 
     @_on_device

@@ -225,3 +225,20 @@ def test_generate_chat_prints_the_reply_alone(stories, assets, capsys):
     assert capsys.readouterr().out == stories.chat(messages, max_new_tokens=16).text + "\n"
     assert main(["generate", "x", *model, "--system", "Be kind."]) == 2
     assert "--system needs --chat" in capsys.readouterr().err
+
+
+def test_the_chat_command_holds_a_conversation(stories, assets, capsys, monkeypatch):
+    """`mtpspec chat`: one user turn per line of input, each reply streamed on its own line, the conversation carried
+    to the next turn; /reset forgets it; blank lines are skipped; end of input ends it."""
+    import io
+
+    model = ["--model", str(assets / "models" / "stories260K.bin"), "--tokenizer", str(assets / "models" / "tok512.bin")]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me about a cat.\n\nAnd a dog?\n/reset\nAnd a dog?\n"))
+    assert main(["chat", *model, "--system", "Be kind.", "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    system = [{"role": "system", "content": "Be kind."}]
+    first = stories.chat(system + [{"role": "user", "content": "Tell me about a cat."}], max_new_tokens=12).text
+    second = stories.chat(system + [{"role": "user", "content": "Tell me about a cat."}, {"role": "assistant", "content": first},
+                                     {"role": "user", "content": "And a dog?"}], max_new_tokens=12).text
+    fresh = stories.chat(system + [{"role": "user", "content": "And a dog?"}], max_new_tokens=12).text
+    assert out == f"{first}\n{second}\n{fresh}\n" and err.count("[12 tokens") == 3

@@ -275,3 +275,26 @@ def test_the_grammar_tokenizer_from_pieces_is_the_json_ones(gemma):
             if step == refused:
                 break
         assert step == (len(ids) if refused is None else refused), text
+
+
+def test_a_conversations_turns_reuse_the_earlier_ones(gemma, capsys, monkeypatch):
+    """Model.chat with a PrefixStore (and `mtpspec chat`): each turn copies the conversation so far instead of
+    prefilling it, with the text a fresh prefill gives."""
+    import io
+
+    from mtpspec import PrefixStore
+    from mtpspec.cli import main
+
+    turns = ["Write a Python function that adds two numbers.", "Now one that multiplies them."]
+    store, messages, replies = PrefixStore(4096), [], []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        kept = gemma.chat(messages, drafter="ngram", k=3, max_new_tokens=16, prefixes=store)
+        fresh = gemma.chat(messages, drafter="ngram", k=3, max_new_tokens=16)
+        assert kept.tokens == fresh.tokens and (kept.stats.cached_tokens > 16) == (i > 0) and fresh.stats.cached_tokens == 0
+        messages.append({"role": "assistant", "content": kept.text})
+        replies.append(kept.text)
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(t + "\n" for t in turns)))
+    assert main(["chat", "--model", str(gemma_path()), "--drafter", "ngram", "--k", "3", "--max-new-tokens", "16", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "".join(r + "\n" for r in replies) and "prompt positions reused" in err.splitlines()[-1]

@@ -315,7 +315,7 @@ def test_a_kept_prefix_is_bitwise_a_prefill(written):
         sid = engine.add(prompt, make_drafter("ngram", module), Sampler(SamplingParams()), 3, 12, **kw)
         return engine.run()[sid]
 
-    kept = Engine(module, max_batch=2, prefix_positions=4096)
+    kept = Engine(module, max_batch=2, prefixes=PrefixStore(4096))
     first = run(kept, ids[:30])
     turn = ids[:30] + first.tokens + ids[30:36]  # the next turn: everything before, then new text
     head = ids[:20] + ids[50:70]  # a shared head of 20 positions
@@ -349,4 +349,6 @@ def test_no_prefix_is_kept_where_a_copy_is_not_a_prefill(assets):
     from mtpspec.engine import Engine
 
     model = mtpspec.load(str(assets / "models" / "stories260K.bin"), str(assets / "models" / "tok512.bin"))
-    assert Engine(model.module, prefix_positions=4096).prefixes is None
+    from mtpspec.prefix import PrefixStore
+
+    assert Engine(model.module, prefixes=PrefixStore(4096)).prefixes is None

@@ -29,6 +29,7 @@ from ..api import Model
 from ..drafters import make_drafter
 from ..engine import Engine, Sequence, TokenLogprob
 from ..models.compiled import AUTO_K_MAX, auto_depth, warm
+from ..prefix import PrefixStore
 from ..sampling import Sampler, SamplingParams
 from ..threads import apply_threads
 from ..types import BatchStep, GenerationResult
@@ -233,7 +234,7 @@ class Scheduler:
         deepest = auto_depth(self.model.module)
         self.depth = PerRequest(ByBatchSize(k_max=deepest) if self.spec.drafter != "none" else None)
         return Engine(self.model.module, self.max_batch, exact=self.exact, depth=self.depth, prefill_chunk=self.prefill_chunk,
-                      prefix_positions=self.prefix_cache)
+                      prefixes=PrefixStore(self.prefix_cache) if self.prefix_cache else None)
 
     def _warm(self) -> None:
         """A compiled model's graphs, every one a request may take, built before the first request (compiled.warm) at
