@@ -372,6 +372,8 @@ class Engine:
         self.waiting: list[Sequence] = []  # prefilling, in arrival order
         self.finished: dict[int, Sequence] = {}
         self.storage: SlotKV | None = None  # created with the first sequence when max_batch > 1
+        if prefixes is not None and not isinstance(prefixes, PrefixStore):
+            raise ConfigError(f"prefixes must be a mtpspec.PrefixStore, got {type(prefixes).__name__}")
         self.prefixes = prefixes if prefixes is not None and keeps_rows(target) else None
         self.next_id = 0
 

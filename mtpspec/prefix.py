@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .cache import KVCache
+from .errors import ConfigError
 
 MIN_REUSE = 16  # positions below which a copy is not worth looking for
 
@@ -37,6 +38,8 @@ class PrefixStore:
     `budget` positions in all. One per engine; used by its thread only."""
 
     def __init__(self, budget: int) -> None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ConfigError(f"a prefix store holds an integer >= 1 of positions, got {budget!r}")
         self.budget = budget
         # id -> (tokens (n,), keys, values (L, 1, n_kv, n, hd) each: exactly the kept positions)
         self.entries: OrderedDict[int, tuple[Tensor, Tensor, Tensor]] = OrderedDict()

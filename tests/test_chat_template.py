@@ -242,3 +242,4 @@ def test_the_chat_command_holds_a_conversation(stories, assets, capsys, monkeypa
                                      {"role": "user", "content": "And a dog?"}], max_new_tokens=12).text
     fresh = stories.chat(system + [{"role": "user", "content": "And a dog?"}], max_new_tokens=12).text
     assert out == f"{first}\n{second}\n{fresh}\n" and err.count("[12 tokens") == 3
+    assert main(["chat", *model, "--prefix-cache", "-1"]) == 2 and "--prefix-cache must be an integer >= 0" in capsys.readouterr().err

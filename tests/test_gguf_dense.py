@@ -345,10 +345,15 @@ def test_a_kept_prefix_is_bitwise_a_prefill(written):
 
 
 def test_no_prefix_is_kept_where_a_copy_is_not_a_prefill(assets):
-    """A dense fp32 model's prefill runs F.linear over the prompt's rows (not row-invariant): nothing is kept."""
+    """A dense fp32 model's prefill runs F.linear over the prompt's rows (not row-invariant): nothing is kept. A store
+    of no positions, or something else passed as one, is a one-line error."""
     from mtpspec.engine import Engine
 
     model = mtpspec.load(str(assets / "models" / "stories260K.bin"), str(assets / "models" / "tok512.bin"))
     from mtpspec.prefix import PrefixStore
 
     assert Engine(model.module, prefixes=PrefixStore(4096)).prefixes is None
+    for bad, words in ((lambda: PrefixStore(0), "integer >= 1 of positions"), (lambda: PrefixStore(2.5), "integer >= 1"),
+                       (lambda: model.generate("x", prefixes={}), "prefixes must be a mtpspec.PrefixStore, got dict")):
+        with pytest.raises(mtpspec.ConfigError, match=words):
+            bad()
