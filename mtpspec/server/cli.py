@@ -106,7 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(served, options)  # checks each model's speculation before binding
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    spec = ", ".join(f"{n}: {s.spec.drafter} k={s.spec.k}" for n, s in app.state.schedulers.items())
+    spec = ", ".join(f"{n}: {s.spec.drafter} k={s.spec.k}{', prefix reuse' if s.engine.prefixes is not None else ''}"
+                     for n, s in app.state.schedulers.items())
     print(f"mtpspec: serving {', '.join(served.models)} on http://{args.host}:{port}/  (OpenAI API under /v1, verify page at /; "
           f"{spec}; Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
