@@ -340,7 +340,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="a system message before the conversation")
     p.add_argument("--prefix-cache", type=int, default=32768, metavar="N",
                    help="positions of the conversation's KV kept between turns, so a turn prefills only its new text (on "
-                        "GGUF and block-quantized models; 0: off; default 32768)")
+                        "dense GGUF files: llama, qwen2, qwen3, gemma3; 0: off; default 32768)")
     add_grammar_args(p)
     add_threads_arg(p)
     add_device_arg(p)

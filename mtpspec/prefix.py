@@ -4,7 +4,7 @@ A chat client sends the whole conversation again each turn; an agent repeats one
 prompt's longest common prefix with a kept context is copied into its cache and only the rest is prefilled.
 
 Only where the copy is bitwise what a prefill would have written: a model whose every operation computes a row
-exactly as its one-row step does (`config.row_kernels`: a GGUF or block-quantized model), so a position's keys and
+exactly as its one-row step does (`config.row_kernels`: a dense model loaded from a GGUF file), so a position's keys and
 values do not depend on how the prompt was split or on which step wrote them; a plain KVCache (no recurrent state,
 no sparse-attention index); and a sequence that reads nothing else from the prefill (no drafter that takes the
 prompt's logits or layer inputs, no prompt log-probs). There, a reused prompt's text is the one a fresh prefill

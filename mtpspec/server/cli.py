@@ -41,8 +41,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="prompt positions prefilled per engine step, so running sequences keep decoding (default 512)")
     p.add_argument("--prefix-cache", type=int, default=4096, metavar="N",
                    help="positions of finished requests' KV kept per model for later prompts that start the same way (a "
-                        "chat's earlier turns, a shared system prompt), on models where a copy is bitwise a prefill (GGUF "
-                        "and block-quantized ones); 0: off (default 4096)")
+                        "chat's earlier turns, a shared system prompt), on models where a copy is bitwise a prefill (dense "
+                        "GGUF files: llama, qwen2, qwen3, gemma3); 0: off (default 4096)")
     p.add_argument("--max-prompt-chars", type=int, default=200_000, help="characters of one prompt or chat (default 200000)")
     p.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens of a request that gives none (default 256)")
     p.add_argument("--api-key", default=None,
