@@ -265,7 +265,7 @@ def test_loadtest_end_to_end(assets, tmp_path, capsys):
     assert result["problems"] == [] and servers["ngram:2"]["served_model"] == "stories260K"
     argv = servers["ngram:2"]["argv"]  # a loopback server on a free port, with the config's flags
     assert argv[:3] == ["-m", "mtpspec", "serve"] and argv[argv.index("--host") + 1] == "127.0.0.1" and int(argv[argv.index("--port") + 1]) > 0
-    assert " ".join(argv).endswith("--drafter ngram --k 2 --max-batch 2 --threads 1")
+    assert " ".join(argv).endswith("--drafter ngram --k 2 --max-batch 2 --prefix-cache 0 --threads 1")
     text = md.read_text()
     assert "| ngram:2 | 2 |" in text and "Every response checked: all ok." in text and "- [" not in text  # no C = 16: no targets
     assert text in capsys.readouterr().out and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,7 +1,8 @@
 """`mtpspec loadtest`: a bounded load test of `mtpspec serve` on loopback (docs/serving.md, "Load test").
 
 Per speculation config a real server subprocess; per concurrency C, C workers stream greedy POST /v1/completions over
-a fixed number of requests after an uncounted warm-up, within a time limit. Every response is checked against a greedy
+a fixed number of requests after an uncounted warm-up, within a time limit. The prompts repeat (warm-up, runs, rounds):
+no server reuses a prompt's KV (ours `--prefix-cache 0`, llama.cpp `cache_prompt: false`), each prefills every request. Every response is checked against a greedy
 reference computed in this process, and every request is counted: ok, mismatch, error, cut or not_started.
 
 llama.cpp's llama-server is the peer (`--spec llamacpp`, `llamacpp:ngram:K`): the same GGUF (the model's own file, else
@@ -435,7 +436,7 @@ def run_loadtest(args: argparse.Namespace, log=print) -> dict:
         if spec.peer:
             return server_args(exe, gguf, Method("llamacpp", spec.drafter, spec.k), threads, slot_ctx, port, slots=max_batch)
         return [sys.executable, "-m", "mtpspec", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
-                *spec.serve_args(), "--max-batch", str(max_batch)] + \
+                *spec.serve_args(), "--max-batch", str(max_batch), "--prefix-cache", "0"] + \
             (["--tokenizer", args.tokenizer] if args.tokenizer else []) + (["--threads", str(threads)] if threads else [])
 
     runs = {(s.label, c): [] for s in specs for c in cs}  # (records, warm-up failures, time-limited, load average)
