@@ -457,10 +457,12 @@ class Engine:
 
     def _reuse(self, seq: Sequence) -> None:
         """Start seq's prefill from the longest kept prefix of its prompt, unless something reads the prefill's output
-        (a drafter's logits or layer inputs, the prompt's log-probs), which a copy does not give."""
+        (a drafter's logits, hidden states or layer inputs, the prompt's log-probs), which a copy does not give."""
         seq.looked_up = True
-        readers = [seq, *seq.copies]
-        if seq.prefilled or seq.prompt_logprobs is not None or any(s.drafter.prefill_logits or s.drafter.taps for s in readers):
+        readers = [s.drafter for s in (seq, *seq.copies)]
+        # a drafter from outside that does not say whether it reads the hidden states is taken to read them
+        if seq.prefilled or seq.prompt_logprobs is not None or any(
+                d.prefill_logits or getattr(d, "prefill_hidden", True) or d.taps for d in readers):
             return
         seq.prefilled = seq.metrics.cached_tokens = self.prefixes.reuse(seq.context, seq.cache)
 

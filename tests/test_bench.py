@@ -251,6 +251,7 @@ def test_drafter_cost_counts_propose_and_commit_as_draft_time(stories, monkeypat
 
     class Drafter:  # propose(d) costs 2 ms per draft (+ 4 ms of catch-up the first time), commit 0.5 ms
         prefill_logits = False
+        prefill_hidden = False
         taps = ()
 
         def prefill(self, context, out, sampler):

@@ -327,6 +327,11 @@ def test_a_kept_prefix_is_bitwise_a_prefill(written):
         assert got.tokens == want.tokens, kind
     logprobs = run(kept, turn, prompt_logprobs=1)  # something reads the prefill's rows: prefilled whole
     assert logprobs.stats.cached_tokens == 0
+    for attr in ("prefill_hidden", "prefill_logits"):  # a drafter that reads the prompt's hidden states or logits too
+        reader = make_drafter("ngram", module)
+        setattr(reader, attr, True)
+        sid = kept.add(turn, reader, Sampler(SamplingParams()), 3, 12)
+        assert kept.run()[sid].stats.cached_tokens == 0, attr
 
     store, fresh = PrefixStore(4096), module.new_cache()
     module.forward_tokens(torch.tensor(turn[:-1]), fresh, prefill=True, logits=False)

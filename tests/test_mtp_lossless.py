@@ -61,6 +61,7 @@ class OracleDrafter:
 
     name = "oracle"
     prefill_logits = False
+    prefill_hidden = False
     taps = ()
 
     def __init__(self, prompt_len: int, truth: list[int], seed: int) -> None:

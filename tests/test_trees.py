@@ -43,6 +43,7 @@ class RandomTree:
 
     name = "random-tree"
     prefill_logits = False
+    prefill_hidden = False
     taps = ()
 
     def __init__(self, truth: list[int], prompt_len: int, vocab: int, seed: int) -> None:

@@ -41,6 +41,9 @@ class Drafter(Protocol):
     # whether prefill's `out` must carry the target's logits over the prompt (lookahead's Jacobi guesses read them);
     # when False, out.logits is None and the target skips its LM head over the prompt's rows
     prefill_logits: bool
+    # whether prefill's `out.hidden` (the target's hidden states over the prompt) is read (the MTP, EAGLE and Medusa
+    # heads): such a sequence's prompt is prefilled whole, never started from a kept prefix's copy (mtpspec.prefix)
+    prefill_hidden: bool
     # the target layers whose inputs every `out` of this sequence must carry (TargetOutput.layer_inputs: an EAGLE-3
     # head's features); the engine passes them to each of its target forwards (forward_tokens(..., taps)). () for
     # every other drafter: its sequence's forwards tap nothing
@@ -81,6 +84,7 @@ class NoDrafter:
 
     name = "none"
     prefill_logits = False
+    prefill_hidden = False
     taps = ()
 
     def prefill(self, context: Tensor, out: TargetOutput | None, sampler: Sampler) -> None:

@@ -23,6 +23,7 @@ from ..types import Draft, TargetOutput, Verdict
 class DraftModelDrafter:
     name = "draft"
     prefill_logits = False  # it never reads the target's logits over the prompt
+    prefill_hidden = False  # nor its hidden states
     taps = ()  # nor any layer's inputs
 
     def __init__(self, model, target_vocab_size: int, tree: int | None = None, tree_beam: int = 1) -> None:

@@ -32,6 +32,10 @@ class FixedDrafter:
         return self.inner is not None and self.inner.prefill_logits
 
     @property
+    def prefill_hidden(self) -> bool:
+        return self.inner is not None and self.inner.prefill_hidden
+
+    @property
     def taps(self) -> tuple[int, ...]:
         return self.inner.taps if self.inner is not None else ()
 

@@ -77,6 +77,7 @@ class NgramPool:
 class LookaheadDrafter:
     name = "lookahead"
     taps = ()  # it reads no layer's inputs
+    prefill_hidden = False  # nor the hidden states
 
     def __init__(self, n: int = 5, jacobi: bool = True) -> None:
         LookaheadOptions(n, jacobi)  # checked: integers, n >= 2

@@ -25,6 +25,7 @@ from ..types import Draft, TargetOutput, Verdict
 class MedusaDrafter:
     name = "medusa"
     prefill_logits = False  # it never reads the target's logits over the prompt
+    prefill_hidden = True  # its heads start from the last prompt position's hidden state
     taps = ()  # nor any layer's inputs
 
     def __init__(self, target, head, tree: int | None = None) -> None:

@@ -64,6 +64,7 @@ def check_lookup(n) -> int:
 class MTPDrafter:
     name = "mtp"
     prefill_logits = False  # it never reads the target's logits over the prompt
+    prefill_hidden = True  # its module pairs every prompt position's hidden state with the next token
 
     def __init__(self, target, prenorm_hidden: bool = False, draft_vocab: int | None = None, fused: bool = True,
                  tree: int | None = None, sparse_select: str = "reuse", lookup: int = 0, tree_beam: int = 1) -> None:

@@ -36,6 +36,7 @@ class NgramOptions(DrafterOptions):
 class NgramDrafter:
     name = "ngram"
     prefill_logits = False  # it never reads the target's logits over the prompt
+    prefill_hidden = False  # nor its hidden states
     taps = ()  # nor any layer's inputs
 
     def __init__(self, n_min: int = 1, n_max: int = 3, tree: int | None = None) -> None:

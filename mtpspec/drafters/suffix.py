@@ -141,6 +141,7 @@ def shared_pool(target, depth: int) -> SuffixPool:
 class SuffixDrafter:
     name = "suffix"
     prefill_logits = False  # it never reads the target's logits over the prompt
+    prefill_hidden = False  # nor its hidden states
     taps = ()  # nor any layer's inputs
 
     def __init__(self, depth: int = 24, pool: SuffixPool | None = None) -> None:
