@@ -225,7 +225,8 @@ _BUILDING = threading.Lock()  # one build at a time (the server compiles on work
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's tokenizer for one of ours (built once per tokenizer and vocabulary): a Gemma GGUF's SentencePiece one
     from its pieces, a Hugging Face `tokenizers` one (HF folders, other GGUF files, the demo model) from its JSON, a
-    llama2.c one from its token bytes. Its EOS is our first stop id. Building one for a large vocabulary takes time (Gemma's 262k tokens: about 1 s), once per process."""
+    llama2.c one from its token bytes. Its EOS is our first stop id. Building one for a large vocabulary takes time
+    (Gemma's 262k tokens: about 1 s), once per process."""
     with _BUILDING:
         cached = _TOKENIZERS.setdefault(tokenizer, {})
         if vocab_size not in cached:

@@ -8,8 +8,7 @@ exactly as its one-row step does (`config.row_kernels`: a dense model loaded fro
 values do not depend on how the prompt was split or on which step wrote them; a plain KVCache (no recurrent state,
 no sparse-attention index); and a sequence that reads nothing else from the prefill (no drafter that takes the
 prompt's logits, hidden states or layer inputs: the MTP, EAGLE and Medusa heads, lookahead's Jacobi guesses; no prompt
-log-probs). There, a reused prompt's text is the one a fresh prefill
-gives, token for token.
+log-probs). There, a reused prompt's text is the one a fresh prefill gives, token for token.
 """
 
 from __future__ import annotations

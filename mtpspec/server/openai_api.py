@@ -401,11 +401,11 @@ def _chat_logprobs(out: Output, start: int, end: int) -> dict | None:
                         for lp, text, _ in rows]}
 
 
-def _usage(outs: list[Output], results: list) -> dict:
+def _usage(outs: list[Output], first: Finished) -> dict:
     """The prompt counted once (one prefill serves every choice), the completions summed; cached_tokens: the prompt
-    positions copied from a kept prefix (prefix.py) instead of prefilled."""
+    positions the first choice's prefill copied from a kept prefix (prefix.py) instead of computing them."""
     prompt, completion = len(outs[0].prompt), sum(len(o.tokens) for o in outs)
-    cached = results[0].result.stats.cached_tokens if results and results[0].result is not None else 0
+    cached = first.result.stats.cached_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -596,7 +596,7 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
                                 "logprobs": _chat_logprobs(out, 0, out.rows(True)), "finish_reason": reason})
             else:
                 choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out, 0, out.rows(True)), "finish_reason": reason})
-        body = {"id": answer.rid, "created": answer.created, "model": answer.name, "usage": _usage(answer.outs, [results[i] for i in range(n)]),
+        body = {"id": answer.rid, "created": answer.created, "model": answer.name, "usage": _usage(answer.outs, results[0]),
                 "mtpspec": stats_field([results[i].result for i in range(n)], answer.spec)}
         return {"object": "chat.completion" if answer.chat else "text_completion", **body, "choices": choices}
 
@@ -648,11 +648,11 @@ def create_router(served, schedulers: dict[str, Scheduler], options: ServeOption
                 if len(results) == len(outs):  # the last choice to end: the request's usage and speculation
                     extra = {"mtpspec": stats_field([results[j].result for j in range(len(outs))], answer.spec)}
                     if not include_usage:
-                        extra["usage"] = _usage(outs, [results[j] for j in range(len(outs))])
+                        extra["usage"] = _usage(outs, results[0])
                 yield chunk(i, text, sent[i], out.rows(True), _finish_reason(out, event.reason), extra)
                 if extra is not None:
                     if include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(outs, [results[j] for j in range(len(outs))])})
+                        yield _sse({**head, "choices": [], "usage": _usage(outs, results[0])})
                     yield b"data: [DONE]\n\n"
                     done = True
         finally:
